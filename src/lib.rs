@@ -1,0 +1,48 @@
+//! uzram: a compressed-RAM block device in userspace.
+//!
+//! The design of Linux zram (a compressed-RAM block device) and zsmalloc (its allocator), with
+//! batched asynchronous writeback, low-latency deferred freeing and an append-only backing store.
+//! The layers, top to bottom (calls only go down):
+//!
+//! - [`device`]: the [`Device`](device::Device): request validation, slot locking, the
+//!   write/read/discard paths, idle marking, attributes with zram's names, statistics.
+//! - [`slot`]: the table of packed 16-byte slot entries and their per-slot locks.
+//! - [`compress`]: the [`Codec`](compress::Codec) trait and one file per algorithm.
+//! - [`zsmalloc`]: the allocator for compressed objects: size classes, zspages, handles,
+//!   compaction.
+//!
+//! Frontends (the CLI, the NBD server) talk to one narrow trait, [`BlockDevice`].
+
+pub mod compress;
+pub mod corpus;
+pub mod device;
+pub mod error;
+pub mod slot;
+pub mod units;
+pub mod zsmalloc;
+
+pub use error::{Error, ErrorKind, Result};
+
+/// The narrow interface every frontend (NBD, FUSE, the CLI) uses.
+///
+/// Offsets and lengths are in bytes and must be multiples of 512 (a sector); requests smaller
+/// than a page are handled by the device with read-modify-write. All methods take `&self` and
+/// may be called from many threads at once. A failed request changes nothing.
+pub trait BlockDevice: Send + Sync {
+    /// The exported size in bytes (zram's `disksize`).
+    fn size_bytes(&self) -> u64;
+    /// The device's page size: the preferred I/O size.
+    fn page_size_bytes(&self) -> usize;
+    /// Reads `buf.len()` bytes at `offset`.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Writes `buf` at `offset`.
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()>;
+    /// Releases the whole pages inside `[offset, offset + len)` (TRIM). Partial pages at either
+    /// end are left as they are, as zram does: their contents are unspecified to the caller but
+    /// in practice unchanged.
+    fn discard(&self, offset: u64, len: u64) -> Result<()>;
+    /// Makes `[offset, offset + len)` read back as zeroes, freeing whole pages.
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
+    /// Makes completed writes durable. Without a backing device there is nothing to do.
+    fn flush(&self) -> Result<()>;
+}
