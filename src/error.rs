@@ -26,8 +26,11 @@ pub enum ErrorKind {
     Io,
     /// The operation is not supported by this device or algorithm. `EOPNOTSUPP`.
     Unsupported,
-    /// Permission denied by the operating system. `EPERM`/`EACCES`.
+    /// The attribute cannot be read (write-only in zram's sysfs) or written (read-only).
+    /// `EACCES`, as `cat` of a write-only sysfs file gives root.
     PermissionDenied,
+    /// No such attribute or device. `ENOENT`.
+    NotFound,
 }
 
 impl ErrorKind {
@@ -42,7 +45,8 @@ impl ErrorKind {
             ErrorKind::NoSpace => libc::ENOSPC,
             ErrorKind::Io => libc::EIO,
             ErrorKind::Unsupported => libc::EOPNOTSUPP,
-            ErrorKind::PermissionDenied => libc::EPERM,
+            ErrorKind::PermissionDenied => libc::EACCES,
+            ErrorKind::NotFound => libc::ENOENT,
         }
     }
 
@@ -53,7 +57,8 @@ impl ErrorKind {
             libc::ERANGE => ErrorKind::OutOfRange,
             libc::EBUSY => ErrorKind::Busy,
             libc::ENOMEM => ErrorKind::NoMemory,
-            libc::ENODEV | libc::ENOENT | libc::ENXIO => ErrorKind::NoDevice,
+            libc::ENODEV | libc::ENXIO => ErrorKind::NoDevice,
+            libc::ENOENT => ErrorKind::NotFound,
             libc::ENOSPC | libc::EDQUOT | libc::EFBIG => ErrorKind::NoSpace,
             libc::EOPNOTSUPP => ErrorKind::Unsupported,
             libc::EPERM | libc::EACCES => ErrorKind::PermissionDenied,
@@ -138,6 +143,8 @@ pub fn errno_name(errno: i32) -> &'static str {
         libc::EIO => "EIO",
         libc::EOPNOTSUPP => "EOPNOTSUPP",
         libc::EPERM => "EPERM",
+        libc::EACCES => "EACCES",
+        libc::ENOENT => "ENOENT",
         _ => "errno",
     }
 }

@@ -1,1 +1,329 @@
-//! (being written)
+//! The device: zram's `struct zram`.
+//!
+//! A [`Device`] starts uninitialised (like a fresh `/sys/block/zramN`: `initstate` 0), takes its
+//! settings (`comp_algorithm`, `algorithm_params`, `mem_limit`, ...) and becomes initialised when
+//! `disksize` is written; `reset` returns it to the uninitialised state and frees everything.
+//! [`Device::new`] does both steps from a [`DeviceConfig`].
+//!
+//! # Locks
+//! - `state` is zram's `init_lock`: every request and most attribute accesses hold it shared;
+//!   `disksize` (initialisation) and `reset` hold it exclusive, so they wait for requests in
+//!   flight and no request sees a half-built or half-freed device.
+//! - Each slot has its own lock ([`crate::slot`]); a slot's data and its share of the counters
+//!   change only under it.
+//! - The allocator has its own per-class locks, never held while taking a slot lock.
+//!
+//! Lock order: `state` → slot lock → allocator locks.
+
+pub mod attrs;
+pub mod idle;
+pub mod request;
+pub mod stats;
+
+pub use idle::IdleCutoff;
+pub use stats::StatsSnapshot;
+
+use crate::compress::{self, Codec, CodecParams};
+use crate::error::{Error, Result};
+use crate::slot::{SlotIndex, SlotTable};
+use crate::units::{SUPPORTED_PAGE_SIZES_BYTES, DEFAULT_PAGE_SIZE_BYTES};
+use crate::zsmalloc::ZsPool;
+use crate::BlockDevice;
+use parking_lot::{RwLock, RwLockReadGuard};
+use stats::DeviceStats;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// The algorithm a new or reset device uses (zram-generator's and most distributions' choice).
+pub const DEFAULT_COMP_ALGORITHM: &str = "lz4";
+
+/// Everything needed to create an initialised device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceConfig {
+    /// Size of the device in bytes; rounded up to the page size. Must not be 0.
+    pub disksize_bytes: u64,
+    /// Page size: 4096 (default), 16384 or 65536.
+    pub page_size_bytes: usize,
+    /// The primary compression algorithm (`comp_algorithm`).
+    pub comp_algorithm: String,
+    /// Its parameters (`algorithm_params`).
+    pub comp_params: CodecParams,
+    /// Memory limit for the pool in bytes (0: none).
+    pub mem_limit_bytes: u64,
+}
+
+impl Default for DeviceConfig {
+    fn default() -> DeviceConfig {
+        DeviceConfig {
+            disksize_bytes: 0,
+            page_size_bytes: DEFAULT_PAGE_SIZE_BYTES,
+            comp_algorithm: DEFAULT_COMP_ALGORITHM.to_string(),
+            comp_params: CodecParams::default(),
+            mem_limit_bytes: 0,
+        }
+    }
+}
+
+/// Settings made before `disksize`, kept until reset.
+#[derive(Debug, Clone)]
+struct Settings {
+    comp_algorithm: String,
+    comp_params: CodecParams,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            comp_algorithm: DEFAULT_COMP_ALGORITHM.to_string(),
+            comp_params: CodecParams::default(),
+        }
+    }
+}
+
+/// What the init lock protects.
+#[derive(Debug, Default)]
+struct State {
+    settings: Settings,
+    inner: Option<Inner>,
+}
+
+/// An initialised device's contents. Built by `disksize`, dropped by `reset`.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) disksize_bytes: u64,
+    pub(crate) slots: SlotTable,
+    pub(crate) pool: ZsPool,
+    pub(crate) codec: Box<dyn Codec>,
+    /// Pages whose compressed size is at least this are stored raw (HUGE): the smallest size
+    /// class holding one object per zspage, where compression saves nothing.
+    pub(crate) huge_threshold_bytes: usize,
+    pub(crate) stats: DeviceStats,
+    /// Time zero for slots' access times.
+    epoch: Instant,
+}
+
+impl Inner {
+    /// Seconds since initialisation, for slot access times.
+    #[inline]
+    pub(crate) fn now_secs(&self) -> u32 {
+        u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
+    }
+}
+
+/// A compressed-RAM block device.
+#[derive(Debug)]
+pub struct Device {
+    page_size_bytes: usize,
+    /// zram's `init_lock`.
+    state: RwLock<State>,
+    /// `mem_limit` in pages (0: none). Settable at any time; cleared by reset.
+    mem_limit_pages: AtomicU64,
+}
+
+/// A shared hold on an initialised device's contents (the init lock taken shared).
+pub(crate) struct InnerRef<'a> {
+    guard: RwLockReadGuard<'a, State>,
+}
+
+impl std::ops::Deref for InnerRef<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        self.guard.inner.as_ref().expect("checked initialised")
+    }
+}
+
+impl Device {
+    /// A new, uninitialised device (initstate 0) with the given page size.
+    pub fn new_uninit(page_size_bytes: usize) -> Result<Device> {
+        if !SUPPORTED_PAGE_SIZES_BYTES.contains(&page_size_bytes) {
+            return Err(Error::invalid(format!(
+                "page size {page_size_bytes} not supported (4096, 16384 or 65536)"
+            )));
+        }
+        Ok(Device {
+            page_size_bytes,
+            state: RwLock::new(State::default()),
+            mem_limit_pages: AtomicU64::new(0),
+        })
+    }
+
+    /// A new, initialised device.
+    pub fn new(config: DeviceConfig) -> Result<Device> {
+        let dev = Device::new_uninit(config.page_size_bytes)?;
+        {
+            let mut st = dev.state.write();
+            st.settings = Settings {
+                comp_algorithm: config.comp_algorithm.clone(),
+                comp_params: config.comp_params,
+            };
+        }
+        dev.set_mem_limit_bytes(config.mem_limit_bytes);
+        dev.init(config.disksize_bytes)?;
+        Ok(dev)
+    }
+
+    /// The page size.
+    pub fn page_size_bytes(&self) -> usize {
+        self.page_size_bytes
+    }
+
+    /// True once `disksize` has been set (zram's `initstate`).
+    pub fn is_initialised(&self) -> bool {
+        self.state.read().inner.is_some()
+    }
+
+    /// The device size in bytes (0 when uninitialised).
+    pub fn disksize_bytes(&self) -> u64 {
+        self.state
+            .read()
+            .inner
+            .as_ref()
+            .map_or(0, |i| i.disksize_bytes)
+    }
+
+    /// Initialises the device with `disksize_bytes` (rounded up to a page), as writing
+    /// `disksize` does. `EINVAL` for 0, `EBUSY` if already initialised.
+    pub fn init(&self, disksize_bytes: u64) -> Result<()> {
+        if disksize_bytes == 0 {
+            return Err(Error::invalid("disksize must not be 0"));
+        }
+        let mut st = self.state.write();
+        if st.inner.is_some() {
+            return Err(Error::busy("device already initialised: reset it first"));
+        }
+        let page = self.page_size_bytes as u64;
+        let disksize_bytes = disksize_bytes
+            .checked_add(page - 1)
+            .ok_or_else(|| Error::invalid("disksize too large"))?
+            / page
+            * page;
+        let codec = compress::new_codec(&st.settings.comp_algorithm, st.settings.comp_params)?;
+        let pool = ZsPool::new(self.page_size_bytes)?;
+        let slots = SlotTable::new(disksize_bytes / page)?;
+        let huge_threshold_bytes = pool.huge_class_size_bytes();
+        st.inner = Some(Inner {
+            disksize_bytes,
+            slots,
+            pool,
+            codec,
+            huge_threshold_bytes,
+            stats: DeviceStats::default(),
+            epoch: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// Frees everything and returns to the uninitialised state with default settings, as
+    /// writing `reset` does. Waits for requests in flight.
+    pub fn reset(&self) {
+        let mut st = self.state.write();
+        st.inner = None;
+        st.settings = Settings::default();
+        self.mem_limit_pages.store(0, Ordering::Relaxed);
+    }
+
+    /// Sets `mem_limit` (bytes, rounded up to pages; 0 removes the limit).
+    pub fn set_mem_limit_bytes(&self, limit_bytes: u64) {
+        let page = self.page_size_bytes as u64;
+        self.mem_limit_pages
+            .store(limit_bytes.div_ceil(page), Ordering::Relaxed);
+    }
+
+    /// Runs compaction of the pool (zram's `compact`); returns pages freed.
+    pub fn compact(&self) -> u64 {
+        match self.inner() {
+            Ok(inner) => inner.pool.compact(),
+            Err(_) => 0,
+        }
+    }
+
+    /// A consistent-enough snapshot of the statistics (exact when no request is in flight).
+    pub fn stats(&self) -> StatsSnapshot {
+        let page = self.page_size_bytes as u64;
+        let mem_limit_bytes = self.mem_limit_pages.load(Ordering::Relaxed) * page;
+        let st = self.state.read();
+        let Some(inner) = st.inner.as_ref() else {
+            return StatsSnapshot {
+                mem_limit_bytes,
+                ..Default::default()
+            };
+        };
+        let s = &inner.stats;
+        let get = DeviceStats::get;
+        let total_pages = inner.pool.total_pages();
+        s.update_max_used(total_pages);
+        StatsSnapshot {
+            orig_data_size_bytes: get(&s.pages_stored) * page,
+            compr_data_size_bytes: get(&s.compr_data_size_bytes),
+            mem_used_total_bytes: total_pages * page,
+            mem_limit_bytes,
+            mem_used_max_bytes: get(&s.max_used_pages) * page,
+            same_pages: get(&s.same_pages),
+            pages_compacted: inner.pool.pages_compacted(),
+            huge_pages: get(&s.huge_pages),
+            huge_pages_since: get(&s.huge_pages_since),
+            failed_reads: get(&s.failed_reads),
+            failed_writes: get(&s.failed_writes),
+            notify_free: get(&s.notify_free),
+            miss_free: get(&s.miss_free),
+            pages_stored: get(&s.pages_stored),
+        }
+    }
+
+    /// The initialised contents, held shared, or `EINVAL`-free "not initialised" as `ENXIO`-like
+    /// `InvalidArgument`: an uninitialised device has size 0, so all I/O is out of range.
+    pub(crate) fn inner(&self) -> Result<InnerRef<'_>> {
+        let guard = self.state.read();
+        if guard.inner.is_none() {
+            return Err(Error::invalid("device not initialised: set disksize first"));
+        }
+        Ok(InnerRef { guard })
+    }
+
+    /// The current algorithm name.
+    pub fn comp_algorithm(&self) -> String {
+        self.state.read().settings.comp_algorithm.clone()
+    }
+
+    /// Testing hook for the model test's canary: swaps the contents of two slots, corrupting the
+    /// device on purpose. Never call it outside tests.
+    #[doc(hidden)]
+    pub fn debug_swap_slots(&self, a: u64, b: u64) -> Result<()> {
+        let inner = self.inner()?;
+        let n = inner.slots.len();
+        if a >= n || b >= n || a == b {
+            return Err(Error::invalid("bad slot indexes"));
+        }
+        let (lo, hi) = (a.min(b), a.max(b));
+        let mut g1 = inner.slots.lock(SlotIndex(lo));
+        let mut g2 = inner.slots.lock(SlotIndex(hi));
+        let (s1, s2) = (g1.state(), g2.state());
+        g1.restore(s2);
+        g2.restore(s1);
+        Ok(())
+    }
+}
+
+impl BlockDevice for Device {
+    fn size_bytes(&self) -> u64 {
+        self.disksize_bytes()
+    }
+    fn page_size_bytes(&self) -> usize {
+        self.page_size_bytes
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        Device::read_at(self, buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        Device::write_at(self, buf, offset)
+    }
+    fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        Device::discard(self, offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        Device::write_zeroes(self, offset, len)
+    }
+    fn flush(&self) -> Result<()> {
+        Device::flush(self)
+    }
+}

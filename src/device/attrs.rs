@@ -1,0 +1,267 @@
+//! Attributes with zram's sysfs names, write syntax, output formats and errnos.
+//!
+//! [`Device::attr_show`] is `cat /sys/block/zramN/NAME`; [`Device::attr_store`] is
+//! `echo VALUE > /sys/block/zramN/NAME`. Values may carry the trailing newline `echo` adds.
+//! Reading a write-only attribute or writing a read-only one is `EACCES`, as sysfs gives root;
+//! an unknown name is `ENOENT`. See `docs/attributes.md` for each attribute.
+
+use super::{Device, IdleCutoff};
+use crate::compress::{self, CodecParams};
+use crate::error::{Error, ErrorKind, Result};
+use crate::units::parse_size_bytes;
+
+/// How an attribute may be accessed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttrMode {
+    /// `0444`.
+    ReadOnly,
+    /// `0200`.
+    WriteOnly,
+    /// `0644`.
+    ReadWrite,
+}
+
+/// Every attribute, with its mode, in the order `ls /sys/block/zram0` lists zram's.
+pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
+    ("algorithm_params", AttrMode::WriteOnly),
+    ("comp_algorithm", AttrMode::ReadWrite),
+    ("compact", AttrMode::WriteOnly),
+    ("debug_stat", AttrMode::ReadOnly),
+    ("disksize", AttrMode::ReadWrite),
+    ("idle", AttrMode::WriteOnly),
+    ("initstate", AttrMode::ReadOnly),
+    ("io_stat", AttrMode::ReadOnly),
+    ("mem_limit", AttrMode::WriteOnly),
+    ("mem_used_max", AttrMode::WriteOnly),
+    ("mm_stat", AttrMode::ReadOnly),
+    ("reset", AttrMode::WriteOnly),
+];
+
+fn mode_of(name: &str) -> Result<AttrMode> {
+    ATTRIBUTES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, m)| *m)
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no attribute {name:?}")))
+}
+
+/// The value with at most one trailing newline removed (what sysfs handlers see as the text).
+fn strip_newline(value: &str) -> &str {
+    value.strip_suffix('\n').unwrap_or(value)
+}
+
+/// The kernel's `kstrtoull`: optional `+`, digits in `radix` (0: auto-detect `0x` hex or a
+/// leading `0` octal), an optional trailing newline, nothing else. Overflow is `ERANGE`.
+pub fn kstrtou64(value: &str, radix: u32) -> Result<u64> {
+    let v = strip_newline(value);
+    let v = v.strip_prefix('+').unwrap_or(v);
+    let (digits, radix) = match radix {
+        0 => {
+            if let Some(rest) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
+                (rest, 16)
+            } else if v.len() > 1 && v.starts_with('0') {
+                (&v[1..], 8)
+            } else {
+                (v, 10)
+            }
+        }
+        r => (v, r),
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return Err(Error::invalid(format!("not a number: {value:?}")));
+    }
+    u64::from_str_radix(digits, radix)
+        .map_err(|_| Error::new(ErrorKind::OutOfRange, format!("number too large: {value:?}")))
+}
+
+impl Device {
+    /// The names of every attribute this device has.
+    pub fn attr_names(&self) -> impl Iterator<Item = &'static str> {
+        ATTRIBUTES.iter().map(|(n, _)| *n)
+    }
+
+    /// Shows an attribute, formatted as zram's sysfs file reads (with its trailing newline).
+    pub fn attr_show(&self, name: &str) -> Result<String> {
+        if mode_of(name)? == AttrMode::WriteOnly {
+            return Err(Error::new(
+                ErrorKind::PermissionDenied,
+                format!("{name} is write-only"),
+            ));
+        }
+        Ok(match name {
+            "comp_algorithm" => {
+                let selected = self.comp_algorithm();
+                let mut out = String::new();
+                for a in compress::algorithms() {
+                    if *a == selected {
+                        out.push_str(&format!("[{a}] "));
+                    } else {
+                        out.push_str(&format!("{a} "));
+                    }
+                }
+                out.push('\n');
+                out
+            }
+            "debug_stat" => self.stats().debug_stat(),
+            "disksize" => format!("{}\n", self.disksize_bytes()),
+            "initstate" => format!("{}\n", u8::from(self.is_initialised())),
+            "io_stat" => self.stats().io_stat(),
+            "mm_stat" => self.stats().mm_stat(),
+            _ => unreachable!("every readable attribute is listed"),
+        })
+    }
+
+    /// Stores an attribute, with zram's syntax and errnos.
+    pub fn attr_store(&self, name: &str, value: &str) -> Result<()> {
+        if mode_of(name)? == AttrMode::ReadOnly {
+            return Err(Error::new(
+                ErrorKind::PermissionDenied,
+                format!("{name} is read-only"),
+            ));
+        }
+        match name {
+            "algorithm_params" => self.store_algorithm_params(value),
+            "comp_algorithm" => {
+                let algo = strip_newline(value);
+                if !compress::algorithms().contains(&algo) {
+                    return Err(Error::invalid(format!("unknown algorithm {algo:?}")));
+                }
+                let mut st = self.state.write();
+                if st.inner.is_some() {
+                    return Err(Error::busy("comp_algorithm cannot change once initialised"));
+                }
+                if st.settings.comp_algorithm != algo {
+                    st.settings.comp_algorithm = algo.to_string();
+                    st.settings.comp_params = CodecParams::default();
+                }
+                Ok(())
+            }
+            "compact" => {
+                self.compact();
+                Ok(())
+            }
+            "disksize" => {
+                let size = parse_size_bytes(value)?;
+                self.init(size)
+            }
+            "idle" => {
+                let cutoff = if strip_newline(value) == "all" {
+                    IdleCutoff::All
+                } else {
+                    IdleCutoff::OlderThanSecs(kstrtou64(value, 0).map_err(|_| {
+                        Error::invalid(format!("idle takes \"all\" or seconds, not {value:?}"))
+                    })?)
+                };
+                self.mark_idle(cutoff);
+                Ok(())
+            }
+            "mem_limit" => {
+                let limit = parse_size_bytes(value)?;
+                self.set_mem_limit_bytes(limit);
+                Ok(())
+            }
+            "mem_used_max" => {
+                let v = kstrtou64(value, 10).map_err(|_| Error::invalid("mem_used_max takes 0"))?;
+                if v != 0 {
+                    return Err(Error::invalid("mem_used_max can only be reset with 0"));
+                }
+                if let Ok(inner) = self.inner() {
+                    let total = inner.pool.total_pages();
+                    inner
+                        .stats
+                        .max_used_pages
+                        .store(total, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(())
+            }
+            "reset" => {
+                let v = kstrtou64(value, 10)
+                    .map_err(|e| Error::new(ErrorKind::InvalidArgument, e.message()))?;
+                if v == 0 {
+                    return Err(Error::invalid("reset takes a non-zero value"));
+                }
+                self.reset();
+                Ok(())
+            }
+            _ => unreachable!("every writable attribute is listed"),
+        }
+    }
+
+    /// `algorithm_params`: space-separated `key=value`: `algo=NAME` or `priority=N` selects
+    /// the codec (default: the primary), `level=N` sets its level. Unknown keys are ignored, as
+    /// in zram; a key without a value is `EINVAL`. Only before initialisation (`EBUSY`).
+    fn store_algorithm_params(&self, value: &str) -> Result<()> {
+        let mut prio: i64 = 0;
+        let mut algo: Option<&str> = None;
+        let mut level: Option<i32> = None;
+        for tok in strip_newline(value).split_ascii_whitespace() {
+            let Some((key, val)) = tok.split_once('=') else {
+                return Err(Error::invalid(format!("{tok:?} is not key=value")));
+            };
+            if val.is_empty() {
+                return Err(Error::invalid(format!("{key} has no value")));
+            }
+            match key {
+                "priority" => {
+                    prio = val
+                        .parse()
+                        .map_err(|_| Error::invalid(format!("bad priority {val:?}")))?
+                }
+                "level" => {
+                    level = Some(
+                        val.parse()
+                            .map_err(|_| Error::invalid(format!("bad level {val:?}")))?,
+                    )
+                }
+                "algo" => algo = Some(val),
+                "dict" => {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        "compression dictionaries are not supported",
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let mut st = self.state.write();
+        if let Some(a) = algo {
+            // The priority of the codec with that name; only the primary (0) exists until
+            // recompression algorithms are configured.
+            prio = if st.settings.comp_algorithm == a { 0 } else { -1 };
+        }
+        if prio != 0 {
+            return Err(Error::invalid(
+                "no such algorithm or priority (only the primary algorithm is configured)",
+            ));
+        }
+        if st.inner.is_some() {
+            return Err(Error::busy("algorithm_params cannot change once initialised"));
+        }
+        let params = CodecParams { level };
+        // Validate now, so a bad level fails here rather than at disksize.
+        compress::new_codec(&st.settings.comp_algorithm, params)?;
+        st.settings.comp_params = params;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kstrtou64_like_the_kernel() {
+        assert_eq!(kstrtou64("1", 10).unwrap(), 1);
+        assert_eq!(kstrtou64("1\n", 10).unwrap(), 1);
+        assert_eq!(kstrtou64("+7", 10).unwrap(), 7);
+        assert_eq!(kstrtou64("0x10", 0).unwrap(), 16);
+        assert_eq!(kstrtou64("010", 0).unwrap(), 8);
+        for bad in ["", "\n", " 1", "1 ", "1x", "-1", "1\n\n"] {
+            assert_eq!(kstrtou64(bad, 10).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        }
+        assert_eq!(
+            kstrtou64("99999999999999999999", 10).unwrap_err().kind(),
+            ErrorKind::OutOfRange
+        );
+    }
+}

@@ -1,0 +1,338 @@
+//! The request paths: read, write, discard, write-zeroes (zram's `zram_bio_read`,
+//! `zram_bio_write`, `zram_bio_discard`).
+//!
+//! A request is validated whole before anything changes: offset and length multiples of 512,
+//! length not 0, the range inside the device. It is then split into pages. A full-page write
+//! compresses and allocates *outside* the slot lock and publishes under it; a partial page is
+//! read, patched, compressed and published with the slot lock held throughout, so two requests
+//! touching different sectors of one page never lose each other's data.
+//!
+//! Failure of one page (no memory, `mem_limit`, a backing read error) leaves that page's old
+//! contents intact and fails the request; pages before it in the same request stay written, as
+//! with any block device.
+
+use super::stats::DeviceStats;
+use super::{Device, Inner};
+use crate::compress::{self, fill_same, same_filled_word};
+use crate::error::{Error, Result};
+use crate::slot::{SlotFlags, SlotGuard, SlotIndex};
+use crate::units::SECTOR_SIZE_BYTES;
+use crate::zsmalloc::Handle;
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+
+/// Per-thread buffers for the hot path: allocated once per thread, never per page.
+#[derive(Debug, Default)]
+struct Scratch {
+    /// Compression output: at least `compress_bound(page size)` bytes.
+    dst: Vec<u8>,
+    /// One page, for read-modify-write and partial reads.
+    page: Vec<u8>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `f` with this thread's scratch sized for `page_size` pages.
+fn with_scratch<R>(page_size: usize, f: impl FnOnce(&mut [u8], &mut [u8]) -> R) -> R {
+    SCRATCH.with(|cell| {
+        let mut s = cell.borrow_mut();
+        let bound = compress::compress_bound(page_size);
+        if s.dst.len() < bound {
+            s.dst.resize(bound, 0);
+        }
+        if s.page.len() < page_size {
+            s.page.resize(page_size, 0);
+        }
+        let Scratch { dst, page } = &mut *s;
+        f(&mut dst[..bound], &mut page[..page_size])
+    })
+}
+
+/// A page made ready for a slot outside its lock.
+#[derive(Debug)]
+enum Prepared {
+    Same(u64),
+    Object { handle: Handle, size_bytes: usize, huge: bool },
+}
+
+/// One page's part of a request.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    index: SlotIndex,
+    /// Offset inside the page.
+    offset_bytes: usize,
+    len_bytes: usize,
+}
+
+fn segments(offset: u64, len: u64, page: usize) -> impl Iterator<Item = Segment> {
+    let page64 = page as u64;
+    let end = offset + len;
+    let mut pos = offset;
+    std::iter::from_fn(move || {
+        if pos >= end {
+            return None;
+        }
+        let index = pos / page64;
+        let in_page = (pos % page64) as usize;
+        let n = ((page - in_page) as u64).min(end - pos) as usize;
+        pos += n as u64;
+        Some(Segment {
+            index: SlotIndex(index),
+            offset_bytes: in_page,
+            len_bytes: n,
+        })
+    })
+}
+
+impl Device {
+    fn check_io(&self, inner: &Inner, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Err(Error::invalid("zero-length I/O"));
+        }
+        if offset % SECTOR_SIZE_BYTES != 0 || len % SECTOR_SIZE_BYTES != 0 {
+            return Err(Error::invalid(format!(
+                "I/O at {offset}+{len} is not aligned to 512-byte sectors"
+            )));
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= inner.disksize_bytes => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "I/O at {offset}+{len} is past the end of the device ({} bytes)",
+                inner.disksize_bytes
+            ))),
+        }
+    }
+
+    /// Reads `buf.len()` bytes at byte `offset`.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        let inner = self.inner()?;
+        self.check_io(&inner, offset, buf.len() as u64)?;
+        let page = self.page_size_bytes;
+        let mut done = 0;
+        for seg in segments(offset, buf.len() as u64, page) {
+            let out = &mut buf[done..done + seg.len_bytes];
+            done += seg.len_bytes;
+            let mut g = inner.slots.lock(seg.index);
+            let r = if seg.len_bytes == page {
+                read_slot(&inner, &g, out)
+            } else {
+                with_scratch(page, |_, tmp| {
+                    read_slot(&inner, &g, tmp)?;
+                    out.copy_from_slice(&tmp[seg.offset_bytes..seg.offset_bytes + seg.len_bytes]);
+                    Ok(())
+                })
+            };
+            g.touch(inner.now_secs());
+            drop(g);
+            if let Err(e) = r {
+                DeviceStats::add(&inner.stats.failed_reads, 1);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `buf` at byte `offset`.
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        let inner = self.inner()?;
+        self.check_io(&inner, offset, buf.len() as u64)?;
+        let page = self.page_size_bytes;
+        let limit = self.mem_limit_pages.load(Ordering::Relaxed);
+        let mut done = 0;
+        for seg in segments(offset, buf.len() as u64, page) {
+            let data = &buf[done..done + seg.len_bytes];
+            done += seg.len_bytes;
+            let r = if seg.len_bytes == page {
+                with_scratch(page, |dst, _| {
+                    let prepared = prepare(&inner, data, dst, limit)?;
+                    let mut g = inner.slots.lock(seg.index);
+                    publish(&inner, &mut g, prepared);
+                    Ok(())
+                })
+            } else {
+                self.write_partial(&inner, seg, |p| p.copy_from_slice(data), limit)
+            };
+            if let Err(e) = r {
+                DeviceStats::add(&inner.stats.failed_writes, 1);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Read-modify-write of part of one page, with the slot locked throughout.
+    fn write_partial(
+        &self,
+        inner: &Inner,
+        seg: Segment,
+        patch: impl FnOnce(&mut [u8]),
+        limit_pages: u64,
+    ) -> Result<()> {
+        with_scratch(self.page_size_bytes, |dst, page| {
+            let mut g = inner.slots.lock(seg.index);
+            read_slot(inner, &g, page)?;
+            patch(&mut page[seg.offset_bytes..seg.offset_bytes + seg.len_bytes]);
+            let prepared = prepare(inner, page, dst, limit_pages)?;
+            publish(inner, &mut g, prepared);
+            Ok(())
+        })
+    }
+
+    /// Frees the whole pages inside the range (TRIM); partial pages are left alone, as zram
+    /// does (freeing memory is the point of a discard; rewriting part of a page is not).
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        let inner = self.inner()?;
+        self.check_io(&inner, offset, len)?;
+        for seg in segments(offset, len, self.page_size_bytes) {
+            if seg.len_bytes == self.page_size_bytes {
+                let mut g = inner.slots.lock(seg.index);
+                free_slot(&inner, &mut g);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the range read back as zeroes: whole pages are freed, partial pages rewritten.
+    pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        let inner = self.inner()?;
+        self.check_io(&inner, offset, len)?;
+        let limit = self.mem_limit_pages.load(Ordering::Relaxed);
+        for seg in segments(offset, len, self.page_size_bytes) {
+            if seg.len_bytes == self.page_size_bytes {
+                let mut g = inner.slots.lock(seg.index);
+                free_slot(&inner, &mut g);
+                g.touch(inner.now_secs());
+            } else if let Err(e) = self.write_partial(&inner, seg, |p| p.fill(0), limit) {
+                DeviceStats::add(&inner.stats.failed_writes, 1);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes completed writes durable: nothing to do for RAM.
+    pub fn flush(&self) -> Result<()> {
+        let _inner = self.inner()?;
+        Ok(())
+    }
+}
+
+/// Reads the slot's page into `out` (one page). The caller holds the slot lock.
+fn read_slot(inner: &Inner, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<()> {
+    let st = g.state();
+    if st.is_empty() {
+        out.fill(0);
+        return Ok(());
+    }
+    if let Some(word) = st.same_word() {
+        fill_same(out, word);
+        return Ok(());
+    }
+    if st.has(SlotFlags::WB) {
+        return Err(Error::io("slot is on a backing device, which is not configured"));
+    }
+    let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
+    inner.pool.read(handle, |obj| {
+        if st.has(SlotFlags::HUGE) {
+            out.copy_from_slice(obj);
+            Ok(())
+        } else {
+            inner.codec.decompress(obj, out)
+        }
+    })
+}
+
+/// Compresses and stores `page` in the pool, outside any slot lock. On error nothing is held.
+fn prepare(inner: &Inner, page: &[u8], dst: &mut [u8], limit_pages: u64) -> Result<Prepared> {
+    if let Some(word) = same_filled_word(page) {
+        return Ok(Prepared::Same(word));
+    }
+    let comp_len = inner.codec.compress(page, dst)?;
+    let (src, huge) = if comp_len >= inner.huge_threshold_bytes {
+        (page, true)
+    } else {
+        (&dst[..comp_len], false)
+    };
+    let handle = inner.pool.malloc(src.len())?;
+    // As zram: allocate, then check the pool against the limit; over it, give the object back.
+    let total_pages = inner.pool.total_pages();
+    inner.stats.update_max_used(total_pages);
+    if limit_pages != 0 && total_pages > limit_pages {
+        inner.pool.free(handle);
+        return Err(Error::no_memory(format!(
+            "mem_limit reached ({limit_pages} pages)"
+        )));
+    }
+    inner.pool.write(handle, src);
+    Ok(Prepared::Object {
+        handle,
+        size_bytes: src.len(),
+        huge,
+    })
+}
+
+/// Replaces the slot's contents with `prepared`. The caller holds the slot lock.
+fn publish(inner: &Inner, g: &mut SlotGuard<'_>, prepared: Prepared) {
+    free_slot(inner, g);
+    let s = &inner.stats;
+    match prepared {
+        Prepared::Same(word) => {
+            g.set_same(word);
+            DeviceStats::add(&s.same_pages, 1);
+        }
+        Prepared::Object {
+            handle,
+            size_bytes,
+            huge,
+        } => {
+            let flags = if huge { SlotFlags::HUGE } else { SlotFlags::NONE };
+            g.set_handle(handle.to_raw(), size_bytes, flags, 0);
+            DeviceStats::add(&s.compr_data_size_bytes, size_bytes as u64);
+            if huge {
+                DeviceStats::add(&s.huge_pages, 1);
+                DeviceStats::add(&s.huge_pages_since, 1);
+            }
+        }
+    }
+    DeviceStats::add(&s.pages_stored, 1);
+    g.touch(inner.now_secs());
+}
+
+/// Releases whatever the slot holds and empties it (zram's `zram_free_page`). The caller holds
+/// the slot lock.
+pub(crate) fn free_slot(inner: &Inner, g: &mut SlotGuard<'_>) {
+    let st = g.state();
+    if st.is_empty() {
+        return;
+    }
+    let s = &inner.stats;
+    if st.has(SlotFlags::SAME) {
+        DeviceStats::sub(&s.same_pages, 1);
+    } else if st.has(SlotFlags::WB) {
+        unreachable!("no backing device can be configured yet");
+    } else {
+        let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
+        inner.pool.free(handle);
+        DeviceStats::sub(&s.compr_data_size_bytes, st.size_bytes() as u64);
+        if st.has(SlotFlags::HUGE) {
+            DeviceStats::sub(&s.huge_pages, 1);
+        }
+    }
+    DeviceStats::sub(&s.pages_stored, 1);
+    g.set_empty();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_split_at_page_boundaries() {
+        let segs: Vec<_> = segments(4096 - 512, 4096 + 1024, 4096)
+            .map(|s| (s.index.0, s.offset_bytes, s.len_bytes))
+            .collect();
+        assert_eq!(segs, vec![(0, 3584, 512), (1, 0, 4096), (2, 0, 512)]);
+    }
+}
