@@ -31,3 +31,77 @@ pub struct CodecParams {
     /// Compression level (zstd, deflate, lz4hc).
     pub level: Option<i32>,
 }
+
+mod deflate;
+mod lz4;
+mod lz4hc;
+mod same_filled;
+mod zstd;
+
+pub use self::deflate::Deflate;
+pub use self::lz4::Lz4;
+pub use self::lz4hc::Lz4Hc;
+pub use self::same_filled::{fill_same, same_filled_word};
+pub use self::zstd::Zstd;
+
+use crate::error::Error;
+
+/// The algorithms `comp_algorithm` lists, in its order (the kernel's backend order, minus the
+/// ones uzram does not implement: lzo, lzo-rle, 842).
+const ALGORITHMS: [&str; 4] = [lz4::NAME, lz4hc::NAME, zstd::NAME, deflate::NAME];
+
+/// The algorithms [`new_codec`] accepts, in the order `comp_algorithm` lists them.
+pub fn algorithms() -> &'static [&'static str] {
+    &ALGORITHMS
+}
+
+/// Creates the codec `name` with `params`.
+///
+/// An unknown name, or a level the algorithm does not accept, is `EINVAL` (what zram's
+/// `comp_algorithm` and `algorithm_params` return).
+pub fn new_codec(name: &str, params: CodecParams) -> Result<Box<dyn Codec>> {
+    // zram's attribute stores arrive with a trailing newline ("echo zstd > comp_algorithm").
+    match name.trim() {
+        lz4::NAME => Ok(Box::new(Lz4::new(params)?)),
+        lz4hc::NAME => Ok(Box::new(Lz4Hc::new(params)?)),
+        zstd::NAME => Ok(Box::new(Zstd::new(params)?)),
+        deflate::NAME => Ok(Box::new(Deflate::new(params)?)),
+        other => Err(Error::invalid(format!(
+            "unknown compression algorithm {other:?} (known: {})",
+            ALGORITHMS.join(" ")
+        ))),
+    }
+}
+
+/// A `dst` length that holds every codec's worst case on `src_len` bytes: the maximum of the
+/// bounds each format's library documents.
+///
+/// - lz4 (lz4_flex): `16 + 4 + src_len * 110 / 100` (`get_maximum_output_size`), the largest of
+///   all; liblz4's own `LZ4_compressBound` (`src_len + src_len / 255 + 16`, used for lz4hc) is
+///   smaller.
+/// - zstd: `ZSTD_compressBound`: `src_len + src_len / 256 + (128 KiB - src_len) / 2048` below
+///   128 KiB.
+/// - deflate: stored blocks cost 5 bytes per 65535 input bytes, plus a final empty block and
+///   bit padding; [`deflate::bound`] adds a margin on top of that.
+pub fn compress_bound(src_len: usize) -> usize {
+    let lz4_flex = lz4_flex::block::get_maximum_output_size(src_len);
+    let liblz4 = src_len + src_len / 255 + 16;
+    let zstd = ::zstd::zstd_safe::compress_bound(src_len);
+    lz4_flex.max(liblz4).max(zstd).max(deflate::bound(src_len))
+}
+
+/// Checks that `dst` is large enough for compressing `src_len` bytes, so a too-small buffer is a
+/// clear `EINVAL` instead of a codec-specific failure deep inside a library.
+fn check_dst(src_len: usize, dst: &[u8]) -> Result<()> {
+    let need = compress_bound(src_len);
+    if dst.len() < need {
+        return Err(Error::invalid(format!(
+            "compression buffer of {} bytes is smaller than compress_bound({src_len}) = {need}",
+            dst.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
