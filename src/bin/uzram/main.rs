@@ -1,6 +1,9 @@
 //! The `uzram` command: serve devices, inspect and change their attributes, build page corpora
 //! and run the benchmarks.
 
+mod bench;
+mod corpus;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -11,9 +14,17 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-enum Command {}
+enum Command {
+    /// Run a benchmark (prints a table, writes JSON to bench/results/).
+    Bench(bench::BenchArgs),
+    /// Snapshot the memory of real programs into a page corpus for the benchmarks.
+    Corpus(corpus::CorpusArgs),
+}
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Bench(a) => bench::run(a),
+        Command::Corpus(a) => corpus::run(a),
+    }
 }

@@ -1,0 +1,74 @@
+//! `uzram bench …`: the benchmarks. Each prints a table and writes JSON (`bench/results/`).
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
+use uzram::bench::{self, store::StoreBenchOptions};
+use uzram::corpus::Corpus;
+
+/// Where `uzram corpus` writes by default, and where benchmarks look for pages.
+pub const DEFAULT_CORPUS: &str = "bench/corpus/pages.bin";
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    which: BenchCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// The page store: raw codec vs. store path, packing, and the kernel's zram on the same pages.
+    Store(StoreArgs),
+}
+
+#[derive(Debug, Args)]
+struct StoreArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Algorithm, for uzram and the kernel alike.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    /// Pages to use (the corpus is cycled); default: the whole corpus.
+    #[arg(long)]
+    pages: Option<usize>,
+    /// Timing repetitions; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Skip the kernel zram anchor.
+    #[arg(long)]
+    no_kernel: bool,
+    /// Where to write the JSON (default: bench/results/store-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.which {
+        BenchCommand::Store(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let opts = StoreBenchOptions {
+                codec: a.codec,
+                pages: a.pages,
+                repeats: a.repeats,
+                no_kernel: a.no_kernel,
+                ..Default::default()
+            };
+            let doc = bench::store::run(&corpus, &opts)?;
+            let path = bench::json_path(a.json.as_deref(), "store");
+            bench::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
+    }
+}
+
+/// Loads the corpus at `path`, building it first (with the default programs) when it is the
+/// default path and does not exist yet.
+fn load_or_build_corpus(path: &std::path::Path) -> anyhow::Result<Corpus> {
+    if !path.exists() && path == std::path::Path::new(DEFAULT_CORPUS) {
+        eprintln!("no corpus at {}: building one from running programs", path.display());
+        crate::corpus::build_default(path)?;
+    }
+    Corpus::load(path).with_context(|| format!("loading corpus {}", path.display()))
+}
