@@ -201,6 +201,17 @@ fn evenly_spaced(len: usize, count: usize) -> impl Iterator<Item = usize> {
     (0..count).map(move |k| (k as u128 * len as u128 / count as u128) as usize)
 }
 
+/// What [`snapshot_pid_stats`] found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SnapshotStats {
+    /// Touched anonymous pages in the process (the candidates the sample is drawn from).
+    pub touched_pages: usize,
+    /// Sampled pages that could not be read (unmapped meanwhile, or not readable).
+    pub unreadable_pages: usize,
+    /// Pages written.
+    pub written_pages: usize,
+}
+
 /// Snapshots the anonymous memory of process `pid`: writes up to `max_pages` whole pages of
 /// `page_size_bytes` to `out` and returns how many it wrote.
 ///
@@ -213,6 +224,16 @@ pub fn snapshot_pid(
     max_pages: usize,
     out: &mut impl Write,
 ) -> Result<usize> {
+    snapshot_pid_stats(pid, page_size_bytes, max_pages, out).map(|s| s.written_pages)
+}
+
+/// [`snapshot_pid`], also reporting how many pages were candidates and how many unreadable.
+pub fn snapshot_pid_stats(
+    pid: u32,
+    page_size_bytes: usize,
+    max_pages: usize,
+    out: &mut impl Write,
+) -> Result<SnapshotStats> {
     if page_size_bytes < 512 || !page_size_bytes.is_power_of_two() {
         return Err(Error::invalid(format!(
             "page size {page_size_bytes} is not a power of two of at least 512"
@@ -242,17 +263,21 @@ pub fn snapshot_pid(
         );
     }
 
+    let mut stats = SnapshotStats {
+        touched_pages: candidates.len(),
+        ..SnapshotStats::default()
+    };
     let mut page = vec![0u8; page_size_bytes];
-    let mut written = 0;
     for i in evenly_spaced(candidates.len(), max_pages) {
         if mem.read_exact_at(&mut page, candidates[i]).is_err() {
+            stats.unreadable_pages += 1;
             continue;
         }
         out.write_all(&page)
             .map_err(|e| Error::new(ErrorKind::Io, format!("writing snapshot of {pid}: {e}")))?;
-        written += 1;
+        stats.written_pages += 1;
     }
-    Ok(written)
+    Ok(stats)
 }
 
 /// The pages of one source (a program) inside a [`Corpus`].
