@@ -16,7 +16,9 @@ fn device(pages: u64) -> Device {
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect()
 }
 
 /// Reads the whole device.
@@ -69,7 +71,11 @@ fn io_out_of_range_misaligned_or_empty_is_einval_and_changes_nothing() {
 fn uninitialised_device_rejects_io() {
     let dev = Device::new_uninit(PAGE).unwrap();
     assert_eq!(dev.size_bytes(), 0);
-    assert_err(dev.write_at(&pattern(1, PAGE), 0), ErrorKind::InvalidArgument, libc::EINVAL);
+    assert_err(
+        dev.write_at(&pattern(1, PAGE), 0),
+        ErrorKind::InvalidArgument,
+        libc::EINVAL,
+    );
 }
 
 #[test]
@@ -85,10 +91,22 @@ fn over_mem_limit_is_enomem_and_keeps_old_contents() {
     // Overwriting a stored page with another incompressible page needs a new object before the
     // old one is freed, so it must fail at the limit and keep the old page.
     let e = dev.write_at(&random_page(100), 0).unwrap_err();
-    assert_eq!((e.kind(), e.errno()), (ErrorKind::NoMemory, libc::ENOMEM), "{e}");
-    assert_err(dev.write_at(&random_page(101), 20 * PAGE as u64), ErrorKind::NoMemory, libc::ENOMEM);
+    assert_eq!(
+        (e.kind(), e.errno()),
+        (ErrorKind::NoMemory, libc::ENOMEM),
+        "{e}"
+    );
+    assert_err(
+        dev.write_at(&random_page(101), 20 * PAGE as u64),
+        ErrorKind::NoMemory,
+        libc::ENOMEM,
+    );
     // A partial write needing a new object fails the same way.
-    assert_err(dev.write_at(&random_page(102)[..512], 30 * PAGE as u64 + 512), ErrorKind::NoMemory, libc::ENOMEM);
+    assert_err(
+        dev.write_at(&random_page(102)[..512], 30 * PAGE as u64 + 512),
+        ErrorKind::NoMemory,
+        libc::ENOMEM,
+    );
     assert_eq!(image(&dev), before);
     assert_eq!(dev.stats().failed_writes, failed_before + 3);
     assert!(dev.stats().mem_used_total_bytes <= used);
@@ -112,7 +130,11 @@ fn random_page(seed: u64) -> Vec<u8> {
 
 #[test]
 fn bad_page_size_and_unknown_algorithm_are_einval() {
-    assert_err(Device::new_uninit(8192), ErrorKind::InvalidArgument, libc::EINVAL);
+    assert_err(
+        Device::new_uninit(8192),
+        ErrorKind::InvalidArgument,
+        libc::EINVAL,
+    );
     let r = Device::new(DeviceConfig {
         disksize_bytes: 1 << 20,
         comp_algorithm: "lz5".into(),
@@ -120,8 +142,18 @@ fn bad_page_size_and_unknown_algorithm_are_einval() {
     });
     assert_err(r, ErrorKind::InvalidArgument, libc::EINVAL);
     let dev = Device::new_uninit(PAGE).unwrap();
-    assert_err(dev.attr_store("comp_algorithm", "lz5\n"), ErrorKind::InvalidArgument, libc::EINVAL);
-    assert_eq!(dev.attr_show("comp_algorithm").unwrap().matches('[').count(), 1);
+    assert_err(
+        dev.attr_store("comp_algorithm", "lz5\n"),
+        ErrorKind::InvalidArgument,
+        libc::EINVAL,
+    );
+    assert_eq!(
+        dev.attr_show("comp_algorithm")
+            .unwrap()
+            .matches('[')
+            .count(),
+        1
+    );
     assert!(dev.attr_show("comp_algorithm").unwrap().contains("[lz4]"));
 }
 
@@ -130,7 +162,11 @@ fn malformed_attribute_values_are_rejected_and_change_nothing() {
     let dev = Device::new_uninit(PAGE).unwrap();
     let einval = |name: &str, value: &str| {
         let e = dev.attr_store(name, value).expect_err(value);
-        assert_eq!((e.kind(), e.errno()), (ErrorKind::InvalidArgument, libc::EINVAL), "{name}={value:?}: {e}");
+        assert_eq!(
+            (e.kind(), e.errno()),
+            (ErrorKind::InvalidArgument, libc::EINVAL),
+            "{name}={value:?}: {e}"
+        );
     };
     einval("disksize", "0\n");
     einval("disksize", "foo\n");
@@ -157,14 +193,24 @@ fn malformed_attribute_values_are_rejected_and_change_nothing() {
     let e = dev.attr_show("no_such_attr").unwrap_err();
     assert_eq!((e.kind(), e.errno()), (ErrorKind::NotFound, libc::ENOENT));
     let e = dev.attr_show("reset").unwrap_err();
-    assert_eq!((e.kind(), e.errno()), (ErrorKind::PermissionDenied, libc::EACCES));
+    assert_eq!(
+        (e.kind(), e.errno()),
+        (ErrorKind::PermissionDenied, libc::EACCES)
+    );
     let e = dev.attr_store("mm_stat", "1").unwrap_err();
-    assert_eq!((e.kind(), e.errno()), (ErrorKind::PermissionDenied, libc::EACCES));
+    assert_eq!(
+        (e.kind(), e.errno()),
+        (ErrorKind::PermissionDenied, libc::EACCES)
+    );
     // Valid settings still work after all that.
-    dev.attr_store("algorithm_params", "algo=zstd level=5\n").unwrap();
+    dev.attr_store("algorithm_params", "algo=zstd level=5\n")
+        .unwrap();
     dev.attr_store("disksize", "1M\n").unwrap();
     assert_eq!(dev.attr_show("disksize").unwrap(), "1048576\n");
-    assert_eq!(dev.attr_show("comp_algorithm").unwrap(), "lz4 lz4hc [zstd] deflate \n");
+    assert_eq!(
+        dev.attr_show("comp_algorithm").unwrap(),
+        "lz4 lz4hc [zstd] deflate \n"
+    );
 }
 
 #[test]
@@ -173,15 +219,25 @@ fn settings_after_init_are_ebusy_and_change_nothing() {
     dev.write_at(&pattern(3, PAGE), 0).unwrap();
     let ebusy = |name: &str, value: &str| {
         let e = dev.attr_store(name, value).expect_err(value);
-        assert_eq!((e.kind(), e.errno()), (ErrorKind::Busy, libc::EBUSY), "{name}: {e}");
+        assert_eq!(
+            (e.kind(), e.errno()),
+            (ErrorKind::Busy, libc::EBUSY),
+            "{name}: {e}"
+        );
     };
     ebusy("disksize", "1G\n");
     ebusy("comp_algorithm", "zstd\n");
     ebusy("algorithm_params", "level=3\n");
     // disksize=0 is EINVAL before EBUSY, as in zram.
-    assert_eq!(dev.attr_store("disksize", "0").unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        dev.attr_store("disksize", "0").unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
     // An unknown algorithm is EINVAL before EBUSY, as in zram.
-    assert_eq!(dev.attr_store("comp_algorithm", "lz5").unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        dev.attr_store("comp_algorithm", "lz5").unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
     assert_eq!(dev.size_bytes(), 16 * PAGE as u64);
     assert!(dev.attr_show("comp_algorithm").unwrap().contains("[lz4]"));
     let mut got = vec![0u8; PAGE];

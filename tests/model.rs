@@ -157,7 +157,14 @@ impl Harness {
 
     /// Checks `got` (bytes at page `p`, offset `off` in it) against the candidates, and narrows
     /// them to those that match.
-    fn check(&self, region: &mut Region, p: usize, off: usize, got: &[u8], what: &str) -> Result<(), String> {
+    fn check(
+        &self,
+        region: &mut Region,
+        p: usize,
+        off: usize,
+        got: &[u8],
+        what: &str,
+    ) -> Result<(), String> {
         let cands = &mut region.pages[p];
         let before = cands.len();
         cands.retain(|c| &c[off..off + got.len()] == got);
@@ -175,7 +182,8 @@ impl Harness {
     }
 
     fn worker(&self, t: usize) -> Result<(), String> {
-        let mut rng = SmallRng::seed_from_u64(self.cfg.seed ^ (t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut rng =
+            SmallRng::seed_from_u64(self.cfg.seed ^ (t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let ps = self.cfg.page_size;
         let npages = self.cfg.pages_per_thread;
         for op_no in 0..self.cfg.ops_per_thread {
@@ -190,8 +198,13 @@ impl Harness {
                 // Corrupt: swap two pages of this region whose expected contents differ.
                 for a in 0..npages as usize {
                     for b in a + 1..npages as usize {
-                        if region.pages[a].len() == 1 && region.pages[b].len() == 1 && region.pages[a][0] != region.pages[b][0] {
-                            self.dev.debug_swap_slots(base + a as u64, base + b as u64).unwrap();
+                        if region.pages[a].len() == 1
+                            && region.pages[b].len() == 1
+                            && region.pages[a][0] != region.pages[b][0]
+                        {
+                            self.dev
+                                .debug_swap_slots(base + a as u64, base + b as u64)
+                                .unwrap();
                             return Ok(());
                         }
                     }
@@ -202,7 +215,9 @@ impl Harness {
                 0..=34 => {
                     let first = rng.gen_range(0..npages);
                     let n = rng.gen_range(1..=4u64).min(npages - first);
-                    let pages: Vec<Vec<u8>> = (0..n).map(|i| gen_page(&mut rng, ps, base + first + i)).collect();
+                    let pages: Vec<Vec<u8>> = (0..n)
+                        .map(|i| gen_page(&mut rng, ps, base + first + i))
+                        .collect();
                     let buf = pages.concat();
                     match self.dev.write_at(&buf, (base + first) * ps as u64) {
                         Ok(()) => {
@@ -270,7 +285,10 @@ impl Harness {
                     let start = rng.gen_range(0..sectors);
                     let len = rng.gen_range(1..=(3 * ps / 512)).min(sectors - start);
                     let off = start * 512;
-                    if let Err(e) = self.dev.discard(base * ps as u64 + off as u64, (len * 512) as u64) {
+                    if let Err(e) = self
+                        .dev
+                        .discard(base * ps as u64 + off as u64, (len * 512) as u64)
+                    {
                         return self.fail(format!("discard failed: {e}"));
                     }
                     let first_full = off.div_ceil(ps);
@@ -286,7 +304,9 @@ impl Harness {
                     let len = rng.gen_range(1..=(3 * ps / 512)).min(sectors - start);
                     let off = start * 512;
                     let zeros = vec![0u8; len * 512];
-                    let r = self.dev.write_zeroes(base * ps as u64 + off as u64, (len * 512) as u64);
+                    let r = self
+                        .dev
+                        .write_zeroes(base * ps as u64 + off as u64, (len * 512) as u64);
                     let all_or_none = match &r {
                         Ok(()) => false,
                         Err(e) if e.kind() == ErrorKind::NoMemory => true,
@@ -311,7 +331,8 @@ impl Harness {
                     if rng.gen_bool(0.5) {
                         self.dev.mark_idle(IdleCutoff::All);
                     } else {
-                        self.dev.mark_idle(IdleCutoff::OlderThanSecs(rng.gen_range(0..3)));
+                        self.dev
+                            .mark_idle(IdleCutoff::OlderThanSecs(rng.gen_range(0..3)));
                     }
                 }
             }
@@ -331,7 +352,9 @@ impl Harness {
                     // A limit a little above what is used now: some writes will hit it.
                     let used = self.dev.stats().mem_used_total_bytes;
                     let extra = rng.gen_range(0..8u64) * self.cfg.page_size as u64;
-                    self.dev.attr_store("mem_limit", &format!("{}\n", used + extra)).unwrap();
+                    self.dev
+                        .attr_store("mem_limit", &format!("{}\n", used + extra))
+                        .unwrap();
                     std::thread::sleep(std::time::Duration::from_millis(2));
                     self.dev.attr_store("mem_limit", "0\n").unwrap();
                 }
@@ -344,8 +367,12 @@ impl Harness {
                         }
                     }
                     self.dev.attr_store("reset", "1\n").unwrap();
-                    self.dev.attr_store("comp_algorithm", self.cfg.algorithm).unwrap();
-                    self.dev.attr_store("disksize", &disksize(&self.cfg).to_string()).unwrap();
+                    self.dev
+                        .attr_store("comp_algorithm", self.cfg.algorithm)
+                        .unwrap();
+                    self.dev
+                        .attr_store("disksize", &disksize(&self.cfg).to_string())
+                        .unwrap();
                     self.resets.fetch_add(1, Ordering::Relaxed);
                 }
                 _ => {
@@ -363,7 +390,9 @@ impl Harness {
             for p in 0..r.pages.len() {
                 let mut buf = vec![0u8; ps];
                 let off = (r.first_page + p as u64) * ps as u64;
-                self.dev.read_at(&mut buf, off).map_err(|e| format!("final read: {e}"))?;
+                self.dev
+                    .read_at(&mut buf, off)
+                    .map_err(|e| format!("final read: {e}"))?;
                 self.check(&mut r, p, 0, &buf, "final check")?;
             }
         }
@@ -414,13 +443,18 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
         .collect();
     let mut result = Ok(());
     for w in workers {
-        let r = w.join().map_err(|_| "worker panicked".to_string()).and_then(|r| r);
+        let r = w
+            .join()
+            .map_err(|_| "worker panicked".to_string())
+            .and_then(|r| r);
         if result.is_ok() {
             result = r;
         }
     }
     h.done.store(true, Ordering::Relaxed);
-    chaos.join().map_err(|_| "chaos thread panicked".to_string())?;
+    chaos
+        .join()
+        .map_err(|_| "chaos thread panicked".to_string())?;
     result?;
     h.verify_all()?;
     let s = h.dev.stats();
@@ -479,7 +513,9 @@ fn model_canary_is_caught() {
     cfg.ops_per_thread = 400;
     let seed = cfg.seed;
     match run_model(cfg) {
-        Ok(s) => panic!("the canary corrupted the device but the model test passed: {s} (seed {seed})"),
+        Ok(s) => {
+            panic!("the canary corrupted the device but the model test passed: {s} (seed {seed})")
+        }
         Err(e) => eprintln!("canary caught as it must be: {e}"),
     }
 }

@@ -153,7 +153,10 @@ pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Valu
                             })
                         })
                         .collect();
-                    handles.into_iter().map(|h| h.join().expect("bench thread")).collect()
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().expect("bench thread"))
+                        .collect()
                 });
                 let mut longest = std::time::Duration::ZERO;
                 for d in results {
@@ -209,32 +212,106 @@ pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Valu
             Some(k) if !k.has_algorithm(&opts.codec) => {
                 Err(format!("the kernel's zram has no {}", opts.codec))
             }
-            Some(k) => kernel_run(&k, &pages, trimmed_pages, &opts.codec, reps).map_err(|e| e.to_string()),
+            Some(k) => {
+                kernel_run(&k, &pages, trimmed_pages, &opts.codec, reps).map_err(|e| e.to_string())
+            }
         }
     };
 
     let mut t = Table::new(&["store benchmark", "uzram", "kernel zram", "ratio"]);
     let pct = |v: f64| format!("{:.1}%", v * 100.0);
-    t.row(vec![format!("raw {} compress MB/s", opts.codec), f(raw_compress_mbps), String::new(), String::new()]);
-    t.row(vec![format!("raw {} decompress MB/s", opts.codec), f(raw_decompress_mbps), String::new(), String::new()]);
-    t.row(vec!["store write MB/s (1 thread)".into(), f(write_mbps), String::new(), format!("{} of raw", pct(write_mbps / raw_compress_mbps))]);
-    t.row(vec!["store read MB/s (1 thread)".into(), f(read_mbps), String::new(), format!("{} of raw", pct(read_mbps / raw_decompress_mbps))]);
-    t.row(vec!["store write MB/s (2 threads)".into(), f(write_mbps_2t), String::new(), format!("{}x 1 thread", f(write_mbps_2t / write_mbps))]);
-    t.row(vec!["store read MB/s (2 threads)".into(), f(read_mbps_2t), String::new(), format!("{}x 1 thread", f(read_mbps_2t / read_mbps))]);
+    t.row(vec![
+        format!("raw {} compress MB/s", opts.codec),
+        f(raw_compress_mbps),
+        String::new(),
+        String::new(),
+    ]);
+    t.row(vec![
+        format!("raw {} decompress MB/s", opts.codec),
+        f(raw_decompress_mbps),
+        String::new(),
+        String::new(),
+    ]);
+    t.row(vec![
+        "store write MB/s (1 thread)".into(),
+        f(write_mbps),
+        String::new(),
+        format!("{} of raw", pct(write_mbps / raw_compress_mbps)),
+    ]);
+    t.row(vec![
+        "store read MB/s (1 thread)".into(),
+        f(read_mbps),
+        String::new(),
+        format!("{} of raw", pct(read_mbps / raw_decompress_mbps)),
+    ]);
+    t.row(vec![
+        "store write MB/s (2 threads)".into(),
+        f(write_mbps_2t),
+        String::new(),
+        format!("{}x 1 thread", f(write_mbps_2t / write_mbps)),
+    ]);
+    t.row(vec![
+        "store read MB/s (2 threads)".into(),
+        f(read_mbps_2t),
+        String::new(),
+        format!("{}x 1 thread", f(read_mbps_2t / read_mbps)),
+    ]);
     let fill_mbps = mbps((pages.len() * ps) as u64, fill_time);
     let k = kernel.as_ref().ok();
-    t.row(vec!["fill MB/s (all pages)".into(), f(fill_mbps), k.map_or("n/a".into(), |k| f(k.write_mbps)), k.map_or(String::new(), |k| f(fill_mbps / k.write_mbps))]);
-    t.row(vec!["read-back MB/s (all pages)".into(), String::new(), k.map_or("n/a".into(), |k| f(k.read_mbps)), String::new()]);
+    t.row(vec![
+        "fill MB/s (all pages)".into(),
+        f(fill_mbps),
+        k.map_or("n/a".into(), |k| f(k.write_mbps)),
+        k.map_or(String::new(), |k| f(fill_mbps / k.write_mbps)),
+    ]);
+    t.row(vec![
+        "read-back MB/s (all pages)".into(),
+        String::new(),
+        k.map_or("n/a".into(), |k| f(k.read_mbps)),
+        String::new(),
+    ]);
     for (label, ours, theirs) in [
-        ("packing after fill", packing(&filled), k.map(|k| kernel_packing(&k.filled))),
-        ("packing after 50% trim", packing(&trimmed), k.map(|k| kernel_packing(&k.trimmed))),
-        ("packing after compact", packing(&compacted), k.map(|k| kernel_packing(&k.compacted))),
+        (
+            "packing after fill",
+            packing(&filled),
+            k.map(|k| kernel_packing(&k.filled)),
+        ),
+        (
+            "packing after 50% trim",
+            packing(&trimmed),
+            k.map(|k| kernel_packing(&k.trimmed)),
+        ),
+        (
+            "packing after compact",
+            packing(&compacted),
+            k.map(|k| kernel_packing(&k.compacted)),
+        ),
     ] {
-        t.row(vec![label.into(), format!("{ours:.4}"), theirs.map_or("n/a".into(), |v| format!("{v:.4}")), theirs.map_or(String::new(), |v| format!("{:.4}", ours / v))]);
+        t.row(vec![
+            label.into(),
+            format!("{ours:.4}"),
+            theirs.map_or("n/a".into(), |v| format!("{v:.4}")),
+            theirs.map_or(String::new(), |v| format!("{:.4}", ours / v)),
+        ]);
     }
-    t.row(vec!["mem_used_total MiB after fill".into(), f(filled.mem_used_total_bytes as f64 / 1048576.0), k.map_or("n/a".into(), |k| f(k.filled[2] as f64 / 1048576.0)), String::new()]);
-    t.row(vec!["compr_data_size MiB after fill".into(), f(filled.compr_data_size_bytes as f64 / 1048576.0), k.map_or("n/a".into(), |k| f(k.filled[1] as f64 / 1048576.0)), String::new()]);
-    t.row(vec!["slot metadata bytes/page".into(), SlotTable::metadata_bytes_per_page().to_string(), String::new(), String::new()]);
+    t.row(vec![
+        "mem_used_total MiB after fill".into(),
+        f(filled.mem_used_total_bytes as f64 / 1048576.0),
+        k.map_or("n/a".into(), |k| f(k.filled[2] as f64 / 1048576.0)),
+        String::new(),
+    ]);
+    t.row(vec![
+        "compr_data_size MiB after fill".into(),
+        f(filled.compr_data_size_bytes as f64 / 1048576.0),
+        k.map_or("n/a".into(), |k| f(k.filled[1] as f64 / 1048576.0)),
+        String::new(),
+    ]);
+    t.row(vec![
+        "slot metadata bytes/page".into(),
+        SlotTable::metadata_bytes_per_page().to_string(),
+        String::new(),
+        String::new(),
+    ]);
     println!(
         "{} pages of {} bytes ({} not same-filled: {} same-filled), {}, median of {} runs",
         pages.len(),
@@ -248,7 +325,11 @@ pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Valu
     if let Err(why) = &kernel {
         println!("kernel zram anchor: not measured: {why}");
     }
-    println!("compaction took {:.1} ms and freed {} pages", compact_time.as_secs_f64() * 1e3, compacted.pages_compacted);
+    println!(
+        "compaction took {:.1} ms and freed {} pages",
+        compact_time.as_secs_f64() * 1e3,
+        compacted.pages_compacted
+    );
 
     let mm = |s: &StatsSnapshot| s.mm_stat().trim().to_string();
     Ok(json!({
@@ -304,7 +385,13 @@ struct KernelResult {
     compacted: Vec<u64>,
 }
 
-fn kernel_run(k: &KernelZram, pages: &[&[u8]], trimmed: &[usize], algo: &str, reps: usize) -> Result<KernelResult> {
+fn kernel_run(
+    k: &KernelZram,
+    pages: &[&[u8]],
+    trimmed: &[usize],
+    algo: &str,
+    reps: usize,
+) -> Result<KernelResult> {
     const PS: usize = 4096;
     const CHUNK_PAGES: usize = 32; // 128 KiB O_DIRECT requests, as `dd bs=128k oflag=direct`
     let size = pages.len() * PS;
@@ -320,7 +407,11 @@ fn kernel_run(k: &KernelZram, pages: &[&[u8]], trimmed: &[usize], algo: &str, re
                 for (i, p) in chunk.iter().enumerate() {
                     buf[i * PS..(i + 1) * PS].copy_from_slice(p);
                 }
-                KernelZram::write_all_at(&file, &buf[..chunk.len() * PS], (c * CHUNK_PAGES * PS) as u64)?;
+                KernelZram::write_all_at(
+                    &file,
+                    &buf[..chunk.len() * PS],
+                    (c * CHUNK_PAGES * PS) as u64,
+                )?;
             }
             Ok(())
         });
@@ -329,7 +420,11 @@ fn kernel_run(k: &KernelZram, pages: &[&[u8]], trimmed: &[usize], algo: &str, re
         let filled = k.mm_stat()?;
         let (res, d) = time(|| -> Result<()> {
             for (c, chunk) in pages.chunks(CHUNK_PAGES).enumerate() {
-                KernelZram::read_exact_at(&file, &mut buf[..chunk.len() * PS], (c * CHUNK_PAGES * PS) as u64)?;
+                KernelZram::read_exact_at(
+                    &file,
+                    &mut buf[..chunk.len() * PS],
+                    (c * CHUNK_PAGES * PS) as u64,
+                )?;
             }
             Ok(())
         });

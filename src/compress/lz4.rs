@@ -1,14 +1,15 @@
 //! lz4 in the LZ4 *block* format (no frame header, no checksum), through `lz4_flex`'s safe
-//! encoder and decoder: zram's default `lz4` backend.
+//! encoder and decoder: zram's `lz4` backend.
 //!
 //! The block format carries no length: the page size is the caller's `dst.len()`, and
 //! decompression that does not produce exactly that many bytes is an `EIO` error.
 //!
 //! Known allocation: `lz4_flex` 0.11's block API has no way to pass in a caller-owned hash
 //! table, so `lz4_flex::block::compress_into` allocates a zeroed 8 KiB table (16 KiB for inputs
-//! of 64 KiB and more) per call. That is one `calloc`/`free` pair per page, a few percent of the
-//! cost of compressing a 4 KiB page (see `bench/README.md`); the counting-allocator test in
-//! `tests/compress_alloc.rs` pins it at exactly one allocation per call so a change is noticed.
+//! of 64 KiB and more) per call. A reused table would have to be zeroed per page as well, so the
+//! extra cost is the allocator call itself (not measured separately; `bench/README.md` has the
+//! codec's throughput with it). The counting-allocator test in `tests/compress_alloc.rs` pins it
+//! at exactly one allocation per call so a change is noticed.
 //! Decompression allocates nothing.
 //!
 //! Levels: the kernel's lz4 backend reads `level` as LZ4's acceleration factor; `lz4_flex` has

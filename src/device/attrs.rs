@@ -70,8 +70,12 @@ pub fn kstrtou64(value: &str, radix: u32) -> Result<u64> {
     if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
         return Err(Error::invalid(format!("not a number: {value:?}")));
     }
-    u64::from_str_radix(digits, radix)
-        .map_err(|_| Error::new(ErrorKind::OutOfRange, format!("number too large: {value:?}")))
+    u64::from_str_radix(digits, radix).map_err(|_| {
+        Error::new(
+            ErrorKind::OutOfRange,
+            format!("number too large: {value:?}"),
+        )
+    })
 }
 
 impl Device {
@@ -227,7 +231,11 @@ impl Device {
         if let Some(a) = algo {
             // The priority of the codec with that name; only the primary (0) exists until
             // recompression algorithms are configured.
-            prio = if st.settings.comp_algorithm == a { 0 } else { -1 };
+            prio = if st.settings.comp_algorithm == a {
+                0
+            } else {
+                -1
+            };
         }
         if prio != 0 {
             return Err(Error::invalid(
@@ -235,7 +243,9 @@ impl Device {
             ));
         }
         if st.inner.is_some() {
-            return Err(Error::busy("algorithm_params cannot change once initialised"));
+            return Err(Error::busy(
+                "algorithm_params cannot change once initialised",
+            ));
         }
         let params = CodecParams { level };
         // Validate now, so a bad level fails here rather than at disksize.
@@ -257,7 +267,10 @@ mod tests {
         assert_eq!(kstrtou64("0x10", 0).unwrap(), 16);
         assert_eq!(kstrtou64("010", 0).unwrap(), 8);
         for bad in ["", "\n", " 1", "1 ", "1x", "-1", "1\n\n"] {
-            assert_eq!(kstrtou64(bad, 10).unwrap_err().kind(), ErrorKind::InvalidArgument);
+            assert_eq!(
+                kstrtou64(bad, 10).unwrap_err().kind(),
+                ErrorKind::InvalidArgument
+            );
         }
         assert_eq!(
             kstrtou64("99999999999999999999", 10).unwrap_err().kind(),

@@ -37,7 +37,9 @@ impl Device {
             }
             let idle = match cutoff {
                 IdleCutoff::All => true,
-                IdleCutoff::OlderThanSecs(age) => now.saturating_sub(u64::from(st.ac_time_secs)) >= age,
+                IdleCutoff::OlderThanSecs(age) => {
+                    now.saturating_sub(u64::from(st.ac_time_secs)) >= age
+                }
             };
             if idle {
                 g.set_flags(SlotFlags::IDLE);
@@ -53,7 +55,13 @@ impl Device {
             return 0;
         };
         (0..inner.slots.len())
-            .filter(|&i| inner.slots.entry(SlotIndex(i)).state_unlocked().has(SlotFlags::IDLE))
+            .filter(|&i| {
+                inner
+                    .slots
+                    .entry(SlotIndex(i))
+                    .state_unlocked()
+                    .has(SlotFlags::IDLE)
+            })
             .count() as u64
     }
 }

@@ -26,7 +26,7 @@ pub use stats::StatsSnapshot;
 use crate::compress::{self, Codec, CodecParams};
 use crate::error::{Error, Result};
 use crate::slot::{SlotIndex, SlotTable};
-use crate::units::{SUPPORTED_PAGE_SIZES_BYTES, DEFAULT_PAGE_SIZE_BYTES};
+use crate::units::{DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
 use crate::zsmalloc::ZsPool;
 use crate::BlockDevice;
 use parking_lot::{RwLock, RwLockReadGuard};

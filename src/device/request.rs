@@ -54,7 +54,11 @@ fn with_scratch<R>(page_size: usize, f: impl FnOnce(&mut [u8], &mut [u8]) -> R) 
 #[derive(Debug)]
 enum Prepared {
     Same(u64),
-    Object { handle: Handle, size_bytes: usize, huge: bool },
+    Object {
+        handle: Handle,
+        size_bytes: usize,
+        huge: bool,
+    },
 }
 
 /// One page's part of a request.
@@ -231,7 +235,9 @@ fn read_slot(inner: &Inner, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<()> {
         return Ok(());
     }
     if st.has(SlotFlags::WB) {
-        return Err(Error::io("slot is on a backing device, which is not configured"));
+        return Err(Error::io(
+            "slot is on a backing device, which is not configured",
+        ));
     }
     let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
     inner.pool.read(handle, |obj| {
@@ -287,7 +293,11 @@ fn publish(inner: &Inner, g: &mut SlotGuard<'_>, prepared: Prepared) {
             size_bytes,
             huge,
         } => {
-            let flags = if huge { SlotFlags::HUGE } else { SlotFlags::NONE };
+            let flags = if huge {
+                SlotFlags::HUGE
+            } else {
+                SlotFlags::NONE
+            };
             g.set_handle(handle.to_raw(), size_bytes, flags, 0);
             DeviceStats::add(&s.compr_data_size_bytes, size_bytes as u64);
             if huge {

@@ -91,7 +91,8 @@ impl SlotEntry {
             state.flags(),
             ((m & PRIO_MASK) >> PRIO_SHIFT) as u8,
         );
-        self.ac_time_secs.store(state.ac_time_secs, Ordering::Relaxed);
+        self.ac_time_secs
+            .store(state.ac_time_secs, Ordering::Relaxed);
     }
 
     /// Replaces every data field, keeping the lock bits (which waiters may set concurrently).

@@ -13,7 +13,9 @@
 
 use super::entry::{SlotEntry, SlotFlags, SlotState, LOCKED, PARKED};
 use super::SlotIndex;
-use parking_lot_core::{ParkToken, SpinWait, UnparkToken, DEFAULT_PARK_TOKEN, DEFAULT_UNPARK_TOKEN};
+use parking_lot_core::{
+    ParkToken, SpinWait, UnparkToken, DEFAULT_PARK_TOKEN, DEFAULT_UNPARK_TOKEN,
+};
 use std::sync::atomic::Ordering;
 
 /// Holds a slot's lock; unlocks on drop. All mutation of a slot goes through a guard.
