@@ -79,13 +79,16 @@ pub fn measure_queue(
         )));
     }
     if queue.in_flight() != 0 {
-        return Err(Error::invalid("ceiling measured on a queue with ops in flight"));
+        return Err(Error::invalid(
+            "ceiling measured on a queue with ops in flight",
+        ));
     }
     let mut rng = SmallRng::seed_from_u64(SEED);
     let order: Vec<u64> = match pattern {
         Pattern::Sequential => (0..block_count).collect(),
         Pattern::Random => {
-            let count = usize::try_from(block_count).map_err(|_| Error::invalid("too many blocks"))?;
+            let count =
+                usize::try_from(block_count).map_err(|_| Error::invalid("too many blocks"))?;
             let total =
                 usize::try_from(total_blocks).map_err(|_| Error::invalid("backing too large"))?;
             rand::seq::index::sample(&mut rng, total, count)

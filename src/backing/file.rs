@@ -295,13 +295,16 @@ impl Backing for FileBacking {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         check_range(self.size_bytes, offset, buf.len() as u64, "read")?;
         let fd = self.fd_for(offset, std::iter::once((buf.as_ptr() as usize, buf.len())));
-        let direct_needs_bounce = std::ptr::eq(fd, &self.buffered)
-            && self.can_bounce(offset, buf.len() as u64);
+        let direct_needs_bounce =
+            std::ptr::eq(fd, &self.buffered) && self.can_bounce(offset, buf.len() as u64);
         if direct_needs_bounce {
             let mut bounce = AlignedBuf::new_zeroed(buf.len())?;
-            self.fd_for(offset, std::iter::once((bounce.as_ptr() as usize, bounce.len())))
-                .read_exact_at(&mut bounce, offset)
-                .map_err(|e| io_error(e, "read", offset, buf.len() as u64))?;
+            self.fd_for(
+                offset,
+                std::iter::once((bounce.as_ptr() as usize, bounce.len())),
+            )
+            .read_exact_at(&mut bounce, offset)
+            .map_err(|e| io_error(e, "read", offset, buf.len() as u64))?;
             buf.copy_from_slice(&bounce);
             return Ok(());
         }

@@ -33,7 +33,9 @@ impl MemBacking {
             .map_err(|_| Error::invalid("in-memory backing larger than the address space"))?;
         let mut data = Vec::new();
         data.try_reserve_exact(len).map_err(|_| {
-            Error::no_memory(format!("cannot allocate an in-memory backing of {size_bytes} bytes"))
+            Error::no_memory(format!(
+                "cannot allocate an in-memory backing of {size_bytes} bytes"
+            ))
         })?;
         data.resize(len, 0);
         Ok(MemBacking {

@@ -67,6 +67,10 @@ pub const BLOCK_SIZE_BYTES: usize = 4096;
 /// 32768 entries, and the writeback batch is far below this (default 32).
 pub const MAX_QUEUE_DEPTH: usize = 4096;
 
+/// The most buffers one [`IoOp`] may carry: Linux's `IOV_MAX`, the iovecs one `pwritev` or
+/// `IORING_OP_WRITEV` takes.
+pub const MAX_OP_BUFS: usize = sys::IOV_MAX;
+
 /// Which engine runs a file backing's queued writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Engine {
@@ -247,7 +251,13 @@ mod tests {
     fn range_checks() {
         assert!(check_range(8192, 0, 8192, "write").is_ok());
         assert!(check_range(8192, 4096, 512, "write").is_ok());
-        for (off, len) in [(0, 0), (1, 512), (0, 511), (4096, 8192), (u64::MAX - 511, 512)] {
+        for (off, len) in [
+            (0, 0),
+            (1, 512),
+            (0, 511),
+            (4096, 8192),
+            (u64::MAX - 511, 512),
+        ] {
             let err = check_range(8192, off, len, "write").unwrap_err();
             assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{off} {len}");
         }

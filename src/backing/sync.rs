@@ -10,6 +10,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 
+use super::sys::IOV_MAX;
 use super::{check_depth, check_range, Backing, IoCompletion, IoOp, IoQueue, SubmitResult};
 use crate::error::{Error, Result};
 
@@ -34,7 +35,8 @@ impl<'a> SyncQueue<'a> {
     }
 }
 
-/// The checks every engine makes before taking an op: room in the queue, a valid range.
+/// The checks every engine makes before taking an op: room in the queue, 1..=`IOV_MAX`
+/// buffers (one `pwritev`/`IORING_OP_WRITEV`), a valid range.
 pub(crate) fn check_submit(
     op: &IoOp,
     in_flight: usize,
@@ -46,8 +48,11 @@ pub(crate) fn check_submit(
             "backing queue full: {in_flight} of {depth} ops in flight; reap completions first"
         )));
     }
-    if op.bufs.is_empty() {
-        return Err(Error::invalid("backing write with no buffers"));
+    if op.bufs.is_empty() || op.bufs.len() > IOV_MAX {
+        return Err(Error::invalid(format!(
+            "backing write of {} buffers: an op has 1..={IOV_MAX}",
+            op.bufs.len()
+        )));
     }
     check_range(size_bytes, op.offset, op.len_bytes(), "write")
 }

@@ -51,8 +51,8 @@ pub(crate) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
     while done < total {
         let iovecs = iovecs_after(bufs.iter().copied(), done, IOV_MAX);
         let pos = offset + done;
-        let pos = libc::off_t::try_from(pos)
-            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let pos =
+            libc::off_t::try_from(pos).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         // SAFETY: `iovecs` points into `bufs`, which are borrowed (alive and unmodified) for
         // the whole call; `iovecs.len()` <= IOV_MAX fits a c_int; the fd is open while `file`
         // is borrowed.
@@ -74,7 +74,10 @@ pub(crate) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::WriteZero,
-                format!("pwritev wrote nothing at offset {pos} with {} bytes left", total - done),
+                format!(
+                    "pwritev wrote nothing at offset {pos} with {} bytes left",
+                    total - done
+                ),
             ));
         }
         done += n as u64;
@@ -140,9 +143,15 @@ mod tests {
         let c = [3u8; 512];
         let bufs: [&[u8]; 3] = [&a, &b, &c];
         let all = iovecs_after(bufs, 0, IOV_MAX);
-        assert_eq!(all.iter().map(|v| v.iov_len).collect::<Vec<_>>(), [512, 1024, 512]);
+        assert_eq!(
+            all.iter().map(|v| v.iov_len).collect::<Vec<_>>(),
+            [512, 1024, 512]
+        );
         let mid = iovecs_after(bufs, 512 + 100, IOV_MAX);
-        assert_eq!(mid.iter().map(|v| v.iov_len).collect::<Vec<_>>(), [924, 512]);
+        assert_eq!(
+            mid.iter().map(|v| v.iov_len).collect::<Vec<_>>(),
+            [924, 512]
+        );
         assert_eq!(mid[0].iov_base as usize, b.as_ptr() as usize + 100);
         let two = iovecs_after(bufs, 512, 1);
         assert_eq!(two.len(), 1);

@@ -101,7 +101,9 @@ impl<'a> UringQueue<'a> {
 
     /// Builds the iovecs for the rest of `slots[idx]`'s op and pushes its SQE.
     fn push(&mut self, idx: usize) -> Result<()> {
-        let f = self.slots[idx].as_mut().expect("pushing a slot that is in flight");
+        let f = self.slots[idx]
+            .as_mut()
+            .expect("pushing a slot that is in flight");
         let iovecs = iovecs_after(f.op.bufs.iter().map(|b| &b[..]), f.done_bytes, IOV_MAX);
         f.iovecs = IoVecs(iovecs.into_boxed_slice());
         let offset = f.op.offset + f.done_bytes;
@@ -168,7 +170,12 @@ impl<'a> UringQueue<'a> {
                     self.resubmit(idx, out);
                     continue;
                 }
-                Err(io_error(io::Error::from_raw_os_error(errno), "write", offset, left))
+                Err(io_error(
+                    io::Error::from_raw_os_error(errno),
+                    "write",
+                    offset,
+                    left,
+                ))
             } else if res == 0 {
                 Err(Error::io(format!(
                     "backing write at offset {offset} wrote nothing with {left} bytes left"
@@ -207,13 +214,6 @@ impl IoQueue for UringQueue<'_> {
 
     fn submit(&mut self, op: IoOp) -> SubmitResult {
         if let Err(e) = check_submit(&op, self.in_flight, self.depth, self.backing.size_bytes()) {
-            return Err((e, op));
-        }
-        if op.bufs.len() > IOV_MAX {
-            let e = Error::invalid(format!(
-                "backing write of {} buffers: at most {IOV_MAX} per op",
-                op.bufs.len()
-            ));
             return Err((e, op));
         }
         let idx = self.free.pop().expect("a free slot when below depth");
