@@ -698,3 +698,105 @@ fn ceiling_smoke() {
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     }
 }
+
+// ---- block devices -----------------------------------------------------------------------
+
+/// A loop device over a file, detached on drop.
+struct LoopDevice {
+    dev: String,
+}
+
+impl LoopDevice {
+    fn attach(file: &Path, sector_bytes: usize) -> LoopDevice {
+        let out = std::process::Command::new("losetup")
+            .args([
+                "--find",
+                "--show",
+                "--sector-size",
+                &sector_bytes.to_string(),
+            ])
+            .arg(file)
+            .output()
+            .expect("losetup (Debian package mount) is needed for the block-device test");
+        assert!(
+            out.status.success(),
+            "losetup failed (the test needs root and loop devices): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        LoopDevice {
+            dev: String::from_utf8(out.stdout).unwrap().trim().to_string(),
+        }
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup")
+            .args(["-d", &self.dev])
+            .status();
+    }
+}
+
+#[test]
+fn block_device_over_loop_with_512_and_4096_byte_sectors() {
+    for sector_bytes in [512usize, 4096] {
+        let dir = real_dir();
+        let img = dir.path().join("loop.img");
+        let size_bytes = 2 * 1024 * 1024u64;
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(size_bytes)
+            .unwrap();
+        let lo = LoopDevice::attach(&img, sector_bytes);
+        let name = format!("{} ({sector_bytes}-byte sectors)", lo.dev);
+        {
+            let b = FileBacking::open(&lo.dev, &FileOptions::default()).unwrap();
+            eprintln!("{name}: {} align {}", b.io_mode(), b.dio_align_bytes());
+            assert!(b.is_block_device(), "{name}");
+            assert_eq!(b.size_bytes(), size_bytes, "{name}: BLKGETSIZE64");
+            assert_eq!(b.describe(), lo.dev);
+            if b.is_direct() {
+                assert_eq!(b.dio_align_bytes(), sector_bytes, "{name}: BLKSSZGET");
+            }
+            // Opened exclusively, like zram's backing_dev: a second open is refused.
+            let e = FileBacking::open(&lo.dev, &FileOptions::default()).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Busy, "{name}: {e}");
+
+            let blocks = size_bytes / BLOCK as u64;
+            let salt = 61;
+            let mut q = b.new_queue(32).unwrap();
+            write_through_queue(q.as_mut(), &scattered_ops(blocks, salt), salt, &name);
+            // A queued op of 512-byte buffers at an odd sector: misaligned for a 4 KiB-sector
+            // device's direct I/O, so the engine must take the buffered descriptor.
+            let at = 5 * BLOCK as u64 + 512;
+            let small = vec![pattern_buf(at, 512, 62), pattern_buf(at + 512, 512, 62)];
+            q.submit(IoOp::new(at, small, 0)).unwrap();
+            for c in q.wait(1).unwrap() {
+                c.result.unwrap();
+            }
+            drop(q);
+            // The same through the synchronous calls.
+            let at2 = 9 * BLOCK as u64 + 1536;
+            b.write_at(&expected(at2, 512, 63), at2).unwrap();
+            b.flush().unwrap();
+
+            let mut want = expected(0, size_bytes as usize, salt);
+            want[at as usize..at as usize + 1024].copy_from_slice(&expected(at, 1024, 62));
+            want[at2 as usize..at2 as usize + 512].copy_from_slice(&expected(at2, 512, 63));
+            let mut aligned = AlignedBuf::new_zeroed(size_bytes as usize).unwrap();
+            b.read_at(&mut aligned, 0).unwrap();
+            assert!(aligned[..] == want[..], "{name}: aligned read-back");
+            assert!(
+                read_back(&b, at, 1024) == expected(at, 1024, 62),
+                "{name}: small read-back"
+            );
+            drop(b);
+            drop(lo);
+            // And it reached the file under the loop device.
+            assert!(
+                std::fs::read(&img).unwrap() == want,
+                "{name}: file contents"
+            );
+        }
+    }
+}
