@@ -17,6 +17,8 @@ use crate::error::{Error, Result};
 pub struct MemBacking {
     /// The device's bytes; its length is `size_bytes` and never changes.
     data: RwLock<Vec<u8>>,
+    /// `data.len()`, kept outside the lock.
+    size_bytes: u64,
     name: String,
 }
 
@@ -40,6 +42,7 @@ impl MemBacking {
         data.resize(len, 0);
         Ok(MemBacking {
             data: RwLock::new(data),
+            size_bytes,
             name: format!("mem:{size_bytes}"),
         })
     }
@@ -52,7 +55,7 @@ impl MemBacking {
 
 impl Backing for MemBacking {
     fn size_bytes(&self) -> u64 {
-        self.data.read().len() as u64
+        self.size_bytes
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
@@ -90,7 +93,7 @@ impl Backing for MemBacking {
 impl fmt::Debug for MemBacking {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemBacking")
-            .field("size_bytes", &self.size_bytes())
+            .field("size_bytes", &self.size_bytes)
             .finish()
     }
 }
