@@ -13,6 +13,7 @@
 //!
 //! Frontends (the CLI, the NBD server) talk to one narrow trait, [`BlockDevice`].
 
+pub mod backing;
 pub mod bench;
 pub mod compress;
 pub mod corpus;

@@ -1,0 +1,268 @@
+//! Backing devices: where written-back pages go. This layer moves bytes at offsets; it knows
+//! nothing about pages, slots or zram.
+//!
+//! # Parts
+//!
+//! - [`Backing`]: synchronous reads and writes callable from many threads at once (the
+//!   read-back path reads from many request threads), `flush`, and [`Backing::new_queue`] for
+//!   asynchronous writes owned by one writeback task.
+//! - [`IoQueue`]: a queue of in-flight [`IoOp`] writes with owned buffers; [`IoQueue::wait`]
+//!   reaps [`IoCompletion`]s, each handing its op (and so its buffers) back.
+//! - Engines: [`FileBacking`] (a regular file or a block device, `O_DIRECT` when the file system
+//!   takes it) whose queues are [`UringQueue`] (io_uring, [`Engine::Uring`]) or [`SyncQueue`]
+//!   (one `pwritev` per op at submit time, [`Engine::Sync`]: the old single-page path);
+//!   [`MemBacking`] (in memory, for tests); [`FaultyBacking`] (wraps any backing and injects
+//!   EIO, ENOSPC, short and torn writes, on synchronous and queued writes alike).
+//! - [`ceiling`]: the 4 KiB write throughput of a backing at a queue depth, the anchor the
+//!   writeback benchmark reports against.
+//!
+//! # Contracts
+//!
+//! - Offsets and lengths are multiples of [`SECTOR_BYTES`] (512), lengths are non-zero, and a
+//!   request lies inside `[0, size_bytes())`; anything else fails with `InvalidArgument` and
+//!   touches nothing. Buffers passed to the synchronous calls may have any memory alignment (the
+//!   file engine bounces unaligned ones); queued ops use [`AlignedBuf`]s.
+//! - **A short transfer is never success.** Every engine either completes the remainder itself
+//!   (the file engines loop on short `pread`/`pwrite` and resubmit the rest of a short io_uring
+//!   write) or reports `ErrorKind::Io`.
+//! - **Buffer ownership.** An op submitted to a queue owns its buffers until its completion is
+//!   reaped by [`IoQueue::wait`]: the caller cannot touch them meanwhile (they were moved into
+//!   the queue), and a queue never frees a buffer the kernel may still read from. Dropping a
+//!   queue with ops in flight waits for them; if the kernel cannot be waited on, their buffers
+//!   are leaked, never freed.
+//! - **Submit hands the op back.** [`IoQueue::submit`] fails only for an op that was not given
+//!   to the kernel, and then returns it with the error so the caller can refund and release
+//!   what the op stood for.
+//! - Concurrent writes to overlapping ranges (or a read racing a write of the same range) have
+//!   unspecified results; the stores above never issue them (a backing location belongs to
+//!   one slot).
+//! - Errors map errno to kind: `ENOSPC` (and `EDQUOT`, `EFBIG`) is `NoSpace`, `EIO` and
+//!   anything unknown is `Io`.
+
+mod aligned_buf;
+pub mod ceiling;
+mod faulty;
+mod file;
+mod mem;
+mod sync;
+mod sys;
+mod uring;
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+pub use aligned_buf::{AlignedBuf, BUF_ALIGN_BYTES, SECTOR_BYTES};
+pub use faulty::{FaultCounts, FaultKind, FaultPlan, FaultyBacking};
+pub use file::{DirectIo, FileBacking, FileOptions};
+pub use mem::MemBacking;
+pub use sync::SyncQueue;
+pub use uring::UringQueue;
+
+use crate::error::{Error, Result};
+
+/// The writeback unit: one 4 KiB page. [`Backing::block_size_bytes`] of every engine.
+pub const BLOCK_SIZE_BYTES: usize = 4096;
+
+/// The largest queue depth [`Backing::new_queue`] accepts: io_uring's SQ ring holds at most
+/// 32768 entries, and the writeback batch is far below this (default 32).
+pub const MAX_QUEUE_DEPTH: usize = 4096;
+
+/// The most buffers one [`IoOp`] may carry: Linux's `IOV_MAX`, the iovecs one `pwritev` or
+/// `IORING_OP_WRITEV` takes.
+pub const MAX_OP_BUFS: usize = sys::IOV_MAX;
+
+/// Which engine runs a file backing's queued writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Engine {
+    /// io_uring: up to `depth` vectored writes in flight, reaped by the owning task.
+    #[default]
+    Uring,
+    /// One synchronous `pwritev` per op, performed at submit time; its completion is returned
+    /// by the next `wait`. The old single-page path, kept for comparison.
+    Sync,
+}
+
+impl Engine {
+    /// The engine's name, as the benchmark prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Uring => "uring",
+            Engine::Sync => "sync",
+        }
+    }
+}
+
+/// A backing store: a fixed-size range of bytes.
+///
+/// All methods take `&self` and may be called from many threads at once. See the module docs
+/// for the alignment, range and short-transfer contracts.
+pub trait Backing: Send + Sync + Debug {
+    /// The usable size in bytes (a multiple of [`BLOCK_SIZE_BYTES`]).
+    fn size_bytes(&self) -> u64;
+    /// The writeback unit, 4096 bytes.
+    fn block_size_bytes(&self) -> usize {
+        BLOCK_SIZE_BYTES
+    }
+    /// Reads `buf.len()` bytes at `offset`, all of them or an error.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Writes all of `buf` at `offset`, or fails.
+    fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.writev_at(&[buf], offset)
+    }
+    /// Writes `bufs` back to back starting at `offset` (their total a multiple of 512 bytes),
+    /// or fails. On failure any part of the range may have been written.
+    fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> Result<()>;
+    /// Makes completed writes durable.
+    fn flush(&self) -> Result<()>;
+    /// What zram's `backing_dev` shows: the path (or a name for engines without one).
+    fn describe(&self) -> String;
+    /// A queue for asynchronous writes with up to `depth` ops in flight (1..=
+    /// [`MAX_QUEUE_DEPTH`]), owned by one task. The queue borrows the backing.
+    fn new_queue(&self, depth: usize) -> Result<Box<dyn IoQueue + '_>>;
+}
+
+/// A vectored write of all `bufs`, back to back, at `offset`. The op owns its buffers.
+#[derive(Debug, PartialEq, Eq)]
+pub struct IoOp {
+    /// Byte offset of the first buffer (a multiple of 512).
+    pub offset: u64,
+    /// The data, written in order with no gaps.
+    pub bufs: Vec<AlignedBuf>,
+    /// The caller's token, returned untouched with the completion.
+    pub tag: u64,
+}
+
+impl IoOp {
+    /// A write of `bufs` at `offset` tagged `tag`.
+    pub fn new(offset: u64, bufs: Vec<AlignedBuf>, tag: u64) -> IoOp {
+        IoOp { offset, bufs, tag }
+    }
+
+    /// The total number of bytes the op writes.
+    pub fn len_bytes(&self) -> u64 {
+        self.bufs.iter().map(|b| b.len() as u64).sum()
+    }
+}
+
+/// A reaped op: its buffers are the caller's again.
+#[derive(Debug)]
+pub struct IoCompletion {
+    /// The op, with its buffers and tag.
+    pub op: IoOp,
+    /// `Ok` only if every byte was written.
+    pub result: Result<()>,
+}
+
+/// What `submit` returns: `Err` only for an op the kernel never saw, handed back with the error.
+pub type SubmitResult = std::result::Result<(), (Error, IoOp)>;
+
+/// Asynchronous writes owned by one task (the writeback task). See the module docs for the
+/// buffer-ownership invariant.
+pub trait IoQueue: Send + Debug {
+    /// The most ops that can be in flight (submitted and not yet reaped).
+    fn depth(&self) -> usize;
+    /// Queues `op`. Fails, handing `op` back, when the queue is full (`Busy`: reap first), the
+    /// op is invalid (`InvalidArgument`), or the op could not be given to the kernel. A write
+    /// error found later is reported in the op's completion.
+    fn submit(&mut self, op: IoOp) -> SubmitResult;
+    /// Reaps completions, blocking until at least `min_complete` are available or nothing is
+    /// left in flight (so `wait(usize::MAX)` drains the queue and `wait(0)` never blocks).
+    /// Completions come in the order they finished. `Err` means the kernel could not be waited
+    /// on; the ops stay in flight.
+    fn wait(&mut self, min_complete: usize) -> Result<Vec<IoCompletion>>;
+    /// Ops submitted and not yet reaped.
+    fn in_flight(&self) -> usize;
+}
+
+/// Checks a request against the contract: non-zero length, 512-multiples, inside the device.
+pub(crate) fn check_range(size_bytes: u64, offset: u64, len_bytes: u64, what: &str) -> Result<()> {
+    let sector = SECTOR_BYTES as u64;
+    if len_bytes == 0 || len_bytes % sector != 0 || offset % sector != 0 {
+        return Err(Error::invalid(format!(
+            "backing {what} of {len_bytes} bytes at offset {offset}: offset and length must be \
+             multiples of {sector} and the length non-zero"
+        )));
+    }
+    match offset.checked_add(len_bytes) {
+        Some(end) if end <= size_bytes => Ok(()),
+        _ => Err(Error::invalid(format!(
+            "backing {what} of {len_bytes} bytes at offset {offset} ends past the backing \
+             device's {size_bytes} bytes"
+        ))),
+    }
+}
+
+/// Checks a queue depth against `1..=MAX_QUEUE_DEPTH`.
+pub(crate) fn check_depth(depth: usize) -> Result<()> {
+    if depth == 0 || depth > MAX_QUEUE_DEPTH {
+        return Err(Error::invalid(format!(
+            "queue depth {depth} is outside 1..={MAX_QUEUE_DEPTH}"
+        )));
+    }
+    Ok(())
+}
+
+/// The total length of `bufs` in bytes.
+pub(crate) fn total_len(bufs: &[&[u8]]) -> u64 {
+    bufs.iter().map(|b| b.len() as u64).sum()
+}
+
+macro_rules! forward_backing {
+    ($ty:ty) => {
+        impl<B: Backing + ?Sized> Backing for $ty {
+            fn size_bytes(&self) -> u64 {
+                (**self).size_bytes()
+            }
+            fn block_size_bytes(&self) -> usize {
+                (**self).block_size_bytes()
+            }
+            fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+                (**self).read_at(buf, offset)
+            }
+            fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+                (**self).write_at(buf, offset)
+            }
+            fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> Result<()> {
+                (**self).writev_at(bufs, offset)
+            }
+            fn flush(&self) -> Result<()> {
+                (**self).flush()
+            }
+            fn describe(&self) -> String {
+                (**self).describe()
+            }
+            fn new_queue(&self, depth: usize) -> Result<Box<dyn IoQueue + '_>> {
+                (**self).new_queue(depth)
+            }
+        }
+    };
+}
+
+forward_backing!(Box<B>);
+forward_backing!(Arc<B>);
+forward_backing!(&B);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    #[test]
+    fn range_checks() {
+        assert!(check_range(8192, 0, 8192, "write").is_ok());
+        assert!(check_range(8192, 4096, 512, "write").is_ok());
+        for (off, len) in [
+            (0, 0),
+            (1, 512),
+            (0, 511),
+            (4096, 8192),
+            (u64::MAX - 511, 512),
+        ] {
+            let err = check_range(8192, off, len, "write").unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{off} {len}");
+        }
+        assert!(check_depth(0).is_err());
+        assert!(check_depth(MAX_QUEUE_DEPTH + 1).is_err());
+        assert!(check_depth(32).is_ok());
+    }
+}

@@ -1,0 +1,94 @@
+//! [`SyncQueue`]: the synchronous engine. Each op is written with one [`Backing::writev_at`]
+//! (`pwritev` for files) when it is submitted; its completion waits in a list until the next
+//! [`IoQueue::wait`] reaps it. Nothing is ever in the kernel between calls, so dropping the
+//! queue only drops reaped-or-finished ops.
+//!
+//! This is the old single-page writeback path (one blocking write at a time), kept so the
+//! benchmark can compare it with the io_uring engine on the same file; it is also the queue of
+//! [`MemBacking`](super::MemBacking).
+
+use std::collections::VecDeque;
+use std::fmt;
+
+use super::sys::IOV_MAX;
+use super::{check_depth, check_range, Backing, IoCompletion, IoOp, IoQueue, SubmitResult};
+use crate::error::{Error, Result};
+
+/// A queue that performs each write at submit time. An op counts as in flight until its
+/// completion is reaped, so `depth` bounds unreaped completions as on the io_uring engine.
+pub struct SyncQueue<'a> {
+    backing: &'a dyn Backing,
+    depth: usize,
+    /// Finished ops, oldest first, waiting to be reaped.
+    done: VecDeque<IoCompletion>,
+}
+
+impl<'a> SyncQueue<'a> {
+    /// A queue of `depth` over `backing`.
+    pub fn new(backing: &'a dyn Backing, depth: usize) -> Result<SyncQueue<'a>> {
+        check_depth(depth)?;
+        Ok(SyncQueue {
+            backing,
+            depth,
+            done: VecDeque::with_capacity(depth),
+        })
+    }
+}
+
+/// The checks every engine makes before taking an op: room in the queue, 1..=`IOV_MAX`
+/// buffers (one `pwritev`/`IORING_OP_WRITEV`), a valid range.
+pub(crate) fn check_submit(
+    op: &IoOp,
+    in_flight: usize,
+    depth: usize,
+    size_bytes: u64,
+) -> Result<()> {
+    if in_flight >= depth {
+        return Err(Error::busy(format!(
+            "backing queue full: {in_flight} of {depth} ops in flight; reap completions first"
+        )));
+    }
+    if op.bufs.is_empty() || op.bufs.len() > IOV_MAX {
+        return Err(Error::invalid(format!(
+            "backing write of {} buffers: an op has 1..={IOV_MAX}",
+            op.bufs.len()
+        )));
+    }
+    check_range(size_bytes, op.offset, op.len_bytes(), "write")
+}
+
+impl IoQueue for SyncQueue<'_> {
+    fn depth(&self) -> usize {
+        self.depth
+    }
+
+    fn submit(&mut self, op: IoOp) -> SubmitResult {
+        if let Err(e) = check_submit(&op, self.done.len(), self.depth, self.backing.size_bytes()) {
+            return Err((e, op));
+        }
+        let slices: Vec<&[u8]> = op.bufs.iter().map(|b| &b[..]).collect();
+        let result = self.backing.writev_at(&slices, op.offset);
+        self.done.push_back(IoCompletion { op, result });
+        Ok(())
+    }
+
+    fn wait(&mut self, min_complete: usize) -> Result<Vec<IoCompletion>> {
+        // Everything submitted has already finished: `min_complete` is always satisfied.
+        let _ = min_complete;
+        Ok(self.done.drain(..).collect())
+    }
+
+    fn in_flight(&self) -> usize {
+        self.done.len()
+    }
+}
+
+impl fmt::Debug for SyncQueue<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncQueue")
+            .field("backing", &self.backing.describe())
+            .field("depth", &self.depth)
+            .field("in_flight", &self.done.len())
+            .finish()
+    }
+}
