@@ -189,7 +189,7 @@ fn run_session(input: &[u8], exports: &[Export]) -> bool {
     let mut r = Cursor::new(input);
     let mut hs_out = Vec::new();
     let Ok(Some(neg)) = negotiate(&mut r, &mut hs_out, exports, Some(0), &stop) else {
-        return;
+        return false;
     };
     let sink = Sink::default();
     let device = &*exports[neg.export].device;
