@@ -290,7 +290,7 @@ fn many_requests_in_flight_are_all_answered() {
             w.write_all(&pattern(len as usize, i)).unwrap();
         }
     });
-    let mut seen = vec![false; 200];
+    let mut seen = [false; 200];
     for _ in 0..200 {
         let r = c.read_reply(0);
         assert_eq!(r.error, 0);
