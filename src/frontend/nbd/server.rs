@@ -50,6 +50,9 @@ pub const MAX_INFLIGHT_BYTES: u64 = 2 * MAX_PAYLOAD_BYTES as u64;
 /// How long a client may stay silent during the handshake (real clients take milliseconds);
 /// a connection that never negotiates must not hold a thread forever.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one reply may wait for the client to make room in its socket: a client that stops
+/// reading replies for this long is dropped, so it cannot hold workers (or a clean stop) forever.
+pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Buffered reading of request headers: one `read` call fetches many small requests.
 const READ_BUFFER_BYTES: usize = 256 << 10;
 
@@ -94,6 +97,12 @@ impl Stream {
         match self {
             Stream::Unix(s) => s.set_read_timeout(t),
             Stream::Tcp(s) => s.set_read_timeout(t),
+        }
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_write_timeout(t),
+            Stream::Tcp(s) => s.set_write_timeout(t),
         }
     }
 }
@@ -477,6 +486,7 @@ fn serve_connection(
     default_export: Option<usize>,
 ) -> io::Result<()> {
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(REPLY_WRITE_TIMEOUT))?;
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, &**stream);
     let mut writer = &**stream;
     let Some(neg) = negotiate(
