@@ -19,6 +19,7 @@ pub mod compress;
 pub mod corpus;
 pub mod device;
 pub mod error;
+pub mod frontend;
 pub mod slot;
 pub mod units;
 pub mod zsmalloc;

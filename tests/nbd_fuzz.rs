@@ -1,0 +1,290 @@
+//! A seeded fuzzer for the NBD message parsers: random and mutated byte streams through the
+//! handshake and the transmission phase, in memory. Nothing may panic or hang, and whatever
+//! the server answers must itself be well-formed protocol.
+//!
+//! The seeds are fixed so a failure replays; set `UZRAM_FUZZ_ITERS` to run longer.
+
+mod nbd_support;
+
+use nbd_support::new_device;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::io::Cursor;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use uzram::frontend::nbd::handshake::negotiate;
+use uzram::frontend::nbd::protocol::*;
+use uzram::frontend::nbd::server::transmission;
+use uzram::frontend::nbd::Export;
+
+fn iterations() -> usize {
+    std::env::var("UZRAM_FUZZ_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1500)
+}
+
+/// A well-formed client session: flags, some options, GO, requests, DISC.
+fn valid_session(rng: &mut SmallRng) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes());
+    let opt = |b: &mut Vec<u8>, o: u32, d: &[u8]| {
+        b.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        b.extend_from_slice(&o.to_be_bytes());
+        b.extend_from_slice(&(d.len() as u32).to_be_bytes());
+        b.extend_from_slice(d);
+    };
+    let go = |name: &str, infos: &[u16]| {
+        let mut d = (name.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(name.as_bytes());
+        d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+        for i in infos {
+            d.extend_from_slice(&i.to_be_bytes());
+        }
+        d
+    };
+    if rng.gen_bool(0.5) {
+        opt(&mut b, OPT_LIST, &[]);
+    }
+    if rng.gen_bool(0.7) {
+        opt(&mut b, OPT_STRUCTURED_REPLY, &[]);
+    }
+    if rng.gen_bool(0.5) {
+        opt(
+            &mut b,
+            OPT_INFO,
+            &go("zram0", &[INFO_NAME, INFO_BLOCK_SIZE]),
+        );
+    }
+    if rng.gen_bool(0.8) {
+        opt(
+            &mut b,
+            OPT_GO,
+            &go("zram0", &[INFO_BLOCK_SIZE, INFO_DESCRIPTION]),
+        );
+    } else {
+        opt(&mut b, OPT_EXPORT_NAME, b"zram0");
+    }
+    for i in 0..rng.gen_range(1..20u64) {
+        let command = [
+            CMD_READ,
+            CMD_WRITE,
+            CMD_FLUSH,
+            CMD_TRIM,
+            CMD_WRITE_ZEROES,
+            CMD_CACHE,
+        ][rng.gen_range(0..6)];
+        let length = 512 * rng.gen_range(0..16u32);
+        let h = RequestHeader {
+            flags: if rng.gen_bool(0.2) { CMD_FLAG_FUA } else { 0 },
+            command,
+            cookie: i,
+            offset: 512 * rng.gen_range(0..600u64),
+            length,
+        };
+        b.extend_from_slice(&h.encode());
+        if command == CMD_WRITE {
+            b.extend((0..length).map(|_| rng.gen::<u8>()));
+        }
+    }
+    if rng.gen_bool(0.5) {
+        b.extend_from_slice(
+            &RequestHeader {
+                flags: 0,
+                command: CMD_DISC,
+                cookie: 0,
+                offset: 0,
+                length: 0,
+            }
+            .encode(),
+        );
+    }
+    b
+}
+
+fn mutate(rng: &mut SmallRng, mut b: Vec<u8>) -> Vec<u8> {
+    for _ in 0..rng.gen_range(1..6) {
+        if b.is_empty() {
+            b.push(rng.gen());
+            continue;
+        }
+        let at = rng.gen_range(0..b.len());
+        match rng.gen_range(0..6) {
+            0 => b[at] ^= 1 << rng.gen_range(0..8),
+            1 => b[at] = rng.gen(),
+            2 => {
+                // A length-like field set to something extreme.
+                let v: u32 =
+                    [0, 1, 511, 513, u32::MAX, 1 << 25, (1 << 25) + 512][rng.gen_range(0..7)];
+                for (i, x) in v.to_be_bytes().iter().enumerate() {
+                    if at + i < b.len() {
+                        b[at + i] = *x;
+                    }
+                }
+            }
+            3 => b.truncate(at),
+            4 => {
+                let n = rng.gen_range(1..32);
+                let junk: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+                b.splice(at..at, junk);
+            }
+            _ => {
+                let end = (at + rng.gen_range(1..32)).min(b.len());
+                b.drain(at..end);
+            }
+        }
+    }
+    b
+}
+
+/// Checks that `out` is a sequence of well-formed structured reply chunks or simple replies
+/// with no data (reads without structured replies are not context-free, so only structured
+/// sessions are checked).
+fn check_structured_replies(out: &[u8]) {
+    let mut p = 0;
+    while p < out.len() {
+        let magic = u32::from_be_bytes(out[p..p + 4].try_into().unwrap());
+        match magic {
+            SIMPLE_REPLY_MAGIC => p += SIMPLE_REPLY_HEADER_BYTES,
+            STRUCTURED_REPLY_MAGIC => {
+                let ty = u16::from_be_bytes([out[p + 6], out[p + 7]]);
+                let len = u32::from_be_bytes(out[p + 16..p + 20].try_into().unwrap()) as usize;
+                let payload = &out[p + 20..p + 20 + len];
+                match ty {
+                    REPLY_TYPE_NONE => assert_eq!(len, 0),
+                    REPLY_TYPE_OFFSET_DATA => assert!(len >= 9),
+                    REPLY_TYPE_ERROR => {
+                        assert!(len >= 6);
+                        let err = u32::from_be_bytes(payload[..4].try_into().unwrap());
+                        assert_ne!(err, 0);
+                        let mlen = u16::from_be_bytes([payload[4], payload[5]]) as usize;
+                        assert_eq!(mlen + 6, len);
+                    }
+                    t => panic!("unexpected chunk type {t}"),
+                }
+                p += 20 + len;
+            }
+            m => panic!("bad reply magic {m:#x} at {p}"),
+        }
+    }
+    assert_eq!(p, out.len());
+}
+
+/// A writer the worker threads share through the server's mutex.
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+impl std::io::Write for Sink {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Runs one session; true if it reached the transmission phase.
+fn run_session(input: &[u8], exports: &[Export]) -> bool {
+    let stop = AtomicBool::new(false);
+    let mut r = Cursor::new(input);
+    let mut hs_out = Vec::new();
+    let Ok(Some(neg)) = negotiate(&mut r, &mut hs_out, exports, Some(0), &stop) else {
+        return false;
+    };
+    let sink = Sink::default();
+    let device = &*exports[neg.export].device;
+    let _ = transmission(&mut r, sink.clone(), device, &neg, 2, &stop, &|| {});
+    if neg.structured {
+        check_structured_replies(&sink.0.lock().unwrap());
+    }
+    true
+}
+
+#[test]
+fn fuzz_handshake_and_requests_with_mutated_sessions() {
+    let exports = vec![Export::new("zram0", new_device(1 << 20))];
+    let mut reached = 0;
+    for seed in 0..iterations() as u64 {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let session = valid_session(&mut rng);
+        let input = if seed % 10 == 0 {
+            session
+        } else {
+            mutate(&mut rng, session)
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_session(&input, &exports)
+        }));
+        match r {
+            Ok(t) => reached += usize::from(t),
+            Err(_) => panic!("seed {seed} failed (UZRAM_FUZZ_ITERS replays it)"),
+        }
+    }
+    // The harness must reach the request parser often, or it tests only the handshake.
+    assert!(
+        reached > iterations() / 4,
+        "only {reached} sessions reached transmission"
+    );
+}
+
+#[test]
+fn fuzz_random_bytes() {
+    let exports = vec![Export::new("zram0", new_device(1 << 20))];
+    for seed in 0..iterations() as u64 {
+        let mut rng = SmallRng::seed_from_u64(seed ^ 0xfeed);
+        let len = rng.gen_range(0..512);
+        let mut input: Vec<u8> = (0..len).map(|_| rng.gen()).collect();
+        // Half the time start with a valid flags word so the option parser is reached.
+        if seed % 2 == 0 && input.len() >= 12 {
+            input[..4].copy_from_slice(&1u32.to_be_bytes());
+            input[4..12].copy_from_slice(&IHAVEOPT.to_be_bytes());
+        }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run_session(&input, &exports)
+        }));
+        assert!(r.is_ok(), "seed {seed} failed");
+    }
+}
+
+#[test]
+fn fuzz_request_classification() {
+    // Every header classifies without panicking, and accepted I/O lies inside the export and
+    // within the payload limit.
+    let mut rng = SmallRng::seed_from_u64(7);
+    for _ in 0..200_000 {
+        let mut b = [0u8; REQUEST_HEADER_BYTES];
+        rng.fill(&mut b[..]);
+        b[..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        if rng.gen_bool(0.5) {
+            b[6] = 0;
+            b[7] = rng.gen_range(0..8);
+            b[4] = 0;
+            b[5] &= 0x1f;
+        }
+        let h = RequestHeader::parse(&b).unwrap();
+        let limits = ExportLimits {
+            size_bytes: 512 * rng.gen_range(0..1u64 << 40),
+            structured: rng.gen(),
+        };
+        match classify(&h, limits) {
+            Action::Read { offset, length }
+            | Action::Write { offset, length, .. }
+            | Action::Trim { offset, length, .. }
+            | Action::WriteZeroes { offset, length, .. } => {
+                assert!(offset + u64::from(length) <= limits.size_bytes);
+                assert!(offset % 512 == 0 && length % 512 == 0 && length > 0);
+                if matches!(h.command, CMD_READ | CMD_WRITE) {
+                    assert!(length <= MAX_PAYLOAD_BYTES);
+                }
+            }
+            Action::Reject {
+                error,
+                discard_payload,
+            } => {
+                assert_ne!(error, 0);
+                assert!(discard_payload <= MAX_DISCARDED_PAYLOAD_BYTES);
+            }
+            _ => {}
+        }
+    }
+}

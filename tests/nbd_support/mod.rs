@@ -1,0 +1,384 @@
+//! Helpers shared by the NBD tests: a served device on a temporary unix socket, a minimal raw
+//! NBD client for protocol-level tests, and running real client programs.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+use uzram::frontend::nbd::protocol::*;
+use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram::BlockDevice;
+
+// ---------------------------------------------------------------------------------------------
+// The device under test.
+
+/// Scaffolding until the real `Device` builds on main: a RAM-backed block device with the
+/// same contract (512-byte alignment, range checks). Replaced by `uzram::device::Device`.
+pub struct RamDevice {
+    data: std::sync::RwLock<Vec<u8>>,
+}
+
+fn check(len: u64, offset: u64, size: u64) -> uzram::Result<()> {
+    if offset % 512 != 0 || len % 512 != 0 || len == 0 {
+        return Err(uzram::Error::invalid("misaligned"));
+    }
+    if !matches!(offset.checked_add(len), Some(end) if end <= size) {
+        return Err(uzram::Error::invalid("past the end"));
+    }
+    Ok(())
+}
+
+impl BlockDevice for RamDevice {
+    fn size_bytes(&self) -> u64 {
+        self.data.read().unwrap().len() as u64
+    }
+    fn page_size_bytes(&self) -> usize {
+        4096
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> uzram::Result<()> {
+        let d = self.data.read().unwrap();
+        check(buf.len() as u64, offset, d.len() as u64)?;
+        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> uzram::Result<()> {
+        let mut d = self.data.write().unwrap();
+        check(buf.len() as u64, offset, d.len() as u64)?;
+        d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
+        Ok(())
+    }
+    fn discard(&self, offset: u64, len: u64) -> uzram::Result<()> {
+        self.write_zeroes(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64) -> uzram::Result<()> {
+        let mut d = self.data.write().unwrap();
+        check(len, offset, d.len() as u64)?;
+        d[offset as usize..(offset + len) as usize].fill(0);
+        Ok(())
+    }
+    fn flush(&self) -> uzram::Result<()> {
+        Ok(())
+    }
+}
+
+/// A new device of `size_bytes`.
+pub fn new_device(size_bytes: u64) -> Arc<dyn BlockDevice> {
+    Arc::new(RamDevice {
+        data: std::sync::RwLock::new(vec![0; size_bytes as usize]),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// A served device.
+
+/// A server on a temporary unix socket, exporting one device as `zram0`.
+pub struct Served {
+    pub server: Option<Server>,
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub device: Arc<dyn BlockDevice>,
+}
+
+impl Served {
+    /// Serves a fresh device of `size_bytes`.
+    pub fn new(size_bytes: u64) -> Served {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("zram0.sock");
+        let device = new_device(size_bytes);
+        let server = Server::start(
+            vec![Export::new("zram0", Arc::clone(&device))],
+            &[Listen::Unix {
+                path: socket.clone(),
+                export: "zram0".into(),
+            }],
+            ServerConfig {
+                log_errors: false,
+                ..ServerConfig::default()
+            },
+        )
+        .expect("server starts");
+        Served {
+            server: Some(server),
+            dir,
+            socket,
+            device,
+        }
+    }
+
+    /// The export's NBD URI.
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///zram0?socket={}", self.socket.display())
+    }
+
+    /// Stops the server cleanly (waits for connections to finish).
+    pub fn stop(&mut self) {
+        if let Some(s) = self.server.take() {
+            s.stop();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real client programs.
+
+/// The Debian package that ships each client program.
+fn package_of(program: &str) -> &'static str {
+    match program {
+        "qemu-img" | "qemu-io" => "qemu-utils",
+        "nbdinfo" | "nbdcopy" | "nbdfuse" => "libnbd-bin",
+        "fio" => "fio",
+        "fusermount3" => "fuse3",
+        "mkfs.ext4" => "e2fsprogs",
+        "losetup" | "mount" | "umount" => "util-linux (mount)",
+        _ => "?",
+    }
+}
+
+/// Fails the test (never skips) if `program` is not installed.
+pub fn require(program: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
+        .unwrap_or(false)
+        || ["/usr/sbin", "/sbin"]
+            .iter()
+            .any(|d| Path::new(d).join(program).is_file());
+    assert!(
+        found,
+        "the NBD client `{program}` is missing: install Debian package {} (scripts/debian-packages.txt)",
+        package_of(program)
+    );
+}
+
+/// Runs a command, asserting success; returns its output.
+pub fn run(cmd: &mut Command) -> Output {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Position-dependent, partly compressible test data: each 512-byte sector carries its own
+/// index (so a misplaced block is caught), some text, and some pseudo-random bytes.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for (i, sector) in v.chunks_mut(512).enumerate() {
+        let head = format!("sector {i:010} seed {seed} uzram nbd test data ");
+        let n = head.len().min(sector.len());
+        sector[..n].copy_from_slice(&head.as_bytes()[..n]);
+        for b in sector[n..].iter_mut().skip(200) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// A minimal raw client, to send what real clients never send.
+
+pub struct RawClient {
+    pub s: UnixStream,
+    pub structured: bool,
+}
+
+pub struct Reply {
+    pub error: u32,
+    pub cookie: u64,
+    pub data: Vec<u8>,
+}
+
+impl RawClient {
+    /// Connects and reads the greeting (asserting it).
+    pub fn connect(socket: &Path) -> RawClient {
+        let mut s = UnixStream::connect(socket).expect("connect");
+        s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        let mut g = [0u8; 18];
+        s.read_exact(&mut g).expect("greeting");
+        assert_eq!(g, encode_greeting());
+        RawClient {
+            s,
+            structured: false,
+        }
+    }
+
+    pub fn send_client_flags(&mut self, flags: u32) {
+        self.s.write_all(&flags.to_be_bytes()).unwrap();
+    }
+
+    pub fn send_option(&mut self, option: u32, data: &[u8]) {
+        let mut b = Vec::new();
+        b.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        b.extend_from_slice(&option.to_be_bytes());
+        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        b.extend_from_slice(data);
+        self.s.write_all(&b).unwrap();
+    }
+
+    /// Reads one option reply: (option, type, data).
+    pub fn read_option_reply(&mut self) -> (u32, u32, Vec<u8>) {
+        let mut h = [0u8; 20];
+        self.s.read_exact(&mut h).expect("option reply");
+        assert_eq!(
+            u64::from_be_bytes(h[0..8].try_into().unwrap()),
+            OPTION_REPLY_MAGIC
+        );
+        let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
+        let ty = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+        let mut d = vec![0u8; len as usize];
+        self.s.read_exact(&mut d).unwrap();
+        (opt, ty, d)
+    }
+
+    pub fn go_data(name: &str, infos: &[u16]) -> Vec<u8> {
+        let mut d = Vec::new();
+        d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        d.extend_from_slice(name.as_bytes());
+        d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+        for i in infos {
+            d.extend_from_slice(&i.to_be_bytes());
+        }
+        d
+    }
+
+    /// Full handshake with GO (and structured replies if asked); returns the export size.
+    pub fn handshake(socket: &Path, structured: bool) -> (RawClient, u64) {
+        let mut c = RawClient::connect(socket);
+        c.send_client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+        if structured {
+            c.send_option(OPT_STRUCTURED_REPLY, &[]);
+            let (_, ty, _) = c.read_option_reply();
+            assert_eq!(ty, REP_ACK);
+            c.structured = true;
+        }
+        c.send_option(OPT_GO, &RawClient::go_data("zram0", &[INFO_BLOCK_SIZE]));
+        let mut size = None;
+        loop {
+            let (_, ty, d) = c.read_option_reply();
+            match ty {
+                REP_INFO => {
+                    if u16::from_be_bytes([d[0], d[1]]) == INFO_EXPORT {
+                        size = Some(u64::from_be_bytes(d[2..10].try_into().unwrap()));
+                    }
+                }
+                REP_ACK => break,
+                other => panic!("GO failed: reply type {other:#x}"),
+            }
+        }
+        (c, size.expect("NBD_INFO_EXPORT"))
+    }
+
+    pub fn send_request(
+        &mut self,
+        command: u16,
+        flags: u16,
+        cookie: u64,
+        offset: u64,
+        length: u32,
+    ) {
+        let h = RequestHeader {
+            flags,
+            command,
+            cookie,
+            offset,
+            length,
+        };
+        self.s.write_all(&h.encode()).unwrap();
+    }
+
+    /// Reads one complete reply. `read_len` is the data length expected for a successful
+    /// simple read reply (the simple reply does not say).
+    pub fn read_reply(&mut self, read_len: usize) -> Reply {
+        let mut m = [0u8; 4];
+        self.s.read_exact(&mut m).expect("reply");
+        match u32::from_be_bytes(m) {
+            SIMPLE_REPLY_MAGIC => {
+                let mut h = [0u8; 12];
+                self.s.read_exact(&mut h).unwrap();
+                let error = u32::from_be_bytes(h[0..4].try_into().unwrap());
+                let cookie = u64::from_be_bytes(h[4..12].try_into().unwrap());
+                let mut data = vec![0u8; if error == 0 { read_len } else { 0 }];
+                self.s.read_exact(&mut data).unwrap();
+                Reply {
+                    error,
+                    cookie,
+                    data,
+                }
+            }
+            STRUCTURED_REPLY_MAGIC => {
+                let mut error = 0;
+                let mut data = Vec::new();
+                let mut cookie;
+                let mut magic_read = true;
+                loop {
+                    if !magic_read {
+                        self.s.read_exact(&mut m).unwrap();
+                        assert_eq!(u32::from_be_bytes(m), STRUCTURED_REPLY_MAGIC);
+                    }
+                    magic_read = false;
+                    let mut h = [0u8; 16];
+                    self.s.read_exact(&mut h).unwrap();
+                    let flags = u16::from_be_bytes([h[0], h[1]]);
+                    let ty = u16::from_be_bytes([h[2], h[3]]);
+                    cookie = u64::from_be_bytes(h[4..12].try_into().unwrap());
+                    let len = u32::from_be_bytes(h[12..16].try_into().unwrap());
+                    let mut p = vec![0u8; len as usize];
+                    self.s.read_exact(&mut p).unwrap();
+                    match ty {
+                        REPLY_TYPE_OFFSET_DATA => data.extend_from_slice(&p[8..]),
+                        REPLY_TYPE_NONE => assert_eq!(len, 0),
+                        t if t & 0x8000 != 0 => {
+                            error = u32::from_be_bytes(p[0..4].try_into().unwrap());
+                            let mlen = u16::from_be_bytes([p[4], p[5]]) as usize;
+                            assert!(mlen + 6 <= p.len(), "error message overflows chunk");
+                        }
+                        t => panic!("unexpected chunk type {t}"),
+                    }
+                    if flags & REPLY_FLAG_DONE != 0 {
+                        break;
+                    }
+                }
+                Reply {
+                    error,
+                    cookie,
+                    data,
+                }
+            }
+            other => panic!("bad reply magic {other:#x}"),
+        }
+    }
+
+    pub fn write(&mut self, cookie: u64, offset: u64, data: &[u8]) -> u32 {
+        self.send_request(CMD_WRITE, 0, cookie, offset, data.len() as u32);
+        self.s.write_all(data).unwrap();
+        let r = self.read_reply(0);
+        assert_eq!(r.cookie, cookie);
+        r.error
+    }
+
+    pub fn read(&mut self, cookie: u64, offset: u64, len: u32) -> Reply {
+        self.send_request(CMD_READ, 0, cookie, offset, len);
+        let r = self.read_reply(len as usize);
+        assert_eq!(r.cookie, cookie);
+        r
+    }
+
+    /// True if the server closed the connection (read returns end of stream or reset).
+    pub fn is_closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.s.read(&mut b), Ok(0) | Err(_))
+    }
+}
