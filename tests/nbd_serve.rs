@@ -3,7 +3,6 @@
 //!
 //! Off until `serve` is wired into the binary, which needs `uzram::device::Device` from main
 //! (see docs/nbd.md, "Status"): then delete the next line.
-#![cfg(any())]
 
 mod nbd_support;
 

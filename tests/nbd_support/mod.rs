@@ -14,60 +14,15 @@ use uzram::BlockDevice;
 // ---------------------------------------------------------------------------------------------
 // The device under test.
 
-/// Scaffolding until the real `Device` builds on main: a RAM-backed block device with the
-/// same contract (512-byte alignment, range checks). Replaced by `uzram::device::Device`.
-pub struct RamDevice {
-    data: std::sync::RwLock<Vec<u8>>,
-}
-
-fn check(len: u64, offset: u64, size: u64) -> uzram::Result<()> {
-    if offset % 512 != 0 || len % 512 != 0 || len == 0 {
-        return Err(uzram::Error::invalid("misaligned"));
-    }
-    if !matches!(offset.checked_add(len), Some(end) if end <= size) {
-        return Err(uzram::Error::invalid("past the end"));
-    }
-    Ok(())
-}
-
-impl BlockDevice for RamDevice {
-    fn size_bytes(&self) -> u64 {
-        self.data.read().unwrap().len() as u64
-    }
-    fn page_size_bytes(&self) -> usize {
-        4096
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> uzram::Result<()> {
-        let d = self.data.read().unwrap();
-        check(buf.len() as u64, offset, d.len() as u64)?;
-        buf.copy_from_slice(&d[offset as usize..offset as usize + buf.len()]);
-        Ok(())
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> uzram::Result<()> {
-        let mut d = self.data.write().unwrap();
-        check(buf.len() as u64, offset, d.len() as u64)?;
-        d[offset as usize..offset as usize + buf.len()].copy_from_slice(buf);
-        Ok(())
-    }
-    fn discard(&self, offset: u64, len: u64) -> uzram::Result<()> {
-        self.write_zeroes(offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64) -> uzram::Result<()> {
-        let mut d = self.data.write().unwrap();
-        check(len, offset, d.len() as u64)?;
-        d[offset as usize..(offset + len) as usize].fill(0);
-        Ok(())
-    }
-    fn flush(&self) -> uzram::Result<()> {
-        Ok(())
-    }
-}
-
-/// A new device of `size_bytes`.
+/// A new device of `size_bytes`: the real compressed-RAM device, lz4, 4 KiB pages.
 pub fn new_device(size_bytes: u64) -> Arc<dyn BlockDevice> {
-    Arc::new(RamDevice {
-        data: std::sync::RwLock::new(vec![0; size_bytes as usize]),
-    })
+    Arc::new(
+        uzram::device::Device::new(uzram::device::DeviceConfig {
+            disksize_bytes: size_bytes,
+            ..Default::default()
+        })
+        .expect("create device"),
+    )
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 mod bench;
 mod corpus;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -19,6 +20,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Snapshot the memory of real programs into a page corpus for the benchmarks.
     Corpus(corpus::CorpusArgs),
+    /// Create devices and export them over NBD (a unix socket by default).
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,5 +29,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Bench(a) => bench::run(a),
         Command::Corpus(a) => corpus::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }
