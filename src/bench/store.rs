@@ -22,7 +22,6 @@ use crate::corpus::Corpus;
 use crate::device::{Device, DeviceConfig, StatsSnapshot};
 use crate::error::{Error, Result};
 use crate::slot::SlotTable;
-use crate::BlockDevice;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde_json::json;
@@ -124,7 +123,7 @@ pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Valu
             ..Default::default()
         })
     };
-    let mut store = |threads: usize| -> Result<(f64, f64)> {
+    let store = |threads: usize| -> Result<(f64, f64)> {
         let (mut w, mut r) = (Vec::new(), Vec::new());
         for _ in 0..reps {
             let dev = new_dev(work.len())?;

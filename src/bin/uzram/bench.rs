@@ -67,7 +67,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 /// default path and does not exist yet.
 fn load_or_build_corpus(path: &std::path::Path) -> anyhow::Result<Corpus> {
     if !path.exists() && path == std::path::Path::new(DEFAULT_CORPUS) {
-        eprintln!("no corpus at {}: building one from running programs", path.display());
+        eprintln!(
+            "no corpus at {}: building one from running programs",
+            path.display()
+        );
         crate::corpus::build_default(path)?;
     }
     Corpus::load(path).with_context(|| format!("loading corpus {}", path.display()))

@@ -72,7 +72,12 @@ pub fn build_default(out: &Path) -> Result<()> {
         out: out.to_path_buf(),
         pages_per_program: 4096,
         page_size: 4096,
-        programs: vec![Program::Python, Program::Node, Program::Java, Program::Postgres],
+        programs: vec![
+            Program::Python,
+            Program::Node,
+            Program::Java,
+            Program::Postgres,
+        ],
         ready_timeout_secs: 300,
     })
 }

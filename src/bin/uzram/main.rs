@@ -8,7 +8,11 @@ mod serve;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "uzram", version, about = "A compressed-RAM block device in userspace")]
+#[command(
+    name = "uzram",
+    version,
+    about = "A compressed-RAM block device in userspace"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
