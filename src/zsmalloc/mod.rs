@@ -482,6 +482,18 @@ pub(crate) mod tests {
         });
     }
 
+    /// Canary: the checker used by every test does catch a single wrong byte.
+    #[test]
+    #[should_panic(expected = "corrupted")]
+    fn checker_catches_one_wrong_byte() {
+        let pool = ZsPool::new(4096).unwrap();
+        let h = pool.malloc(1000).unwrap();
+        let mut data = pattern(7, 1000);
+        data[999] ^= 1;
+        pool.write(h, &data);
+        check_obj(&pool, h, 7, 1000);
+    }
+
     #[test]
     fn pool_is_send_and_sync() {
         fn assert_send_sync<T: Send + Sync>() {}
