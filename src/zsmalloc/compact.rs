@@ -198,8 +198,11 @@ mod tests {
         assert_eq!(pool.total_pages(), 0);
     }
 
-    /// Workers malloc/write/read/free their own handles while another thread compacts in a loop.
+    /// Workers malloc/write/read/free their own handles while another thread compacts in a loop,
+    /// for `duration`, and longer (up to a minute) until compaction has freed something, so a
+    /// slow machine (or valgrind) still exercises moves.
     fn stress(page: usize, threads: usize, duration: Duration) {
+        const MAX_DURATION: Duration = Duration::from_secs(60);
         let _heavy = heavy();
         let pool = Arc::new(ZsPool::new(page).unwrap());
         let stop = Arc::new(AtomicBool::new(false));
@@ -217,14 +220,19 @@ mod tests {
         };
         let workers: Vec<_> = (0..threads as u64)
             .map(|t| {
-                let pool = pool.clone();
+                let (pool, compacted) = (pool.clone(), compacted.clone());
                 std::thread::spawn(move || {
                     let mut rng = SmallRng::seed_from_u64(0x5eed + t);
                     let mut live: Vec<(Handle, u64, usize)> = Vec::new();
                     let mut next_seed = t << 40;
                     let start = Instant::now();
                     let mut ops = 0u64;
-                    while start.elapsed() < duration {
+                    let keep_going = || {
+                        let elapsed = start.elapsed();
+                        elapsed < duration
+                            || (compacted.load(Ordering::Relaxed) == 0 && elapsed < MAX_DURATION)
+                    };
+                    while keep_going() {
                         for _ in 0..64 {
                             ops += 1;
                             let r = rng.gen_range(0..100);

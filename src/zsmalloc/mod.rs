@@ -670,7 +670,13 @@ pub(crate) mod tests {
         if std::env::var_os(CHILD).is_some() {
             return true;
         }
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
+        // argv[0] rather than current_exe(): under valgrind, /proc/self/exe is the tool.
+        let exe = std::env::args_os()
+            .next()
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.is_file())
+            .unwrap_or_else(|| std::env::current_exe().unwrap());
+        let out = std::process::Command::new(exe)
             .args([name, "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD, "1")
             .output()
