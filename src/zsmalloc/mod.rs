@@ -1,1 +1,734 @@
-//! (being written)
+//! zsmalloc: the allocator for compressed objects.
+//!
+//! A userspace port of the design of Linux's mm/zsmalloc.c. Objects of 1 byte to one page are
+//! packed into *zspages* (1–8 contiguous pages) of per-size *classes*, named by [`Handle`]s
+//! that stay valid while [`ZsPool::compact`] moves the objects to free whole zspages.
+//! `docs/zsmalloc.md` tells the story; this page states the contracts.
+//!
+//! # Parts (one file per concept)
+//!
+//! - `size_class`: the class table (sizes, chain lengths, merging, the huge threshold).
+//! - `page_alloc`: address space reserved in 128 MiB chunks, cut into 8-page *frames*, one per
+//!   zspage; `madvise(MADV_DONTNEED)` when a zspage is freed. Uses `unsafe`.
+//! - `zspage`: the per-zspage descriptor (the *migrate lock* guarding the frame) and slot
+//!   metadata; object byte access. Uses `unsafe`.
+//! - `handle`: handles, location words and the handle table.
+//! - `arena`: the never-shrinking segmented arrays holding location words and descriptors.
+//! - `fullness`: the fullness groups (in-use ratio buckets of 10 %).
+//! - `class`: a class at run time: its lock and what it protects.
+//! - `compact`: compaction.
+//!
+//! Everything else (this file, `class`, `compact`, ...) is `unsafe`-free (`deny(unsafe_code)`).
+//!
+//! # Locks and what they protect
+//!
+//! | lock | protects |
+//! |------|----------|
+//! | class lock (`SizeClass::state`, a mutex per class) | the class's slot metadata, fullness lists, unused zspage ids, free handle indices, counters; every *change* of a location word of the class's handles |
+//! | migrate lock (`ZspageDesc`, an rwlock per zspage) | the zspage's frame (which memory backs it) and the bytes of its objects: shared to read an object or to copy into a reserved free slot, exclusive to write an object, to move objects out, or to install/take out the frame |
+//! | frame allocator mutex | chunks and free frames |
+//!
+//! Lock order: class lock → migrate lock of a compaction source → migrate lock of a destination
+//! → frame allocator mutex. `read` and `write` take exactly one migrate lock and nothing else;
+//! `free` takes one class lock (plus, if the zspage empties, its migrate lock briefly and then,
+//! after the class lock is dropped, the frame allocator mutex).
+//!
+//! # Finding an object while compaction moves it
+//!
+//! A handle's location word (zspage id within the class, slot, size) is loaded with `Acquire`;
+//! the reader locks that zspage's descriptor shared and loads the word again. If it changed,
+//! compaction moved the object: unlock and retry. If not, the object is in that zspage and
+//! stays there while the lock is held (moving it out needs the lock exclusive), and the frame
+//! cannot change either. Descriptors are never deallocated (only recycled), so locking a stale
+//! one is harmless. Compaction copies an object *before* storing its new location with
+//! `Release`, so a reader who sees the new location sees the copied bytes.
+//!
+//! # Caller contract
+//!
+//! A handle has one owner at a time; `read`/`write` of a handle never run concurrently with
+//! `free` of the same handle, and no handle is used after `free`. Violations are detected when
+//! cheap (use or free of a freed handle panics) and can never cause a data race: at worst they
+//! read another object's bytes. The closure given to [`ZsPool::read`] runs under a migrate lock
+//! and must not call back into the pool. `compact` may run concurrently with everything.
+
+#![deny(unsafe_code)]
+
+mod arena;
+mod class;
+mod compact;
+mod fullness;
+mod handle;
+mod page_alloc;
+mod size_class;
+mod zspage;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use handle::Handle;
+pub use size_class::{
+    ClassInfo, ClassTable, MAX_PAGES_PER_ZSPAGE, MIN_ALLOC_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES,
+};
+
+use class::SizeClass;
+use fullness::NR_GROUPS;
+use handle::{HandleTable, Location};
+use page_alloc::{Frame, FrameAllocator};
+use zspage::obj_offset;
+
+use crate::error::{Error, Result};
+
+/// A pool of compressed objects; see the module docs. `Send + Sync`: share it as
+/// `Arc<ZsPool>`.
+pub struct ZsPool {
+    table: ClassTable,
+    /// One per merged class, ascending by size. Declared before `frames`: descriptors (the frame
+    /// owners) drop before the chunks are unmapped.
+    classes: Box<[SizeClass]>,
+    handles: HandleTable,
+    frames: FrameAllocator,
+    /// Pages of attached zspages (incremented when a zspage is created, decremented when its
+    /// pages were returned).
+    total_pages: AtomicU64,
+    /// Pages freed by compaction, cumulative.
+    pages_compacted: AtomicU64,
+}
+
+impl fmt::Debug for ZsPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZsPool")
+            .field("page_size_bytes", &self.page_size_bytes())
+            .field("classes", &self.classes.len())
+            .field("total_pages", &self.total_pages())
+            .field("pages_compacted", &self.pages_compacted())
+            .finish()
+    }
+}
+
+impl ZsPool {
+    /// A pool for pages of `page_size_bytes` (4096, 16384 or 65536; otherwise `EINVAL`).
+    /// Reserves nothing until the first `malloc`.
+    pub fn new(page_size_bytes: usize) -> Result<ZsPool> {
+        if !SUPPORTED_PAGE_SIZES_BYTES.contains(&page_size_bytes) {
+            return Err(Error::invalid(format!(
+                "zsmalloc: page size {page_size_bytes} not one of {SUPPORTED_PAGE_SIZES_BYTES:?}"
+            )));
+        }
+        let table = ClassTable::new(page_size_bytes);
+        let classes = table.classes().iter().map(|&c| SizeClass::new(c)).collect();
+        Ok(ZsPool {
+            table,
+            classes,
+            handles: HandleTable::new(),
+            frames: FrameAllocator::new(page_size_bytes),
+            total_pages: AtomicU64::new(0),
+            pages_compacted: AtomicU64::new(0),
+        })
+    }
+
+    /// The page size the pool was built for.
+    pub fn page_size_bytes(&self) -> usize {
+        self.table.page_size_bytes()
+    }
+
+    /// The smallest object size stored in a huge (one object per page) zspage: the largest
+    /// non-huge class size + 1 (3633 for 4 KiB pages). An object this big costs a whole page, so
+    /// the device stores a page raw when its compressed size is at least this. (The kernel's
+    /// value is 8 bytes smaller because its objects carry their handle; ours do not.)
+    pub fn huge_class_size_bytes(&self) -> usize {
+        self.table.huge_class_size_bytes()
+    }
+
+    /// The class table.
+    pub fn class_table(&self) -> &ClassTable {
+        &self.table
+    }
+
+    fn class_for(&self, size_bytes: usize) -> &SizeClass {
+        &self.classes[self.table.class_of(size_bytes)]
+    }
+
+    /// Allocates an object of `size_bytes` (`1..=page_size`, else `EINVAL`). Its bytes are
+    /// unspecified until written. `ENOMEM` only if the kernel refuses address space (or the
+    /// 2^31-handle table is full).
+    pub fn malloc(&self, size_bytes: usize) -> Result<Handle> {
+        if size_bytes == 0 || size_bytes > self.page_size_bytes() {
+            return Err(Error::invalid(format!(
+                "zsmalloc: cannot allocate {size_bytes} bytes (1..={})",
+                self.page_size_bytes()
+            )));
+        }
+        let class = self.class_for(size_bytes);
+        let mut st = class.state.lock();
+        let handle = match st.free_handles.pop() {
+            Some(handle) => handle,
+            None => self.handles.grow()?,
+        };
+        let id = match st.zspage_with_room() {
+            Some(id) => id,
+            None => {
+                let attached = class
+                    .take_id(&mut st)
+                    .and_then(|id| match self.frames.alloc() {
+                        Ok(frame) => Ok((id, frame)),
+                        Err(e) => {
+                            class.put_id(&mut st, id);
+                            Err(e)
+                        }
+                    });
+                match attached {
+                    Ok((id, frame)) => {
+                        class.attach(&mut st, id, frame);
+                        self.total_pages
+                            .fetch_add(class.info.pages_per_zspage as u64, Ordering::Relaxed);
+                        id
+                    }
+                    Err(e) => {
+                        st.free_handles.push(handle);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let obj = st.reserve(class, id, handle).obj();
+        let loc = Location {
+            zspage: id,
+            obj,
+            size_bytes,
+        };
+        self.handles
+            .word_at(handle)
+            .store(loc.encode(), Ordering::Release);
+        Ok(Handle::from_index(handle))
+    }
+
+    /// Copies `data` to the start of `h`'s object. `data.len()` must not exceed the size asked
+    /// at `malloc` (panics otherwise); bytes past `data.len()` keep their value.
+    pub fn write(&self, h: Handle, data: &[u8]) {
+        loop {
+            let (word, loc) = self.handles.load(h);
+            assert!(
+                data.len() <= loc.size_bytes,
+                "zsmalloc: writing {} bytes into a {}-byte object",
+                data.len(),
+                loc.size_bytes
+            );
+            let class = self.class_for(loc.size_bytes);
+            let mut guard = class.desc(loc.zspage).write();
+            if self.handles.word(h).load(Ordering::Acquire) != word {
+                continue; // moved by compaction
+            }
+            let frame = guard
+                .as_mut()
+                .expect("a zspage holding an object has a frame");
+            let offset = obj_offset(class.info.size_bytes, loc.obj);
+            frame.bytes_mut(offset, data.len()).copy_from_slice(data);
+            return;
+        }
+    }
+
+    /// Calls `f` with exactly the bytes of `h`'s object (its `malloc` size). The object cannot
+    /// move while `f` runs; `f` must not call into the pool.
+    pub fn read<R>(&self, h: Handle, f: impl FnOnce(&[u8]) -> R) -> R {
+        loop {
+            let (word, loc) = self.handles.load(h);
+            let class = self.class_for(loc.size_bytes);
+            let guard = class.desc(loc.zspage).read();
+            if self.handles.word(h).load(Ordering::Acquire) != word {
+                continue; // moved by compaction
+            }
+            let frame = guard
+                .as_ref()
+                .expect("a zspage holding an object has a frame");
+            let offset = obj_offset(class.info.size_bytes, loc.obj);
+            return f(frame.bytes(offset, loc.size_bytes));
+        }
+    }
+
+    /// Frees `h`. Takes only `h`'s class lock (and, when the zspage empties, returns its pages
+    /// after dropping it), so it is cheap and callable from any thread. Panics on a double
+    /// free.
+    pub fn free(&self, h: Handle) {
+        let (_, loc) = self.handles.load(h);
+        let class = self.class_for(loc.size_bytes);
+        let mut st = class.state.lock();
+        let word = self.handles.word(h);
+        // Every writer of the word holds this class lock, so this load sees the last store.
+        let loc = Location::decode(word.load(Ordering::Relaxed))
+            .unwrap_or_else(|| panic!("zsmalloc: double free of {h:?}"));
+        assert!(
+            std::ptr::eq(self.class_for(loc.size_bytes), class),
+            "zsmalloc: {h:?} changed class while being freed"
+        );
+        let emptied = st.release(class, loc.zspage, loc.obj, h.index());
+        word.store(0, Ordering::Release);
+        st.free_handles.push(h.index());
+        let frame = emptied.then(|| class.detach(&mut st, loc.zspage));
+        drop(st);
+        if let Some(frame) = frame {
+            self.release_frame(class, frame);
+        }
+    }
+
+    /// Returns a detached zspage's frame (outside the class lock).
+    fn release_frame(&self, class: &SizeClass, frame: Frame) {
+        let pages = class.info.pages_per_zspage;
+        self.frames.release(frame, pages);
+        self.total_pages.fetch_sub(pages as u64, Ordering::Relaxed);
+    }
+
+    /// The size asked at `malloc` for `h`.
+    pub fn obj_size_bytes(&self, h: Handle) -> usize {
+        self.handles.load(h).1.size_bytes
+    }
+
+    /// Moves objects out of sparse zspages into fuller ones, class by class (largest first), and
+    /// frees the emptied zspages. Returns the pages freed by this call.
+    pub fn compact(&self) -> u64 {
+        let mut freed_pages = 0;
+        for class in self.classes.iter().rev() {
+            let freed = self.compact_class(class);
+            self.pages_compacted.fetch_add(freed, Ordering::Relaxed);
+            freed_pages += freed;
+        }
+        freed_pages
+    }
+
+    /// Pages currently held by zspages (`mem_used_total / page_size`).
+    pub fn total_pages(&self) -> u64 {
+        self.total_pages.load(Ordering::Relaxed)
+    }
+
+    /// Pages freed by compaction since the pool was created.
+    pub fn pages_compacted(&self) -> u64 {
+        self.pages_compacted.load(Ordering::Relaxed)
+    }
+
+    /// A snapshot of per-class counters (each class is read under its lock, one at a time).
+    pub fn stats(&self) -> PoolStats {
+        let classes = self
+            .classes
+            .iter()
+            .map(|class| {
+                let st = class.state.lock();
+                let info = class.info;
+                let groups = st.group_counts();
+                ClassStats {
+                    index: info.index,
+                    size_bytes: info.size_bytes,
+                    pages_per_zspage: info.pages_per_zspage,
+                    objs_per_zspage: info.objs_per_zspage,
+                    zspages: st.zspages,
+                    objs_allocated: st.zspages * info.objs_per_zspage as u64,
+                    objs_inuse: st.objs_inuse,
+                    pages_used: st.zspages * info.pages_per_zspage as u64,
+                    freeable_pages: st.freeable_pages(&info),
+                    inuse_ratio_zspages: std::array::from_fn(|g| groups[g + 1]),
+                }
+            })
+            .collect();
+        PoolStats {
+            page_size_bytes: self.page_size_bytes(),
+            huge_class_size_bytes: self.huge_class_size_bytes(),
+            total_pages: self.total_pages(),
+            pages_compacted: self.pages_compacted(),
+            handles: self.handles.indices(),
+            reserved_bytes: self.frames.reserved_bytes() as u64,
+            classes,
+        }
+    }
+
+    /// Checks every class's invariants (expensive; tests).
+    #[cfg(test)]
+    fn check(&self) {
+        for class in self.classes.iter() {
+            class.state.lock().check(class);
+        }
+    }
+}
+
+/// Counters of one merged class (a row of the kernel's
+/// `/sys/kernel/debug/zsmalloc/zramN/classes`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassStats {
+    /// The kernel's class index (the largest candidate merged into this class).
+    pub index: usize,
+    /// Slot size.
+    pub size_bytes: usize,
+    /// Pages per zspage.
+    pub pages_per_zspage: usize,
+    /// Objects per zspage.
+    pub objs_per_zspage: usize,
+    /// Zspages of this class.
+    pub zspages: u64,
+    /// Object slots in those zspages (`obj_allocated`).
+    pub objs_allocated: u64,
+    /// Objects in use (`obj_used`).
+    pub objs_inuse: u64,
+    /// Pages of those zspages (`pages_used`).
+    pub pages_used: u64,
+    /// Pages compaction could free now (`freeable`).
+    pub freeable_pages: u64,
+    /// Zspages per in-use ratio group: `<10%`, `<20%`, ..., `<100%` (the kernel's `99%`
+    /// column), `100%`.
+    pub inuse_ratio_zspages: [u64; NR_GROUPS - 1],
+}
+
+/// A snapshot of the pool's counters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Page size of the pool.
+    pub page_size_bytes: usize,
+    /// See [`ZsPool::huge_class_size_bytes`].
+    pub huge_class_size_bytes: usize,
+    /// See [`ZsPool::total_pages`].
+    pub total_pages: u64,
+    /// See [`ZsPool::pages_compacted`].
+    pub pages_compacted: u64,
+    /// Handle-table entries ever used (its high-water mark; 8 bytes each).
+    pub handles: u64,
+    /// Address space reserved for zspages.
+    pub reserved_bytes: u64,
+    /// Every merged class, ascending by size.
+    pub classes: Vec<ClassStats>,
+}
+
+impl fmt::Display for PoolStats {
+    /// The kernel's debugfs `classes` table.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, " class  size")?;
+        for pc in [
+            "10%", "20%", "30%", "40%", "50%", "60%", "70%", "80%", "90%", "99%", "100%",
+        ] {
+            write!(f, " {pc:>9}")?;
+        }
+        writeln!(
+            f,
+            " obj_allocated   obj_used pages_used pages_per_zspage freeable"
+        )?;
+        let mut total = ClassStats {
+            index: 0,
+            size_bytes: 0,
+            pages_per_zspage: 0,
+            objs_per_zspage: 0,
+            zspages: 0,
+            objs_allocated: 0,
+            objs_inuse: 0,
+            pages_used: 0,
+            freeable_pages: 0,
+            inuse_ratio_zspages: [0; NR_GROUPS - 1],
+        };
+        for c in &self.classes {
+            write!(f, "{:>6} {:>5}", c.index, c.size_bytes)?;
+            for (i, n) in c.inuse_ratio_zspages.iter().enumerate() {
+                write!(f, " {n:>9}")?;
+                total.inuse_ratio_zspages[i] += n;
+            }
+            writeln!(
+                f,
+                " {:>13} {:>10} {:>10} {:>16} {:>8}",
+                c.objs_allocated, c.objs_inuse, c.pages_used, c.pages_per_zspage, c.freeable_pages
+            )?;
+            total.objs_allocated += c.objs_allocated;
+            total.objs_inuse += c.objs_inuse;
+            total.pages_used += c.pages_used;
+            total.freeable_pages += c.freeable_pages;
+        }
+        write!(f, "{:>6} {:>5}", "Total", "")?;
+        for n in total.inuse_ratio_zspages {
+            write!(f, " {n:>9}")?;
+        }
+        writeln!(
+            f,
+            " {:>13} {:>10} {:>10} {:>16} {:>8}",
+            total.objs_allocated, total.objs_inuse, total.pages_used, "", total.freeable_pages
+        )
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+    use std::sync::Mutex;
+
+    /// Tests that measure memory or run long hold this, so they do not disturb each other.
+    pub(crate) static HEAVY: Mutex<()> = Mutex::new(());
+
+    pub(crate) fn heavy() -> std::sync::MutexGuard<'static, ()> {
+        HEAVY.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Position- and seed-dependent bytes: a misplaced or shifted object is caught.
+    pub(crate) fn pattern(seed: u64, len: usize) -> Vec<u8> {
+        (0..len as u64)
+            .map(|i| {
+                let x = (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    ^ i.wrapping_mul(0x2545_F491_4F6C_DD1D))
+                .wrapping_add(i >> 3);
+                (x >> 56) as u8 ^ (i as u8)
+            })
+            .collect()
+    }
+
+    pub(crate) fn check_obj(pool: &ZsPool, h: Handle, seed: u64, len: usize) {
+        let want = pattern(seed, len);
+        pool.read(h, |got| {
+            assert_eq!(got.len(), len, "{h:?}");
+            assert!(
+                got == want.as_slice(),
+                "{h:?} (seed {seed}, {len} bytes) corrupted"
+            );
+        });
+    }
+
+    /// Canary: the checker used by every test does catch a single wrong byte.
+    #[test]
+    #[should_panic(expected = "corrupted")]
+    fn checker_catches_one_wrong_byte() {
+        let pool = ZsPool::new(4096).unwrap();
+        let h = pool.malloc(1000).unwrap();
+        let mut data = pattern(7, 1000);
+        data[999] ^= 1;
+        pool.write(h, &data);
+        check_obj(&pool, h, 7, 1000);
+    }
+
+    #[test]
+    fn pool_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<ZsPool>();
+        assert_send_sync::<Handle>();
+    }
+
+    #[test]
+    fn new_rejects_bad_page_sizes() {
+        for p in [0, 512, 4095, 8192, 1 << 20] {
+            assert_eq!(
+                ZsPool::new(p).unwrap_err().kind(),
+                ErrorKind::InvalidArgument
+            );
+        }
+        for p in SUPPORTED_PAGE_SIZES_BYTES {
+            let pool = ZsPool::new(p).unwrap();
+            assert_eq!(pool.page_size_bytes(), p);
+            assert_eq!(pool.total_pages(), 0);
+        }
+        assert_eq!(ZsPool::new(4096).unwrap().huge_class_size_bytes(), 3633);
+    }
+
+    #[test]
+    fn malloc_rejects_bad_sizes() {
+        let pool = ZsPool::new(4096).unwrap();
+        assert_eq!(
+            pool.malloc(0).unwrap_err().kind(),
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(
+            pool.malloc(4097).unwrap_err().kind(),
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(pool.total_pages(), 0);
+    }
+
+    fn round_trip(page: usize, sizes: impl Iterator<Item = usize>, copies: usize) {
+        let pool = ZsPool::new(page).unwrap();
+        let mut live = Vec::new();
+        for (n, size) in sizes.enumerate() {
+            for c in 0..copies {
+                let seed = (n * copies + c) as u64;
+                let h = pool.malloc(size).unwrap();
+                pool.write(h, &pattern(seed, size));
+                assert_eq!(pool.obj_size_bytes(h), size);
+                live.push((h, seed, size));
+            }
+        }
+        pool.check();
+        for &(h, seed, size) in &live {
+            check_obj(&pool, h, seed, size);
+        }
+        let stats = pool.stats();
+        let inuse: u64 = stats.classes.iter().map(|c| c.objs_inuse).sum();
+        assert_eq!(inuse, live.len() as u64);
+        let pages: u64 = stats.classes.iter().map(|c| c.pages_used).sum();
+        assert_eq!(pages, pool.total_pages());
+        // Free every other object, check the rest, then free them too.
+        for &(h, _, _) in live.iter().step_by(2) {
+            pool.free(h);
+        }
+        pool.check();
+        for &(h, seed, size) in live.iter().skip(1).step_by(2) {
+            check_obj(&pool, h, seed, size);
+            pool.free(h);
+        }
+        pool.check();
+        assert_eq!(pool.total_pages(), 0);
+        assert_eq!(pool.frames.resident_bytes(), 0);
+    }
+
+    #[test]
+    fn round_trip_every_size_4k() {
+        round_trip(4096, 1..=4096, 3);
+    }
+
+    #[test]
+    fn round_trip_16k() {
+        round_trip(
+            16384,
+            (1..=16384).step_by(7).chain([16384, 14560, 14561]),
+            2,
+        );
+    }
+
+    #[test]
+    fn round_trip_64k() {
+        round_trip(
+            65536,
+            (1..=65536).step_by(61).chain([65536, 58144, 58145]),
+            2,
+        );
+    }
+
+    #[test]
+    fn partial_write_keeps_the_tail() {
+        let pool = ZsPool::new(4096).unwrap();
+        let h = pool.malloc(100).unwrap();
+        pool.write(h, &[1; 100]);
+        pool.write(h, &[2; 10]);
+        pool.read(h, |b| {
+            assert_eq!(b, [[2u8; 10].as_slice(), &[1; 90]].concat())
+        });
+        pool.free(h);
+    }
+
+    #[test]
+    #[should_panic(expected = "writing 101 bytes")]
+    fn oversized_write_panics() {
+        let pool = ZsPool::new(4096).unwrap();
+        let h = pool.malloc(100).unwrap();
+        pool.write(h, &[0; 101]);
+    }
+
+    #[test]
+    #[should_panic(expected = "use of freed")]
+    fn double_free_panics() {
+        let pool = ZsPool::new(4096).unwrap();
+        let h = pool.malloc(100).unwrap();
+        pool.free(h);
+        pool.free(h);
+    }
+
+    #[test]
+    fn handles_are_reused_within_a_class() {
+        let pool = ZsPool::new(4096).unwrap();
+        let a = pool.malloc(100).unwrap();
+        pool.free(a);
+        let b = pool.malloc(100).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(Handle::from_raw(b.to_raw()), Some(b));
+        pool.free(b);
+    }
+
+    #[test]
+    fn total_pages_follow_zspages() {
+        let pool = ZsPool::new(4096).unwrap();
+        // 3632-byte class: 9 objects on 8 pages.
+        let hs: Vec<Handle> = (0..9).map(|_| pool.malloc(3632).unwrap()).collect();
+        assert_eq!(pool.total_pages(), 8);
+        let tenth = pool.malloc(3632).unwrap();
+        assert_eq!(pool.total_pages(), 16);
+        pool.free(tenth);
+        assert_eq!(pool.total_pages(), 8);
+        // Huge objects take a page each.
+        let huge: Vec<Handle> = (0..3).map(|_| pool.malloc(3633).unwrap()).collect();
+        assert_eq!(pool.total_pages(), 11);
+        for h in hs.into_iter().chain(huge) {
+            pool.free(h);
+        }
+        assert_eq!(pool.total_pages(), 0);
+        let s = pool.stats();
+        assert!(s
+            .classes
+            .iter()
+            .all(|c| c.zspages == 0 && c.objs_inuse == 0));
+        assert!(s.to_string().contains("obj_allocated"));
+    }
+
+    /// The process's resident set, from `/proc/self/smaps_rollup`.
+    fn rss_bytes() -> u64 {
+        let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap();
+        let line = rollup.lines().find(|l| l.starts_with("Rss:")).unwrap();
+        let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        kib * 1024
+    }
+
+    /// Runs the test `name` alone in a child process (the test binary re-executed with
+    /// `--exact`), so process-wide measurements are not disturbed by concurrent tests. Returns
+    /// true in the child, which should then do the work.
+    fn isolated(name: &str) -> bool {
+        const CHILD: &str = "UZRAM_ZSMALLOC_ISOLATED_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            return true;
+        }
+        // argv[0] rather than current_exe(): under valgrind, /proc/self/exe is the tool.
+        let exe = std::env::args_os()
+            .next()
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.is_file())
+            .unwrap_or_else(|| std::env::current_exe().unwrap());
+        let out = std::process::Command::new(exe)
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "isolated {name} failed:\n{stdout}\n{stderr}"
+        );
+        false
+    }
+
+    #[test]
+    fn freeing_returns_memory_to_the_os() {
+        if !isolated("zsmalloc::tests::freeing_returns_memory_to_the_os") {
+            return;
+        }
+        const TOTAL_BYTES: usize = 64 << 20;
+        let pool = ZsPool::new(4096).unwrap();
+        let sizes = [700usize, 1500, 2900, 3633, 64];
+        let mut hs = Vec::with_capacity(TOTAL_BYTES / 64);
+        let before = rss_bytes();
+        let mut bytes = 0;
+        let mut seed = 0u64;
+        while bytes < TOTAL_BYTES {
+            let size = sizes[hs.len() % sizes.len()];
+            let h = pool.malloc(size).unwrap();
+            pool.write(h, &pattern(seed, size));
+            hs.push(h);
+            bytes += size;
+            seed += 1;
+        }
+        let resident = pool.frames.resident_bytes() as u64;
+        let held = pool.total_pages() * 4096;
+        assert!(resident >= TOTAL_BYTES as u64, "resident {resident}");
+        assert!(resident <= held, "resident {resident} > held {held}");
+        let full = rss_bytes();
+        assert!(
+            full >= before + TOTAL_BYTES as u64 * 9 / 10,
+            "rss {before} -> {full}"
+        );
+        for h in hs.drain(..) {
+            pool.free(h);
+        }
+        assert_eq!(pool.total_pages(), 0);
+        assert_eq!(pool.frames.resident_bytes(), 0);
+        let after = rss_bytes();
+        eprintln!("rss: {before} before, {full} with 64 MiB of objects, {after} after free");
+        assert!(
+            full.saturating_sub(after) >= TOTAL_BYTES as u64 * 9 / 10,
+            "rss {before} -> {full} -> {after}: freed zspages still resident"
+        );
+    }
+}

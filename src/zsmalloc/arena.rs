@@ -1,0 +1,150 @@
+//! A never-shrinking segmented array with lock-free lookup.
+//!
+//! The handle table and each class's zspage descriptors live in a [`SegArray`]: element `i`
+//! keeps its address for the life of the array, so a thread that found an index (in a handle
+//! word, say) can always dereference it, even if the element was recycled meanwhile. That is
+//! what lets readers lock a zspage descriptor without holding any other lock first.
+//!
+//! Layout: segment 0 holds `2^BASE_SHIFT` elements; segment `k >= 1` holds `2^(BASE_SHIFT+k-1)`
+//! elements and covers indices `[2^(BASE_SHIFT+k-1), 2^(BASE_SHIFT+k))`. Sizes double, so
+//! [`SEGMENTS`] = 32 fixed slots cover `2^(BASE_SHIFT+31)` elements while a small array costs one
+//! small segment. Each slot is a [`OnceLock`]: lookup is one acquire load, and concurrent growers
+//! race safely (exactly one initialiser wins, the others wait for it).
+
+use std::sync::OnceLock;
+
+/// Fixed number of segment slots (each doubles the capacity).
+pub(crate) const SEGMENTS: usize = 32;
+
+/// A segmented, never-shrinking array of `T`, indexed by `u64`.
+pub(crate) struct SegArray<T, const BASE_SHIFT: u32> {
+    segments: [OnceLock<Box<[T]>>; SEGMENTS],
+}
+
+impl<T, const BASE_SHIFT: u32> std::fmt::Debug for SegArray<T, BASE_SHIFT> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let allocated = self.segments.iter().filter(|s| s.get().is_some()).count();
+        f.debug_struct("SegArray")
+            .field("segments_allocated", &allocated)
+            .finish()
+    }
+}
+
+impl<T: Default, const BASE_SHIFT: u32> Default for SegArray<T, BASE_SHIFT> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Default, const BASE_SHIFT: u32> SegArray<T, BASE_SHIFT> {
+    /// One past the largest index the array can hold.
+    pub(crate) const CAPACITY: u64 = 1 << (BASE_SHIFT + SEGMENTS as u32 - 1);
+
+    /// An empty array; no segment is allocated until [`get_or_grow`](Self::get_or_grow).
+    pub(crate) fn new() -> Self {
+        SegArray {
+            segments: std::array::from_fn(|_| OnceLock::new()),
+        }
+    }
+
+    /// Segment number and offset inside it for `index`.
+    fn locate(index: u64) -> (usize, usize) {
+        debug_assert!(index < Self::CAPACITY);
+        if index < (1 << BASE_SHIFT) {
+            return (0, index as usize);
+        }
+        let bits = 64 - index.leading_zeros();
+        let segment = (bits - BASE_SHIFT) as usize;
+        (segment, (index - (1u64 << (bits - 1))) as usize)
+    }
+
+    fn segment_len(segment: usize) -> usize {
+        if segment == 0 {
+            1 << BASE_SHIFT
+        } else {
+            1 << (BASE_SHIFT as usize + segment - 1)
+        }
+    }
+
+    /// The element at `index`, if its segment exists.
+    pub(crate) fn get(&self, index: u64) -> Option<&T> {
+        if index >= Self::CAPACITY {
+            return None;
+        }
+        let (segment, offset) = Self::locate(index);
+        self.segments[segment].get().map(|s| &s[offset])
+    }
+
+    /// The element at `index`, allocating its segment (default elements) if needed.
+    ///
+    /// Panics if `index >= CAPACITY` (callers bound their counters far below it).
+    pub(crate) fn get_or_grow(&self, index: u64) -> &T {
+        assert!(
+            index < Self::CAPACITY,
+            "SegArray index {index} out of range"
+        );
+        let (segment, offset) = Self::locate(index);
+        let seg = self.segments[segment].get_or_init(|| {
+            (0..Self::segment_len(segment))
+                .map(|_| T::default())
+                .collect()
+        });
+        &seg[offset]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[test]
+    fn locate_covers_indices_without_gaps() {
+        type A = SegArray<u8, 3>;
+        let mut expected = (0usize, 0usize);
+        for i in 0..10_000u64 {
+            let got = A::locate(i);
+            if got.0 != expected.0 {
+                // Moving to the next segment: the previous one must have been full.
+                assert_eq!(expected.1, A::segment_len(expected.0), "index {i}");
+                expected = (expected.0 + 1, 0);
+            }
+            assert_eq!(got, expected, "index {i}");
+            expected.1 += 1;
+        }
+    }
+
+    #[test]
+    fn elements_are_stable_and_shared() {
+        let a: SegArray<AtomicU64, 2> = SegArray::new();
+        assert!(a.get(0).is_none());
+        for i in 0..1000 {
+            a.get_or_grow(i).store(i * 3, Ordering::Relaxed);
+        }
+        let p = a.get(500).unwrap() as *const AtomicU64;
+        a.get_or_grow(5000);
+        assert_eq!(p, a.get(500).unwrap() as *const AtomicU64);
+        for i in 0..1000 {
+            assert_eq!(a.get(i).unwrap().load(Ordering::Relaxed), i * 3);
+        }
+        assert!(a.get(SegArray::<AtomicU64, 2>::CAPACITY).is_none());
+    }
+
+    #[test]
+    fn concurrent_growth_agrees() {
+        let a: SegArray<AtomicU64, 1> = SegArray::new();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let a = &a;
+                s.spawn(move || {
+                    for i in (t..4000).step_by(4) {
+                        a.get_or_grow(i).store(i + 1, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        for i in 0..4000 {
+            assert_eq!(a.get(i).unwrap().load(Ordering::Relaxed), i + 1);
+        }
+    }
+}

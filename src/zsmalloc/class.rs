@@ -1,0 +1,218 @@
+//! A size class at run time: its lock, its zspages and its free handle indices.
+//!
+//! [`SizeClass::state`] (the *class lock*, a `parking_lot::Mutex`) protects everything in
+//! [`ClassState`]: the zspages' slot metadata, the fullness lists, the unused zspage ids, the
+//! class's free handle indices and its counters. It also serialises every change of a location
+//! word of this class's handles (malloc, free, compaction). It is held for short, bounded
+//! critical sections: one object's bookkeeping, or (compaction) the moves out of one zspage.
+//!
+//! [`SizeClass::descs`] is read without the class lock (see `zspage`).
+//!
+//! # Invariants (under the class lock)
+//!
+//! - A zspage id is either *attached* (its meta has a slot table, its descriptor a frame, it is
+//!   linked in exactly the fullness group of its in-use ratio, and it is not in `free_ids`) or
+//!   *unused* (no slot table, no frame, unlinked, in `free_ids` or `>= metas.len()`).
+//! - An attached zspage is never empty at the end of a critical section: the operation that
+//!   frees its last object detaches it (takes its frame out under the descriptor lock) before
+//!   dropping the class lock. The frame is then returned to the frame allocator (the
+//!   `madvise`) *after* the class lock is dropped.
+//! - `zspages` = attached zspages; `objs_inuse` = sum of their in-use counts = this class's
+//!   handles whose location word is nonzero.
+
+use parking_lot::Mutex;
+
+use super::arena::SegArray;
+use super::fullness::{group_of, FullnessLists, GROUP_EMPTY, NR_GROUPS};
+use super::handle::MAX_ZSPAGES_PER_CLASS;
+use super::page_alloc::Frame;
+use super::size_class::ClassInfo;
+use super::zspage::{Reserved, ZspageDesc, ZspageMeta};
+use crate::error::{Error, Result};
+
+/// One merged size class. Aligned to a cache line pair so neighbouring class locks do not share
+/// a line.
+#[derive(Debug)]
+#[repr(align(128))]
+pub(crate) struct SizeClass {
+    pub(crate) info: ClassInfo,
+    /// Descriptors by zspage id: 16 in the first segment, doubling.
+    pub(crate) descs: SegArray<ZspageDesc, 4>,
+    /// The class lock.
+    pub(crate) state: Mutex<ClassState>,
+}
+
+/// Everything the class lock protects; see the module docs.
+#[derive(Debug, Default)]
+pub(crate) struct ClassState {
+    /// Slot metadata by zspage id.
+    metas: Vec<ZspageMeta>,
+    /// Unused zspage ids below `metas.len()`, reused before new ids.
+    free_ids: Vec<u32>,
+    pub(crate) fullness: FullnessLists,
+    /// Handle indices freed by this class, reused by its next mallocs.
+    pub(crate) free_handles: Vec<u32>,
+    /// Attached zspages.
+    pub(crate) zspages: u64,
+    /// Objects in use.
+    pub(crate) objs_inuse: u64,
+}
+
+impl SizeClass {
+    pub(crate) fn new(info: ClassInfo) -> SizeClass {
+        SizeClass {
+            info,
+            descs: SegArray::new(),
+            state: Mutex::new(ClassState::default()),
+        }
+    }
+
+    /// The descriptor of an id that has been attached at least once.
+    pub(crate) fn desc(&self, id: u32) -> &ZspageDesc {
+        self.descs
+            .get(u64::from(id))
+            .expect("zspage id was attached, so its descriptor exists")
+    }
+
+    /// Takes an unused zspage id (under the class lock `st`) for [`attach`](Self::attach); if
+    /// the caller cannot attach it, it gives it back with [`put_id`](Self::put_id).
+    pub(crate) fn take_id(&self, st: &mut ClassState) -> Result<u32> {
+        if let Some(id) = st.free_ids.pop() {
+            return Ok(id);
+        }
+        let id = st.metas.len() as u64;
+        if id >= MAX_ZSPAGES_PER_CLASS {
+            return Err(Error::no_memory("zsmalloc: too many zspages in one class"));
+        }
+        st.metas.push(ZspageMeta::default());
+        self.descs.get_or_grow(id);
+        Ok(id as u32)
+    }
+
+    /// Returns an id from [`take_id`](Self::take_id) that was not attached.
+    pub(crate) fn put_id(&self, st: &mut ClassState, id: u32) {
+        st.free_ids.push(id);
+    }
+
+    /// Attaches a zspage with `frame` under id `id` (from [`take_id`](Self::take_id)). The
+    /// caller reserves a slot in it before dropping the class lock.
+    pub(crate) fn attach(&self, st: &mut ClassState, id: u32, frame: Frame) {
+        let previous = self.desc(id).write().replace(frame);
+        assert!(previous.is_none(), "unused zspage {id} still had a frame");
+        st.metas[id as usize].attach(self.info.objs_per_zspage);
+        st.fullness.insert(id, GROUP_EMPTY);
+        st.zspages += 1;
+    }
+
+    /// Detaches zspage `id`, emptied (and unlinked) by [`ClassState::release`], taking its frame
+    /// out under its migrate lock (so the caller must not hold that lock). The caller releases
+    /// the frame after dropping the class lock.
+    pub(crate) fn detach(&self, st: &mut ClassState, id: u32) -> Frame {
+        st.metas[id as usize].detach();
+        let frame = self
+            .desc(id)
+            .write()
+            .take()
+            .expect("attached zspage has a frame");
+        st.free_ids.push(id);
+        st.zspages -= 1;
+        frame
+    }
+}
+
+impl ClassState {
+    /// The fullest attached zspage with a free slot.
+    pub(crate) fn zspage_with_room(&self) -> Option<u32> {
+        self.fullness.fullest_with_room(None)
+    }
+
+    fn regroup(&mut self, id: u32, objs_per_zspage: usize) {
+        let group = group_of(self.metas[id as usize].inuse(), objs_per_zspage);
+        self.fullness.set(id, group);
+    }
+
+    /// Reserves a slot of zspage `id` (with room) for handle index `handle`.
+    pub(crate) fn reserve(&mut self, class: &SizeClass, id: u32, handle: u32) -> Reserved {
+        self.try_reserve(class, id, handle)
+            .expect("zspage chosen for room has a free slot")
+    }
+
+    /// Reserves a slot of zspage `id` for handle index `handle`, or `None` if it is full.
+    pub(crate) fn try_reserve(
+        &mut self,
+        class: &SizeClass,
+        id: u32,
+        handle: u32,
+    ) -> Option<Reserved> {
+        let slot = self.metas[id as usize].reserve(handle)?;
+        self.objs_inuse += 1;
+        self.regroup(id, class.info.objs_per_zspage);
+        Some(slot)
+    }
+
+    /// Frees slot `obj` of zspage `id`, owned by handle index `handle`. Returns true if the
+    /// zspage became empty: it is then unlinked, and the caller must
+    /// [`detach`](SizeClass::detach) it before dropping the class lock.
+    pub(crate) fn release(&mut self, class: &SizeClass, id: u32, obj: u32, handle: u32) -> bool {
+        let meta = &mut self.metas[id as usize];
+        meta.release(obj, handle);
+        self.objs_inuse -= 1;
+        if meta.inuse() == 0 {
+            self.fullness.remove(id);
+            true
+        } else {
+            self.regroup(id, class.info.objs_per_zspage);
+            false
+        }
+    }
+
+    /// Used slots of zspage `id` and their owner handle indices, into `out`.
+    pub(crate) fn used_slots(&self, id: u32, out: &mut Vec<(u32, u32)>) {
+        out.clear();
+        out.extend(self.metas[id as usize].used());
+    }
+
+    /// Pages compaction could free: whole zspages' worth of free slots (the kernel's
+    /// `zs_can_compact()`).
+    pub(crate) fn freeable_pages(&self, info: &ClassInfo) -> u64 {
+        let allocated = self.zspages * info.objs_per_zspage as u64;
+        let wasted = allocated - self.objs_inuse;
+        wasted / info.objs_per_zspage as u64 * info.pages_per_zspage as u64
+    }
+
+    /// Zspages per fullness group.
+    pub(crate) fn group_counts(&self) -> [u64; NR_GROUPS] {
+        std::array::from_fn(|g| self.fullness.count(g) as u64)
+    }
+
+    /// Checks the invariants of the module docs (expensive; tests).
+    #[cfg(test)]
+    pub(crate) fn check(&self, class: &SizeClass) {
+        let mut zspages = 0;
+        let mut inuse = 0;
+        for (id, meta) in self.metas.iter().enumerate() {
+            let id = id as u32;
+            let has_frame = class
+                .descs
+                .get(u64::from(id))
+                .is_some_and(|d| d.read().is_some());
+            if meta.is_attached() {
+                zspages += 1;
+                inuse += meta.inuse() as u64;
+                assert!(meta.inuse() > 0, "attached zspage {id} is empty");
+                assert!(has_frame);
+                assert_eq!(
+                    self.fullness.group(id),
+                    Some(group_of(meta.inuse(), class.info.objs_per_zspage))
+                );
+                assert!(!self.free_ids.contains(&id));
+            } else {
+                assert!(!has_frame);
+                assert_eq!(self.fullness.group(id), None);
+                assert!(self.free_ids.contains(&id));
+            }
+        }
+        assert_eq!(zspages, self.zspages);
+        assert_eq!(inuse, self.objs_inuse);
+    }
+}

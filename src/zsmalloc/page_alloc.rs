@@ -1,0 +1,332 @@
+//! Raw pages: reserved address space carved into zspage frames.
+//!
+//! This is one of the two modules of `zsmalloc` allowed to use `unsafe` (with `zspage`): it
+//! calls `mmap`, `madvise`, `munmap` and `mincore`, and turns frame addresses into byte slices.
+//!
+//! # Why frames
+//!
+//! A zspage is 1–8 *contiguous* pages, so an object never straddles two mappings and can be
+//! handed to the caller as one slice. Mapping each zspage separately would create one VMA per
+//! zspage and hit `vm.max_map_count` (65530 by default) at a few hundred MiB. Instead we reserve
+//! address space in chunks of [`CHUNK_BYTES`] with one
+//! `mmap(PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)` each, and cut every
+//! chunk into *frames* of `MAX_PAGES_PER_ZSPAGE` pages. A zspage of `k` pages owns one frame and
+//! touches only its first `k` pages; the untouched tail costs address space, not memory.
+//!
+//! # Life of a frame
+//!
+//! [`FrameAllocator::alloc`] pops a free frame or carves the next one from the newest chunk
+//! (mapping a new chunk when it is used up). [`FrameAllocator::release`] consumes the [`Frame`]
+//! token, `madvise(MADV_DONTNEED)`s the pages the zspage used, so the resident set really
+//! shrinks (the next touch faults in a zero page), and puts the frame on the free list. Chunks
+//! are unmapped only when the allocator drops.
+//!
+//! # Ownership
+//!
+//! A [`Frame`] is an owned, non-`Copy` token: whoever holds it (a zspage descriptor, under its
+//! migrate lock) is the only one who can hand out slices into it, and slices borrow the token,
+//! so a frame cannot be released while any slice into it is alive. Which thread may touch which
+//! bytes of a frame is decided by the zspage protocol (see `zspage`): shared borrows read,
+//! exclusive borrows write, and the one exception, [`Frame::reserved_slot_mut`], is `unsafe`.
+
+#![allow(unsafe_code)]
+
+use std::ptr::NonNull;
+
+use parking_lot::Mutex;
+
+use super::size_class::MAX_PAGES_PER_ZSPAGE;
+use crate::error::{Error, Result};
+
+/// Address space reserved per `mmap`: 128 MiB, i.e. 4096 frames of 8 4-KiB pages, 1024 frames
+/// for 16 KiB pages, 256 for 64 KiB. Big enough that the chunk count stays small (a 64 GiB pool
+/// is 512 VMAs), small enough that even strict overcommit accounting of a fresh chunk is cheap.
+pub(crate) const CHUNK_BYTES: usize = 128 << 20;
+
+/// One frame of address space, owned by at most one zspage. See the module docs.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Frame {
+    base: NonNull<u8>,
+    len_bytes: usize,
+}
+
+// SAFETY: a `Frame` is the address of memory owned by its `FrameAllocator` (which outlives every
+// frame: the pool owns both and drops frames' owners first). Moving the token to another thread
+// moves nothing but the address; all byte access goes through borrows of the token.
+unsafe impl Send for Frame {}
+// SAFETY: `&Frame` only allows reading through `bytes` (sound while no `&mut` to the same bytes
+// exists, which `&mut Frame` and the contract of `reserved_slot_mut` ensure).
+unsafe impl Sync for Frame {}
+
+impl Frame {
+    /// The frame's base address.
+    #[cfg(test)]
+    pub(crate) fn addr(&self) -> usize {
+        self.base.as_ptr() as usize
+    }
+
+    fn check(&self, offset: usize, len: usize) {
+        assert!(
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= self.len_bytes),
+            "frame access {offset}+{len} beyond {} bytes",
+            self.len_bytes
+        );
+    }
+
+    /// Bytes `[offset, offset + len)` of the frame.
+    pub(crate) fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        self.check(offset, len);
+        // SAFETY: the range is inside the frame (checked above), which is inside a live mapping
+        // (chunks are unmapped only when the allocator drops, after every frame's owner). The
+        // memory is anonymous, hence always initialised (zeroes or written bytes). No `&mut`
+        // aliases it: mutable slices come from `&mut Frame` (excluded by this shared borrow) or
+        // from `reserved_slot_mut`, whose callers guarantee nobody reads that slot.
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), len) }
+    }
+
+    /// Bytes `[offset, offset + len)` of the frame, writable.
+    pub(crate) fn bytes_mut(&mut self, offset: usize, len: usize) -> &mut [u8] {
+        self.check(offset, len);
+        // SAFETY: in bounds of a live, initialised mapping as in `bytes`; the exclusive borrow of
+        // the token excludes every other slice into this frame for the returned lifetime.
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) }
+    }
+
+    /// Bytes `[offset, offset + len)` writable through a shared borrow: compaction copies an
+    /// object into a free slot of a zspage whose other objects are being read concurrently.
+    ///
+    /// # Safety
+    ///
+    /// For the returned lifetime no other slice (shared or mutable) into this range may exist:
+    /// the caller owns the range (a free slot it reserved under its class lock, which no handle
+    /// points to yet, so no reader or writer can reach it).
+    // A `&mut` from `&self` is the point: the slot's exclusivity comes from the caller's
+    // reservation, not from the borrow (stated in the safety contract).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn reserved_slot_mut(&self, offset: usize, len: usize) -> &mut [u8] {
+        self.check(offset, len);
+        // SAFETY: in bounds of a live, initialised mapping as in `bytes`; the caller guarantees
+        // that nothing else accesses this range while the slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) }
+    }
+}
+
+/// One reserved chunk of address space.
+#[derive(Debug)]
+struct Chunk {
+    base: NonNull<u8>,
+    len_bytes: usize,
+}
+
+// SAFETY: a chunk is the record of a mapping owned by the allocator; it is only used (to carve
+// frames, and to unmap) under the allocator's mutex or in its `Drop`.
+unsafe impl Send for Chunk {}
+
+#[derive(Debug, Default)]
+struct FrameState {
+    chunks: Vec<Chunk>,
+    /// Frames released and not yet reused (their pages were `MADV_DONTNEED`ed).
+    free: Vec<Frame>,
+    /// Frames carved from the last chunk so far.
+    carved_in_last: usize,
+}
+
+/// Hands out frames of `MAX_PAGES_PER_ZSPAGE` pages; see the module docs.
+#[derive(Debug)]
+pub(crate) struct FrameAllocator {
+    page_size_bytes: usize,
+    /// `MAX_PAGES_PER_ZSPAGE * page_size`, rounded up to the system page size (so `madvise`
+    /// never reaches into a neighbouring frame).
+    frame_bytes: usize,
+    frames_per_chunk: usize,
+    sys_page_bytes: usize,
+    /// Protects the chunk list, the free list and the carving cursor.
+    state: Mutex<FrameState>,
+}
+
+fn sys_page_bytes() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
+
+impl FrameAllocator {
+    /// An allocator for zspages of `page_size_bytes` pages; reserves nothing yet.
+    pub(crate) fn new(page_size_bytes: usize) -> FrameAllocator {
+        let sys_page_bytes = sys_page_bytes();
+        let frame_bytes = (MAX_PAGES_PER_ZSPAGE * page_size_bytes).next_multiple_of(sys_page_bytes);
+        FrameAllocator {
+            page_size_bytes,
+            frame_bytes,
+            frames_per_chunk: (CHUNK_BYTES / frame_bytes).max(1),
+            sys_page_bytes,
+            state: Mutex::new(FrameState::default()),
+        }
+    }
+
+    /// Bytes of address space per frame.
+    #[cfg(test)]
+    pub(crate) fn frame_bytes(&self) -> usize {
+        self.frame_bytes
+    }
+
+    /// A frame whose pages read as zeroes or as leftovers of its previous zspage's unused
+    /// tail (never touched, so zeroes too). `ENOMEM` if the kernel refuses a new chunk.
+    pub(crate) fn alloc(&self) -> Result<Frame> {
+        let mut st = self.state.lock();
+        if let Some(frame) = st.free.pop() {
+            return Ok(frame);
+        }
+        if st.chunks.is_empty() || st.carved_in_last == self.frames_per_chunk {
+            let len_bytes = self.frames_per_chunk * self.frame_bytes;
+            // SAFETY: a fresh anonymous private mapping at an address of the kernel's choosing
+            // aliases nothing; we check for failure before using it.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len_bytes,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let e = std::io::Error::last_os_error();
+                return Err(Error::no_memory(format!(
+                    "zsmalloc: cannot reserve {len_bytes} bytes for zspages: {e}"
+                )));
+            }
+            let base = NonNull::new(p.cast::<u8>()).expect("mmap never returns null on success");
+            st.chunks.push(Chunk { base, len_bytes });
+            st.carved_in_last = 0;
+        }
+        let chunk_base = st.chunks.last().expect("a chunk was just ensured").base;
+        let offset = st.carved_in_last * self.frame_bytes;
+        st.carved_in_last += 1;
+        // SAFETY: `offset + frame_bytes <= frames_per_chunk * frame_bytes`, the chunk's length,
+        // so the pointer stays inside the chunk's mapping.
+        let base = unsafe { chunk_base.add(offset) };
+        Ok(Frame {
+            base,
+            len_bytes: self.frame_bytes,
+        })
+    }
+
+    /// Returns `frame`, whose zspage used its first `pages` pages, dropping those pages from
+    /// the resident set first. Taking the token by value proves nobody can still read it.
+    pub(crate) fn release(&self, frame: Frame, pages: usize) {
+        let len_bytes = (pages * self.page_size_bytes)
+            .next_multiple_of(self.sys_page_bytes)
+            .min(frame.len_bytes);
+        // SAFETY: the range lies inside the frame (clamped to its length, and frames are
+        // system-page aligned), which nobody references any more: we own the token and every
+        // slice into it borrowed the token. MADV_DONTNEED on private anonymous memory only
+        // replaces its contents with zeroes.
+        let rc =
+            unsafe { libc::madvise(frame.base.as_ptr().cast(), len_bytes, libc::MADV_DONTNEED) };
+        debug_assert_eq!(rc, 0, "madvise: {}", std::io::Error::last_os_error());
+        self.state.lock().free.push(frame);
+    }
+
+    /// Bytes of address space reserved so far.
+    pub(crate) fn reserved_bytes(&self) -> usize {
+        self.state.lock().chunks.iter().map(|c| c.len_bytes).sum()
+    }
+
+    /// Resident bytes of the reserved chunks, measured with `mincore` (exact for this pool,
+    /// unlike the process RSS). O(reserved address space): for tests.
+    #[cfg(test)]
+    pub(crate) fn resident_bytes(&self) -> usize {
+        let st = self.state.lock();
+        let mut resident = 0;
+        let mut vec = Vec::new();
+        for chunk in &st.chunks {
+            let pages = chunk.len_bytes / self.sys_page_bytes;
+            vec.clear();
+            vec.resize(pages, 0u8);
+            // SAFETY: `base..base+len_bytes` is a live mapping we own; `vec` has one byte per
+            // system page of it, as mincore requires.
+            let rc = unsafe {
+                libc::mincore(
+                    chunk.base.as_ptr().cast(),
+                    chunk.len_bytes,
+                    vec.as_mut_ptr(),
+                )
+            };
+            assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+            resident += vec.iter().filter(|&&b| b & 1 != 0).count() * self.sys_page_bytes;
+        }
+        resident
+    }
+}
+
+impl Drop for FrameAllocator {
+    fn drop(&mut self) {
+        for chunk in self.state.get_mut().chunks.drain(..) {
+            // SAFETY: the chunk was mapped by `alloc` with this length and is unmapped once.
+            // Frames into it may outlive this call only as dangling tokens that are never used:
+            // the pool drops its descriptors (the only frame owners) before the allocator.
+            let rc = unsafe { libc::munmap(chunk.base.as_ptr().cast(), chunk.len_bytes) };
+            debug_assert_eq!(rc, 0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_distinct_aligned_and_reused() {
+        let a = FrameAllocator::new(4096);
+        assert_eq!(a.frame_bytes(), 8 * 4096);
+        let mut frames: Vec<Frame> = (0..5000).map(|_| a.alloc().unwrap()).collect();
+        assert_eq!(a.reserved_bytes(), 2 * CHUNK_BYTES);
+        let mut addrs: Vec<usize> = frames.iter().map(Frame::addr).collect();
+        addrs.sort_unstable();
+        addrs.dedup();
+        assert_eq!(addrs.len(), 5000);
+        assert!(addrs.iter().all(|a| a % 4096 == 0));
+        let f = frames.pop().unwrap();
+        let addr = f.addr();
+        a.release(f, 1);
+        assert_eq!(a.alloc().unwrap().addr(), addr);
+    }
+
+    #[test]
+    fn release_zeroes_and_drops_residency() {
+        let a = FrameAllocator::new(4096);
+        let mut f = a.alloc().unwrap();
+        assert_eq!(a.resident_bytes(), 0);
+        f.bytes_mut(0, 3 * 4096).fill(0xa5);
+        assert_eq!(a.resident_bytes(), 3 * 4096);
+        assert!(f.bytes(4096, 10).iter().all(|&b| b == 0xa5));
+        a.release(f, 3);
+        assert_eq!(a.resident_bytes(), 0);
+        let f = a.alloc().unwrap();
+        assert!(f.bytes(0, 3 * 4096).iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond")]
+    fn out_of_frame_access_panics() {
+        let a = FrameAllocator::new(4096);
+        let f = a.alloc().unwrap();
+        f.bytes(8 * 4096 - 4, 8);
+    }
+
+    #[test]
+    fn large_page_sizes() {
+        for page in [16384, 65536] {
+            let a = FrameAllocator::new(page);
+            assert_eq!(a.frame_bytes(), 8 * page);
+            let mut f = a.alloc().unwrap();
+            f.bytes_mut(8 * page - 1, 1)[0] = 1;
+            a.release(f, 8);
+            assert_eq!(a.resident_bytes(), 0);
+        }
+    }
+}
