@@ -82,7 +82,7 @@ fn uninitialised_device_rejects_io() {
 fn over_mem_limit_is_enomem_and_keeps_old_contents() {
     let dev = device(64);
     // Incompressible pages: each takes a whole pool page.
-    let old: Vec<u8> = (0..8).flat_map(|i| random_page(i)).collect();
+    let old: Vec<u8> = (0..8).flat_map(random_page).collect();
     dev.write_at(&old, 0).unwrap();
     let used = dev.stats().mem_used_total_bytes;
     dev.attr_store("mem_limit", &used.to_string()).unwrap();

@@ -17,7 +17,7 @@ use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use uzram::device::{Device, DeviceConfig, IdleCutoff};
-use uzram::{BlockDevice, ErrorKind};
+use uzram::ErrorKind;
 
 #[derive(Debug, Clone)]
 struct ModelConfig {
