@@ -22,6 +22,7 @@ pub mod error;
 pub mod frontend;
 pub mod slot;
 pub mod units;
+pub mod zoned;
 pub mod zsmalloc;
 
 pub use error::{Error, ErrorKind, Result};

@@ -283,6 +283,25 @@ impl<B: Backing> Backing for FaultyBacking<B> {
         self.inner.block_size_bytes()
     }
 
+    fn readv_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> Result<()> {
+        // One vectored read counts as one read for the plan.
+        let len_bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        check_range(self.inner.size_bytes(), offset, len_bytes, "read")?;
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        let fail = {
+            let mut st = self.state.lock();
+            st.reads_since_plan += 1;
+            st.plan.read_faults.contains(&st.reads_since_plan)
+        };
+        if fail {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::io(format!(
+                "injected EIO: read of {len_bytes} bytes at offset {offset}"
+            )));
+        }
+        self.inner.readv_at(bufs, offset)
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.reads.fetch_add(1, Ordering::Relaxed);
         let fail = {

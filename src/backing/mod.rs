@@ -105,6 +105,20 @@ pub trait Backing: Send + Sync + Debug {
     }
     /// Reads `buf.len()` bytes at `offset`, all of them or an error.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Fills `bufs` back to back from `offset` (their total a multiple of 512 bytes), all of
+    /// them or an error. One `preadv` for files; the default reads buffer by buffer.
+    fn readv_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> Result<()> {
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        check_range(self.size_bytes(), offset, total, "read")?;
+        let mut at = offset;
+        for b in bufs.iter_mut() {
+            if !b.is_empty() {
+                self.read_at(b, at)?;
+            }
+            at += b.len() as u64;
+        }
+        Ok(())
+    }
     /// Writes all of `buf` at `offset`, or fails.
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.writev_at(&[buf], offset)
