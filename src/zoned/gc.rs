@@ -5,13 +5,15 @@
 //!    and at least a quarter of the zone reclaimable ([`MIN_RECLAIM_DIVISOR`]: copying a
 //!    nearly all-live zone gains nothing, and every zone has some padding, so "anything dead"
 //!    would make GC chase its own tail). Ties: the lowest index.
-//! 2. **Chunks**: the victim's live records in offset order, grouped into runs of adjacent
-//!    records and the runs into chunks of at most `gc_chunk_bytes` (and what the scratch can
-//!    grant). Dead records are never read.
+//! 2. **Chunks**: ranges of the victim of at most `gc_chunk_bytes` (a scratch buffer) holding
+//!    live records, in offset order; a gap of more than 64 KiB of dead bytes starts a new
+//!    chunk. Records are sector aligned, so a chunk is one aligned read.
 //! 3. **Read, then reuse the op as the write**: a chunk reserves scratch pieces at the ring's
-//!    head, becomes one [`IoOp`] owning them, is read run by run into them (one vectored
-//!    read per run), then gets the GC zone's write pointer as its offset and is submitted as
-//!    the write *with its payload untouched*: no copy, no rebuilt buffer list (bio_reuse).
+//!    head and is queued as one asynchronous read [`IoOp`] owning them. When the read
+//!    completes, the *same op* gets the GC zone's write pointer as its offset and, as its
+//!    segments, the live records among the bytes it read (plus filler to keep writes 4 KiB
+//!    aligned), and is resubmitted as the write: no copy, no rebuilt buffer (bio_reuse). Dead
+//!    records read along with live ones are simply not named by the write.
 //! 4. **Complete**: when a write completes, each record in it is re-pointed through
 //!    [`GcOwner::repoint`], which succeeds only if the slot still points at the old location
 //!    (else the copy is dropped as dead); the pieces go back to the scratch (the tail moves).
@@ -23,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use super::ring::{new_scratch, Scratch, Span};
 use super::{Opener, Rec, RecState, ZoneCondition, ZoneLoc, ZoneStore, PIECE_BYTES};
-use crate::backing::{IoOp, IoQueue};
+use crate::backing::{IoKind, IoOp, IoQueue, Segment};
 use crate::error::{Error, Result};
 
 /// A victim must have at least `zone_size / MIN_RECLAIM_DIVISOR` bytes that are not live.
@@ -53,10 +55,11 @@ pub struct GcReport {
     pub elapsed: Duration,
 }
 
-/// One chunk in flight.
+/// One chunk in flight: being read (`moves` empty), then being written.
 struct Chunk {
     span: Span,
-    /// Slot, old location, new location.
+    plan: ChunkPlan,
+    /// Slot, old location, new location (set when the read completed).
     moves: Vec<(u64, ZoneLoc, ZoneLoc)>,
 }
 
@@ -130,18 +133,18 @@ impl ZoneStore {
                 .collect()
         };
         let max_chunk = self.config.gc_chunk_bytes.min(scratch.max_chunk_bytes());
-        let chunks = plan_chunks(&live, max_chunk);
+        let chunks = plan_chunks(&live, max_chunk as u64);
         let mut in_flight: Vec<Option<Chunk>> = Vec::new();
         let mut first_error: Option<Error> = None;
-        for runs in chunks {
+        for plan in chunks {
             if first_error.is_some() {
                 break;
             }
-            let len: usize = runs.iter().map(|r| run_bytes(r) as usize).sum();
-            let padded = len.next_multiple_of(PIECE_BYTES);
-            // Room in the scratch: reap writes until the tail frees enough.
+            let range = (plan.end - plan.start) as usize;
+            // Room in the scratch: the head advances when a read is queued, the tail when a
+            // write completes; reap until the tail frees enough.
             let (span, pieces) = loop {
-                if let Some(r) = scratch.reserve(len) {
+                if let Some(r) = scratch.reserve(range) {
                     break r;
                 }
                 self.reap(
@@ -149,91 +152,36 @@ impl ZoneStore {
                     queue,
                     scratch,
                     &mut in_flight,
+                    victim,
                     report,
                     &mut first_error,
-                    1,
                 )?;
             };
-            // The op that will carry the chunk: read into, then written from.
-            let mut op = IoOp::new(0, pieces, in_flight.len() as u64);
-            let mut pos = 0usize;
-            let mut read_result = Ok(());
-            for run in &runs {
-                let n = run_bytes(run) as usize;
-                let mut slices = piece_slices(&mut op.bufs, pos, n);
-                let off = self.zone_base(victim) + run[0].offset_bytes;
-                if let Err(e) = self.backing.readv_at(&mut slices, off) {
-                    read_result = Err(e);
-                    break;
-                }
-                pos += n;
-            }
-            if let Err(e) = read_result {
-                scratch.complete(span, op.bufs);
-                first_error = Some(e);
-                break;
-            }
-            // Destination: the GC zone's write pointer.
-            let dest = {
-                let mut z = self.zones.lock();
-                self.reserve(&mut z, Opener::Gc, padded as u64, padded as u64)
-            };
-            let (dzone, doff, _) = match dest {
-                Ok(d) => d,
-                Err(e) => {
-                    scratch.complete(span, op.bufs);
-                    first_error = Some(e);
-                    break;
-                }
-            };
-            let mut moves = Vec::new();
-            let mut at = 0u64;
-            {
-                let mut z = self.zones.lock();
-                let dz = &mut z.zones[dzone as usize];
-                for r in runs.iter().flatten() {
-                    let new = ZoneLoc {
-                        zone: dzone,
-                        offset_bytes: doff + at,
-                        span_bytes: r.span_bytes,
-                    };
-                    dz.records.push(Rec {
-                        offset_bytes: new.offset_bytes,
-                        span_bytes: new.span_bytes,
-                        slot: r.slot,
-                        state: RecState::Pending,
-                    });
-                    dz.pending += 1;
-                    let old = ZoneLoc {
-                        zone: victim,
-                        offset_bytes: r.offset_bytes,
-                        span_bytes: r.span_bytes,
-                    };
-                    moves.push((r.slot, old, new));
-                    at += u64::from(r.span_bytes);
-                }
-            }
-            // bio_reuse: same op, same pieces, same bytes; only the offset changes.
-            op.offset = self.zone_base(dzone) + doff;
-            op.tag = in_flight.len() as u64;
-            in_flight.push(Some(Chunk { span, moves }));
-            // Keep the queue from overflowing: reap one if it is at depth.
             while queue.in_flight() >= queue.depth() {
                 self.reap(
                     owner,
                     queue,
                     scratch,
                     &mut in_flight,
+                    victim,
                     report,
                     &mut first_error,
-                    1,
                 )?;
             }
+            let mut op = IoOp::read(self.zone_base(victim) + plan.start, pieces, 0);
+            let mut segs = Vec::new();
+            add_segments(&mut segs, 0, range);
+            op.segments = Some(segs);
+            op.tag = in_flight.len() as u64;
+            in_flight.push(Some(Chunk {
+                span,
+                plan,
+                moves: Vec::new(),
+            }));
             if let Err((e, op)) = queue.submit(op) {
-                let chunk = in_flight[op.tag as usize]
-                    .take()
-                    .expect("the chunk just queued");
-                self.finish_chunk(owner, chunk, Err(e), op, scratch, report, &mut first_error);
+                let chunk = in_flight[op.tag as usize].take().expect("just queued");
+                scratch.complete(chunk.span, op.bufs);
+                first_error = Some(e);
             }
         }
         // Drain.
@@ -243,9 +191,9 @@ impl ZoneStore {
                 queue,
                 scratch,
                 &mut in_flight,
+                victim,
                 report,
                 &mut first_error,
-                usize::MAX,
             )?;
         }
         if let Some(e) = first_error {
@@ -269,7 +217,8 @@ impl ZoneStore {
         Ok(())
     }
 
-    /// Reaps at least `min` completions (or all in flight) and finishes their chunks.
+    /// Reaps at least one completion. A completed read becomes its chunk's write (the same
+    /// op, buffers and bytes: bio_reuse); a completed write finishes its chunk.
     #[allow(clippy::too_many_arguments)]
     fn reap(
         &self,
@@ -277,15 +226,97 @@ impl ZoneStore {
         queue: &mut dyn IoQueue,
         scratch: &mut dyn Scratch,
         in_flight: &mut [Option<Chunk>],
+        victim: u32,
         report: &mut GcReport,
         first_error: &mut Option<Error>,
-        min: usize,
     ) -> Result<()> {
-        for c in queue.wait(min)? {
-            let chunk = in_flight[c.op.tag as usize]
+        for c in queue.wait(1)? {
+            let tag = c.op.tag as usize;
+            let mut chunk = in_flight[tag]
                 .take()
                 .expect("a completion for a chunk in flight");
-            self.finish_chunk(owner, chunk, c.result, c.op, scratch, report, first_error);
+            if c.op.kind == IoKind::Write {
+                self.finish_chunk(owner, chunk, c.result, c.op, scratch, report, first_error);
+                continue;
+            }
+            let mut op = c.op;
+            if let Err(e) = c.result {
+                scratch.complete(chunk.span, op.bufs);
+                first_error.get_or_insert(e);
+                continue;
+            }
+            if first_error.is_some() {
+                // Stopping: do not start new writes.
+                scratch.complete(chunk.span, op.bufs);
+                continue;
+            }
+            let live_bytes: u64 = chunk
+                .plan
+                .recs
+                .iter()
+                .map(|r| u64::from(r.span_bytes))
+                .sum();
+            let padded = (live_bytes as usize).next_multiple_of(PIECE_BYTES);
+            // Destination: the GC zone's write pointer, 4 KiB aligned.
+            let dest = {
+                let mut z = self.zones.lock();
+                self.reserve(&mut z, Opener::Gc, padded as u64, padded as u64)
+            };
+            let (dzone, doff, _) = match dest {
+                Ok(d) => d,
+                Err(e) => {
+                    scratch.complete(chunk.span, op.bufs);
+                    first_error.get_or_insert(e);
+                    continue;
+                }
+            };
+            let mut segments: Vec<Segment> = Vec::new();
+            let mut at = 0u64;
+            {
+                let mut z = self.zones.lock();
+                let dz = &mut z.zones[dzone as usize];
+                for r in &chunk.plan.recs {
+                    let new = ZoneLoc {
+                        zone: dzone,
+                        offset_bytes: doff + at,
+                        span_bytes: r.span_bytes,
+                    };
+                    dz.records.push(Rec {
+                        offset_bytes: new.offset_bytes,
+                        span_bytes: new.span_bytes,
+                        slot: r.slot,
+                        state: RecState::Pending,
+                    });
+                    dz.pending += 1;
+                    let old = ZoneLoc {
+                        zone: victim,
+                        offset_bytes: r.offset_bytes,
+                        span_bytes: r.span_bytes,
+                    };
+                    chunk.moves.push((r.slot, old, new));
+                    add_segments(
+                        &mut segments,
+                        (r.offset_bytes - chunk.plan.start) as usize,
+                        r.span_bytes as usize,
+                    );
+                    at += u64::from(r.span_bytes);
+                }
+            }
+            if padded > live_bytes as usize {
+                // Keep the GC zone's writes 4 KiB aligned: the tail is filler (any bytes of
+                // the chunk; no record points there).
+                add_segments(&mut segments, 0, padded - live_bytes as usize);
+            }
+            // bio_reuse: the read's op and buffers become the write; the bytes stay where the
+            // read put them and the write names the live records among them (no copy).
+            op.kind = IoKind::Write;
+            op.offset = self.zone_base(dzone) + doff;
+            op.segments = Some(segments);
+            in_flight[tag] = Some(chunk);
+            if let Err((e, op)) = queue.submit(op) {
+                let chunk = in_flight[tag].take().expect("just queued");
+                self.finish_chunk(owner, chunk, Err(e), op, scratch, report, first_error);
+            }
         }
         Ok(())
     }
@@ -345,64 +376,59 @@ impl ZoneStore {
     }
 }
 
-/// Bytes of a run of adjacent records.
-fn run_bytes(run: &[Rec]) -> u64 {
-    run.iter().map(|r| u64::from(r.span_bytes)).sum()
+/// A GC chunk: a range of the victim read in one go, and the live records in it.
+#[derive(Debug)]
+struct ChunkPlan {
+    start: u64,
+    end: u64,
+    recs: Vec<Rec>,
 }
 
-/// Groups `live` (in offset order) into runs of adjacent records, and runs into chunks of at
-/// most `max_chunk` bytes (a run longer than that is split at record boundaries).
-fn plan_chunks(live: &[Rec], max_chunk: usize) -> Vec<Vec<Vec<Rec>>> {
-    let mut chunks: Vec<Vec<Vec<Rec>>> = Vec::new();
-    let mut chunk: Vec<Vec<Rec>> = Vec::new();
-    let mut chunk_bytes = 0usize;
+/// Dead bytes a chunk may read over to reach the next live record; a larger gap starts a new
+/// chunk (reading it would cost more than another read).
+const MAX_GAP_BYTES: u64 = 64 << 10;
+
+/// Groups `live` (in offset order) into chunks: ranges of at most `max_chunk` bytes of the
+/// victim holding live records, with gaps of dead bytes below [`MAX_GAP_BYTES`].
+fn plan_chunks(live: &[Rec], max_chunk: u64) -> Vec<ChunkPlan> {
+    let mut out: Vec<ChunkPlan> = Vec::new();
     for r in live {
-        let span = r.span_bytes as usize;
-        if chunk_bytes + span > max_chunk && !chunk.is_empty() {
-            chunks.push(std::mem::take(&mut chunk));
-            chunk_bytes = 0;
+        let end = r.offset_bytes + u64::from(r.span_bytes);
+        match out.last_mut() {
+            Some(c) if end - c.start <= max_chunk && r.offset_bytes - c.end <= MAX_GAP_BYTES => {
+                c.end = end;
+                c.recs.push(*r);
+            }
+            _ => out.push(ChunkPlan {
+                start: r.offset_bytes,
+                end,
+                recs: vec![*r],
+            }),
         }
-        let adjacent = chunk
-            .last()
-            .and_then(|run| run.last())
-            .is_some_and(|last| last.offset_bytes + u64::from(last.span_bytes) == r.offset_bytes);
-        if adjacent {
-            chunk.last_mut().expect("non-empty").push(*r);
-        } else {
-            chunk.push(vec![*r]);
-        }
-        chunk_bytes += span;
-    }
-    if !chunk.is_empty() {
-        chunks.push(chunk);
-    }
-    chunks
-}
-
-/// Mutable slices covering bytes `pos..pos + len` of the pieces, in order.
-fn piece_slices(
-    pieces: &mut [crate::backing::AlignedBuf],
-    pos: usize,
-    len: usize,
-) -> Vec<&mut [u8]> {
-    let mut out = Vec::new();
-    let mut skip = pos;
-    let mut left = len;
-    for p in pieces.iter_mut() {
-        if left == 0 {
-            break;
-        }
-        let plen = p.len();
-        if skip >= plen {
-            skip -= plen;
-            continue;
-        }
-        let take = (plen - skip).min(left);
-        out.push(&mut p[skip..skip + take]);
-        skip = 0;
-        left -= take;
     }
     out
+}
+
+/// Appends segments naming bytes `pos..pos + len` of 4 KiB pieces, split at piece boundaries
+/// and merged with the previous segment when contiguous.
+fn add_segments(segs: &mut Vec<Segment>, pos: usize, len: usize) {
+    let mut pos = pos;
+    let mut left = len;
+    while left > 0 {
+        let buf = pos / PIECE_BYTES;
+        let offset = pos % PIECE_BYTES;
+        let n = (PIECE_BYTES - offset).min(left);
+        match segs.last_mut() {
+            Some(last) if last.buf == buf && last.offset + last.len == offset => last.len += n,
+            _ => segs.push(Segment {
+                buf,
+                offset,
+                len: n,
+            }),
+        }
+        pos += n;
+        left -= n;
+    }
 }
 
 #[cfg(test)]
@@ -419,38 +445,57 @@ mod unit {
     }
 
     #[test]
-    fn chunks_group_adjacent_records_into_runs_and_respect_the_size() {
+    fn chunks_span_small_gaps_and_respect_the_size() {
         let live = [
             rec(0, 1024),
             rec(1024, 512),
             rec(4096, 2048),
             rec(6144, 4096),
-            rec(20480, 512),
+            rec(200_000, 512),
         ];
+        let chunks = plan_chunks(&live, 16384);
+        let shape: Vec<(u64, u64, usize)> = chunks
+            .iter()
+            .map(|c| (c.start, c.end, c.recs.len()))
+            .collect();
+        // The 190 KB gap starts a new chunk; the 2.5 KB gap does not.
+        assert_eq!(shape, vec![(0, 10240, 4), (200_000, 200_512, 1)]);
         let chunks = plan_chunks(&live, 8192);
-        let shape: Vec<Vec<usize>> = chunks
+        let shape: Vec<(u64, u64, usize)> = chunks
             .iter()
-            .map(|c| c.iter().map(Vec::len).collect())
+            .map(|c| (c.start, c.end, c.recs.len()))
             .collect();
-        // 1024+512+2048 = 3584; +4096 = 7680 <= 8192; +512 = 8192.
-        assert_eq!(shape, vec![vec![2, 2, 1]]);
-        let chunks = plan_chunks(&live, 4096);
-        let shape: Vec<Vec<usize>> = chunks
-            .iter()
-            .map(|c| c.iter().map(Vec::len).collect())
-            .collect();
-        assert_eq!(shape, vec![vec![2, 1], vec![1], vec![1]]);
+        assert_eq!(
+            shape,
+            vec![(0, 6144, 3), (6144, 10240, 1), (200_000, 200_512, 1)]
+        );
     }
 
     #[test]
-    fn piece_slices_cover_exactly() {
-        let mut pieces: Vec<crate::backing::AlignedBuf> = (0..3)
-            .map(|_| crate::backing::AlignedBuf::new_zeroed(4096).unwrap())
-            .collect();
-        let s = piece_slices(&mut pieces, 3584, 5120);
+    fn segments_split_at_pieces_and_merge_when_contiguous() {
+        let mut segs = Vec::new();
+        add_segments(&mut segs, 3584, 1024);
+        add_segments(&mut segs, 4608, 512);
+        add_segments(&mut segs, 8192, 512);
         assert_eq!(
-            s.iter().map(|x| x.len()).collect::<Vec<_>>(),
-            [512, 4096, 512]
+            segs,
+            vec![
+                Segment {
+                    buf: 0,
+                    offset: 3584,
+                    len: 512
+                },
+                Segment {
+                    buf: 1,
+                    offset: 0,
+                    len: 1024
+                },
+                Segment {
+                    buf: 2,
+                    offset: 0,
+                    len: 512
+                },
+            ]
         );
     }
 }

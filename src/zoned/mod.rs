@@ -53,8 +53,9 @@ pub const DEFAULT_STAGE_BYTES: usize = 256 << 10;
 pub const DEFAULT_GC_BUFFERS: usize = 2;
 /// See [`DEFAULT_GC_BUFFERS`].
 pub const DEFAULT_GC_BUFFER_BYTES: usize = 1 << 20;
-/// Largest GC chunk (one read, then one write).
-pub const DEFAULT_GC_CHUNK_BYTES: usize = 256 << 10;
+/// Largest GC chunk (one read, then one write): a whole scratch buffer, as in XFS, where the
+/// buffer size is also the upper bound of each GC I/O.
+pub const DEFAULT_GC_CHUNK_BYTES: usize = 1 << 20;
 
 /// Settings of a zoned store.
 #[derive(Debug, Clone, PartialEq, Eq)]

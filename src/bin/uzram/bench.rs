@@ -19,6 +19,33 @@ pub struct BenchArgs {
 enum BenchCommand {
     /// The page store: raw codec vs. store path, packing, and the kernel's zram on the same pages.
     Store(StoreArgs),
+    /// Zoned GC: the scratch ring against bank switching, on a real backing file (seed 001).
+    Gc(GcArgs),
+}
+
+#[derive(Debug, Args)]
+struct GcArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Backing file to create (removed afterwards); put it on the disk to measure.
+    #[arg(long, default_value = "/var/tmp/uzram-bench-gc.img")]
+    backing: PathBuf,
+    /// Zone size (K/M/G suffixes).
+    #[arg(long, default_value = "256M")]
+    zone_size: String,
+    /// Zones in the backing file (all but two are filled).
+    #[arg(long, default_value_t = 6)]
+    zones: u64,
+    /// Repetitions of each mode; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Algorithm of the written-back objects.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    /// Where to write the JSON (default: bench/results/gc-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -45,6 +72,22 @@ struct StoreArgs {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
+        BenchCommand::Gc(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let opts = bench::gc::GcBenchOptions {
+                backing: a.backing,
+                zone_size_bytes: uzram::units::parse_size_bytes(&a.zone_size)?,
+                zones: a.zones,
+                repeats: a.repeats,
+                codec: a.codec,
+                ..Default::default()
+            };
+            let doc = bench::gc::run(&corpus, &opts)?;
+            let path = bench::json_path(a.json.as_deref(), "gc");
+            bench::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
         BenchCommand::Store(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;
             let opts = StoreBenchOptions {
