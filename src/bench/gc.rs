@@ -38,8 +38,10 @@ pub struct GcBenchOptions {
     pub codec: String,
     /// Seed for the discarded half.
     pub seed: u64,
-    /// Queue depth of GC writes.
+    /// Queue depth of GC reads and writes.
     pub depth: usize,
+    /// Largest GC chunk.
+    pub chunk_bytes: usize,
 }
 
 impl Default for GcBenchOptions {
@@ -52,6 +54,7 @@ impl Default for GcBenchOptions {
             codec: "lz4".into(),
             seed: 1,
             depth: 8,
+            chunk_bytes: crate::zoned::DEFAULT_GC_CHUNK_BYTES,
         }
     }
 }
@@ -245,13 +248,14 @@ pub fn run(corpus: &Corpus, opts: &GcBenchOptions) -> Result<serde_json::Value> 
     ]);
     println!(
         "{} zones of {} MiB on {} ({io_mode}), {} filled from {} objects ({}), half discarded; \
-         GC scratch 2 x 1 MiB, chunks up to 1 MiB, queue depth {}; median of {} runs each",
+         GC scratch 2 x 1 MiB, chunks up to {} KiB, queue depth {}; median of {} runs each",
         opts.zones,
         opts.zone_size_bytes >> 20,
         opts.backing.display(),
         opts.zones - 2,
         objects.len(),
         opts.codec,
+        opts.chunk_bytes >> 10,
         opts.depth,
         opts.repeats
     );
@@ -267,6 +271,8 @@ pub fn run(corpus: &Corpus, opts: &GcBenchOptions) -> Result<serde_json::Value> 
         "zones": opts.zones,
         "repeats": opts.repeats,
         "codec": opts.codec,
+        "chunk_bytes": opts.chunk_bytes,
+        "depth": opts.depth,
         "io_mode": io_mode,
         "gc_ms_ring": gc_ms_ring,
         "gc_ms_bank": gc_ms_bank,
@@ -314,6 +320,7 @@ fn run_on(
                 ZoneConfig {
                     zone_size_bytes: opts.zone_size_bytes,
                     scratch_mode: mode,
+                    gc_chunk_bytes: opts.chunk_bytes,
                     ..ZoneConfig::default()
                 },
             )?);

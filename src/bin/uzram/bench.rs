@@ -43,6 +43,12 @@ struct GcArgs {
     /// Algorithm of the written-back objects.
     #[arg(long, default_value = "lz4")]
     codec: String,
+    /// Largest GC chunk (K/M suffixes; at most the 1 MiB scratch buffer).
+    #[arg(long, default_value = "1M")]
+    chunk: String,
+    /// Queue depth of GC reads and writes.
+    #[arg(long, default_value_t = 8)]
+    depth: usize,
     /// Where to write the JSON (default: bench/results/gc-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -80,6 +86,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 zones: a.zones,
                 repeats: a.repeats,
                 codec: a.codec,
+                chunk_bytes: uzram::units::parse_size_bytes(&a.chunk)? as usize,
+                depth: a.depth,
                 ..Default::default()
             };
             let doc = bench::gc::run(&corpus, &opts)?;
