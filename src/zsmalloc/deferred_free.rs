@@ -49,9 +49,12 @@
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 #[cfg(loom)]
-use loom::sync::{Condvar, Mutex, MutexGuard, TryLockError};
+use loom::sync::{Condvar, Mutex, MutexGuard};
+// loom's `Mutex::try_lock` returns std's `TryLockResult`.
 #[cfg(not(loom))]
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+#[cfg(loom)]
+use std::sync::TryLockError;
 #[cfg(not(loom))]
 use std::sync::{Condvar, Mutex, MutexGuard, TryLockError};
 
@@ -148,7 +151,7 @@ impl<T> DeferredQueue<T> {
     }
 
     /// The capacity in items.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn capacity(&self) -> usize {
         self.capacity
     }
