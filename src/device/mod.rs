@@ -31,7 +31,7 @@ use crate::zsmalloc::{DeferredStats, PoolStats, ZsPool};
 use crate::BlockDevice;
 use parking_lot::{RwLock, RwLockReadGuard};
 use stats::DeviceStats;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 /// The algorithm a new or reset device uses (zram-generator's and most distributions' choice).
@@ -122,6 +122,8 @@ pub struct Device {
     /// default, 128 MiB / page size). Survives reset; see
     /// [`debug_set_deferred_capacity`](Device::debug_set_deferred_capacity).
     deferred_capacity: AtomicU64,
+    /// Benchmark-only: release paths free synchronously (the anchor of `uzram bench free`).
+    pub(crate) release_sync: AtomicBool,
 }
 
 /// A shared hold on an initialised device's contents (the init lock taken shared).
@@ -149,6 +151,7 @@ impl Device {
             state: RwLock::new(State::default()),
             mem_limit_pages: AtomicU64::new(0),
             deferred_capacity: AtomicU64::new(0),
+            release_sync: AtomicBool::new(false),
         })
     }
 
@@ -273,6 +276,14 @@ impl Device {
     /// The allocator's per-class counters (the kernel's debugfs `classes`), when initialised.
     pub fn pool_stats(&self) -> Option<PoolStats> {
         self.inner().ok().map(|inner| inner.pool.stats())
+    }
+
+    /// Benchmark-only switch: when `on`, the release paths (discard, free notifications) free
+    /// allocator objects synchronously, as overwrites do: the anchor `uzram bench free`
+    /// measures the deferred-free queue against. Never turn it on otherwise.
+    #[doc(hidden)]
+    pub fn bench_release_sync(&self, on: bool) {
+        self.release_sync.store(on, Ordering::Relaxed);
     }
 
     /// Sets the deferred-free queue's capacity (entries, at least 2; 0: the default) for the

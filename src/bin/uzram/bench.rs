@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
-use uzram::bench::{self, store::StoreBenchOptions};
+use uzram::bench::{self, free::FreeBenchOptions, store::StoreBenchOptions};
 use uzram::corpus::Corpus;
 
 /// Where `uzram corpus` writes by default, and where benchmarks look for pages.
@@ -19,6 +19,31 @@ pub struct BenchArgs {
 enum BenchCommand {
     /// The page store: raw codec vs. store path, packing, and the kernel's zram on the same pages.
     Store(StoreArgs),
+    /// Releasing pages: synchronous vs. deferred free, and the short class-lock section.
+    Free(FreeArgs),
+}
+
+#[derive(Debug, Args)]
+struct FreeArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Pages to fill and release (the corpus's non-same-filled pages, cycled); default: each
+    /// of them once.
+    #[arg(long)]
+    pages: Option<usize>,
+    /// Releasing thread counts, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Algorithm the device compresses with.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    /// Timing repetitions; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Where to write the JSON (default: bench/results/free-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -56,6 +81,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = bench::store::run(&corpus, &opts)?;
             let path = bench::json_path(a.json.as_deref(), "store");
+            bench::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
+        BenchCommand::Free(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let opts = FreeBenchOptions {
+                codec: a.codec,
+                pages: a.pages,
+                threads: a.threads,
+                repeats: a.repeats,
+            };
+            let doc = bench::free::run(&corpus, &opts)?;
+            let path = bench::json_path(a.json.as_deref(), "free");
             bench::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())
