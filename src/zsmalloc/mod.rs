@@ -17,6 +17,8 @@
 //! - `fullness`: the fullness groups (in-use ratio buckets of 10 %).
 //! - `class`: a class at run time: its lock and what it protects.
 //! - `compact`: compaction.
+//! - `deferred_free`: the bounded queue behind [`ZsPool::free_deferred`], drained by a worker
+//!   thread (owned by [`ZsPool`], sharing the pool proper, `PoolCore`, through an `Arc`).
 //!
 //! Everything else (this file, `class`, `compact`, ...) is `unsafe`-free (`deny(unsafe_code)`).
 //!
@@ -27,11 +29,16 @@
 //! | class lock (`SizeClass::state`, a mutex per class) | the class's slot metadata, fullness lists, unused zspage ids, free handle indices, counters; every *change* of a location word of the class's handles |
 //! | migrate lock (`ZspageDesc`, an rwlock per zspage) | the zspage's frame (which memory backs it) and the bytes of its objects: shared to read an object or to copy into a reserved free slot, exclusive to write an object, to move objects out, or to install/take out the frame |
 //! | frame allocator mutex | chunks and free frames |
+//! | deferred-free queue lock (try-locked only by `free_deferred`) | the queued handles |
+//! | deferred-free drain mutex | the batch a drainer (worker or `flush`) is freeing |
 //!
 //! Lock order: class lock → migrate lock of a compaction source → migrate lock of a destination
 //! → frame allocator mutex. `read` and `write` take exactly one migrate lock and nothing else;
 //! `free` takes one class lock (plus, if the zspage empties, its migrate lock briefly and then,
-//! after the class lock is dropped, the frame allocator mutex).
+//! after the class lock is dropped, the frame allocator mutex). `free_deferred` try-locks the
+//! queue lock and holds nothing else with it (or falls back to `free`). A drainer holds the
+//! drain mutex, takes the queue lock only to swap buffers, then calls `free` per handle: drain
+//! mutex → class lock → ...
 //!
 //! # Finding an object while compaction moves it
 //!
@@ -50,6 +57,8 @@
 //! cheap (use or free of a freed handle panics) and can never cause a data race: at worst they
 //! read another object's bytes. The closure given to [`ZsPool::read`] runs under a migrate lock
 //! and must not call back into the pool. `compact` may run concurrently with everything.
+//! A handle given to `free_deferred` is given up exactly as one given to `free`; until it is
+//! drained it is still allocated (compaction may move it; `total_pages` counts its memory).
 
 #![deny(unsafe_code)]
 
@@ -396,7 +405,7 @@ impl PoolCore {
 /// A pool of compressed objects; see the module docs. `Send + Sync`: share it as
 /// `Arc<ZsPool>`.
 ///
-/// It owns the pool proper ([`PoolCore`], shared with the deferred-free worker) and the
+/// It owns the pool proper (`PoolCore`, shared with the deferred-free worker) and the
 /// worker's thread, started by the first wake-up. Dropping the pool stops the worker and
 /// flushes the deferred-free queue, so no queued handle is left unfreed.
 pub struct ZsPool {
