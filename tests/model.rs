@@ -10,13 +10,19 @@
 //!   not others, so each page of it keeps both candidates until a read tells which one it is.
 //!   Nothing else may fail.
 //! - The canary corrupts the device on purpose (swaps two slots) and the harness must catch it.
+//! - Release paths (discard, free notifications) hand objects to the allocator's deferred-free
+//!   queue, made small (`deferred_capacity`) so its worker drains while the same slots are
+//!   rewritten, compaction moves queued objects, and resets drop pools with objects queued.
+//!   The chaos thread also flushes the queue. At the end, after a flush, the allocator's
+//!   counters must match the slots exactly, and after discarding everything and flushing they
+//!   must be back at zero (no object leaked, none freed twice: a double free panics).
 
 use parking_lot::{Mutex, RwLock};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use uzram::device::{Device, DeviceConfig, IdleCutoff};
+use uzram::device::{Device, IdleCutoff};
 use uzram::ErrorKind;
 
 #[derive(Debug, Clone)]
@@ -31,6 +37,8 @@ struct ModelConfig {
     canary: bool,
     /// Let the chaos thread reset the device now and then.
     resets: bool,
+    /// Capacity of the allocator's deferred-free queue (small: the worker runs often).
+    deferred_capacity: usize,
 }
 
 impl ModelConfig {
@@ -52,6 +60,9 @@ impl ModelConfig {
             algorithm,
             canary: false,
             resets: true,
+            // 2..=32: from a queue that falls back at every other release to one that drains
+            // in batches of 16.
+            deferred_capacity: 2 << (seed % 5),
         }
     }
 }
@@ -123,13 +134,10 @@ fn gen_page(rng: &mut SmallRng, page_size: usize, index: u64) -> Vec<u8> {
 
 impl Harness {
     fn new(cfg: ModelConfig) -> Harness {
-        let dev = Device::new(DeviceConfig {
-            disksize_bytes: disksize(&cfg),
-            page_size_bytes: cfg.page_size,
-            comp_algorithm: cfg.algorithm.to_string(),
-            ..Default::default()
-        })
-        .expect("create device");
+        let dev = Device::new_uninit(cfg.page_size).expect("create device");
+        dev.debug_set_deferred_capacity(cfg.deferred_capacity);
+        dev.attr_store("comp_algorithm", cfg.algorithm).unwrap();
+        dev.init(disksize(&cfg)).expect("initialise device");
         let regions = (0..cfg.threads as u64)
             .map(|t| {
                 Mutex::new(Region {
@@ -326,6 +334,19 @@ impl Harness {
                         }
                     }
                 }
+                // A swap frontend's free notification: the page becomes zeroes, or (if the slot
+                // was locked by an idle scan just then: miss_free) keeps its contents.
+                97 => {
+                    let p = rng.gen_range(0..npages as usize);
+                    if let Err(e) = self.dev.slot_free_notify(base + p as u64) {
+                        return self.fail(format!("free notify failed: {e}"));
+                    }
+                    let zero = vec![0u8; ps];
+                    let c = &mut region.pages[p];
+                    if !c.contains(&zero) {
+                        c.push(zero);
+                    }
+                }
                 // Idle marking from a worker, racing other workers' I/O.
                 _ => {
                     if rng.gen_bool(0.5) {
@@ -376,12 +397,69 @@ impl Harness {
                         .unwrap();
                     self.resets.fetch_add(1, Ordering::Relaxed);
                 }
+                81..=85 => {
+                    if rng.gen_bool(0.5) {
+                        self.dev.flush_deferred();
+                    } else {
+                        let _ = uzram::BlockDevice::flush(&self.dev);
+                    }
+                }
                 _ => {
                     let _ = self.dev.attr_show("mm_stat").unwrap();
+                    let _ = self.dev.attr_show("deferred_stat").unwrap();
                 }
             }
             std::thread::sleep(std::time::Duration::from_micros(rng.gen_range(0..500)));
         }
+    }
+
+    /// After a flush the allocator holds exactly one object per slot holding one, then, once
+    /// every page is discarded and the queue flushed again, nothing at all.
+    fn verify_no_leak(&self) -> Result<(), String> {
+        let objects = |dev: &Device| -> u64 {
+            dev.pool_stats()
+                .expect("initialised")
+                .classes
+                .iter()
+                .map(|c| c.objs_inuse)
+                .sum()
+        };
+        self.dev.flush_deferred();
+        let s = self.dev.stats();
+        let d = self.dev.deferred_stats();
+        if objects(&self.dev) != s.pages_stored - s.same_pages || d.pending != 0 {
+            return self.fail(format!(
+                "after flush: {} objects for {} stored pages ({} same-filled); {d:?}",
+                objects(&self.dev),
+                s.pages_stored,
+                s.same_pages
+            ));
+        }
+        self.dev
+            .discard(0, disksize(&self.cfg))
+            .map_err(|e| e.to_string())?;
+        self.dev.flush_deferred();
+        let s = self.dev.stats();
+        let d = self.dev.deferred_stats();
+        let back = (
+            s.pages_stored,
+            s.orig_data_size_bytes,
+            s.compr_data_size_bytes,
+            s.mem_used_total_bytes,
+            s.same_pages,
+            s.huge_pages,
+            objects(&self.dev),
+            d.pending,
+        );
+        if back != (0, 0, 0, 0, 0, 0, 0, 0) || d.queued != d.drained {
+            return self.fail(format!(
+                "after discarding everything and flushing, counters are not back to zero: \
+                 mm_stat {} objects {} {d:?}",
+                s.mm_stat().trim(),
+                objects(&self.dev)
+            ));
+        }
+        Ok(())
     }
 
     fn verify_all(&self) -> Result<(), String> {
@@ -459,8 +537,11 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
     result?;
     h.verify_all()?;
     let s = h.dev.stats();
+    let d = h.dev.deferred_stats();
+    h.verify_no_leak()?;
     Ok(format!(
-        "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, mm_stat {}",
+        "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, mm_stat {}, \
+         deferred (since the last reset) {d:?}",
         cfg.seed,
         h.resets.load(Ordering::Relaxed),
         h.enomem.load(Ordering::Relaxed),

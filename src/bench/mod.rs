@@ -2,6 +2,7 @@
 //! JSON to `bench/results/`. No test asserts a timing; the suite runs them at tiny sizes so they
 //! keep working.
 
+pub mod free;
 pub mod gc;
 pub mod kernel_zram;
 pub mod store;

@@ -9,6 +9,7 @@ use super::{Device, IdleCutoff};
 use crate::compress::{self, CodecParams};
 use crate::error::{Error, ErrorKind, Result};
 use crate::units::parse_size_bytes;
+use crate::zsmalloc::DeferredStats;
 
 /// How an attribute may be accessed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +28,7 @@ pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
     ("comp_algorithm", AttrMode::ReadWrite),
     ("compact", AttrMode::WriteOnly),
     ("debug_stat", AttrMode::ReadOnly),
+    ("deferred_stat", AttrMode::ReadOnly),
     ("disksize", AttrMode::ReadWrite),
     ("idle", AttrMode::WriteOnly),
     ("initstate", AttrMode::ReadOnly),
@@ -78,6 +80,23 @@ pub fn kstrtou64(value: &str, radix: u32) -> Result<u64> {
     })
 }
 
+/// `deferred_stat` (uzram's own, no kernel counterpart): the allocator's deferred-free queue,
+/// eight `%8llu` columns: `queued fallback_contended fallback_full drains drained pending
+/// wakeups capacity`. See `docs/attributes.md`.
+pub fn deferred_stat(s: &DeferredStats) -> String {
+    format!(
+        "{:8} {:8} {:8} {:8} {:8} {:8} {:8} {:8}\n",
+        s.queued,
+        s.fallback_contended,
+        s.fallback_full,
+        s.drains,
+        s.drained,
+        s.pending,
+        s.wakeups,
+        s.capacity
+    )
+}
+
 impl Device {
     /// The names of every attribute this device has.
     pub fn attr_names(&self) -> impl Iterator<Item = &'static str> {
@@ -107,6 +126,7 @@ impl Device {
                 out
             }
             "debug_stat" => self.stats().debug_stat(),
+            "deferred_stat" => deferred_stat(&self.deferred_stats()),
             "disksize" => format!("{}\n", self.disksize_bytes()),
             "initstate" => format!("{}\n", u8::from(self.is_initialised())),
             "io_stat" => self.stats().io_stat(),
@@ -258,6 +278,28 @@ impl Device {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn deferred_stat_format() {
+        assert_eq!(
+            deferred_stat(&DeferredStats::default()),
+            "       0        0        0        0        0        0        0        0\n"
+        );
+        let s = DeferredStats {
+            queued: 40000,
+            fallback_contended: 3,
+            fallback_full: 7,
+            drains: 2,
+            drained: 39990,
+            pending: 10,
+            wakeups: 2,
+            capacity: 32768,
+        };
+        assert_eq!(
+            deferred_stat(&s),
+            "   40000        3        7        2    39990       10        2    32768\n"
+        );
+    }
 
     #[test]
     fn kstrtou64_like_the_kernel() {

@@ -27,11 +27,11 @@ use crate::compress::{self, Codec, CodecParams};
 use crate::error::{Error, Result};
 use crate::slot::{SlotIndex, SlotTable};
 use crate::units::{DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
-use crate::zsmalloc::ZsPool;
+use crate::zsmalloc::{DeferredStats, PoolStats, ZsPool};
 use crate::BlockDevice;
 use parking_lot::{RwLock, RwLockReadGuard};
 use stats::DeviceStats;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 /// The algorithm a new or reset device uses (zram-generator's and most distributions' choice).
@@ -118,6 +118,12 @@ pub struct Device {
     state: RwLock<State>,
     /// `mem_limit` in pages (0: none). Settable at any time; cleared by reset.
     mem_limit_pages: AtomicU64,
+    /// Capacity of the allocator's deferred-free queue for pools built from now on (0: the
+    /// default, 128 MiB / page size). Survives reset; see
+    /// [`debug_set_deferred_capacity`](Device::debug_set_deferred_capacity).
+    deferred_capacity: AtomicU64,
+    /// Benchmark-only: release paths free synchronously (the anchor of `uzram bench free`).
+    pub(crate) release_sync: AtomicBool,
 }
 
 /// A shared hold on an initialised device's contents (the init lock taken shared).
@@ -144,6 +150,8 @@ impl Device {
             page_size_bytes,
             state: RwLock::new(State::default()),
             mem_limit_pages: AtomicU64::new(0),
+            deferred_capacity: AtomicU64::new(0),
+            release_sync: AtomicBool::new(false),
         })
     }
 
@@ -198,7 +206,11 @@ impl Device {
             / page
             * page;
         let codec = compress::new_codec(&st.settings.comp_algorithm, st.settings.comp_params)?;
-        let pool = ZsPool::new(self.page_size_bytes)?;
+        let capacity = match self.deferred_capacity.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n as usize),
+        };
+        let pool = ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?;
         let slots = SlotTable::new(disksize_bytes / page)?;
         let huge_threshold_bytes = pool.huge_class_size_bytes();
         st.inner = Some(Inner {
@@ -214,7 +226,8 @@ impl Device {
     }
 
     /// Frees everything and returns to the uninitialised state with default settings, as
-    /// writing `reset` does. Waits for requests in flight.
+    /// writing `reset` does. Waits for requests in flight. Dropping the pool stops its
+    /// deferred-free worker and frees what is still queued (see `ZsPool`'s `Drop`).
     pub fn reset(&self) {
         let mut st = self.state.write();
         st.inner = None;
@@ -229,12 +242,57 @@ impl Device {
             .store(limit_bytes.div_ceil(page), Ordering::Relaxed);
     }
 
-    /// Runs compaction of the pool (zram's `compact`); returns pages freed.
+    /// Runs compaction of the pool (zram's `compact`); returns pages freed. Drains the
+    /// deferred-free queue first: moving objects that are about to be freed is wasted work,
+    /// and their frees may empty zspages by themselves.
     pub fn compact(&self) -> u64 {
         match self.inner() {
-            Ok(inner) => inner.pool.compact(),
+            Ok(inner) => {
+                inner.pool.flush();
+                inner.pool.compact()
+            }
             Err(_) => 0,
         }
+    }
+
+    /// Frees every allocator object queued by release paths (discard, free notifications)
+    /// before this call; `mem_used_total` then counts only live data. Returns how many objects
+    /// it freed. A no-op on an uninitialised device.
+    pub fn flush_deferred(&self) -> u64 {
+        match self.inner() {
+            Ok(inner) => inner.pool.flush() as u64,
+            Err(_) => 0,
+        }
+    }
+
+    /// The allocator's deferred-free counters (`deferred_stat`); all 0 when uninitialised.
+    pub fn deferred_stats(&self) -> DeferredStats {
+        match self.inner() {
+            Ok(inner) => inner.pool.deferred_stats(),
+            Err(_) => DeferredStats::default(),
+        }
+    }
+
+    /// The allocator's per-class counters (the kernel's debugfs `classes`), when initialised.
+    pub fn pool_stats(&self) -> Option<PoolStats> {
+        self.inner().ok().map(|inner| inner.pool.stats())
+    }
+
+    /// Benchmark-only switch: when `on`, the release paths (discard, free notifications) free
+    /// allocator objects synchronously, as overwrites do: the anchor `uzram bench free`
+    /// measures the deferred-free queue against. Never turn it on otherwise.
+    #[doc(hidden)]
+    pub fn bench_release_sync(&self, on: bool) {
+        self.release_sync.store(on, Ordering::Relaxed);
+    }
+
+    /// Sets the deferred-free queue's capacity (entries, at least 2; 0: the default) for the
+    /// pools built by later initialisations. For tests, which need a small queue to make the
+    /// worker run; the default is upstream's budget.
+    #[doc(hidden)]
+    pub fn debug_set_deferred_capacity(&self, entries: usize) {
+        self.deferred_capacity
+            .store(entries as u64, Ordering::Relaxed);
     }
 
     /// A consistent-enough snapshot of the statistics (exact when no request is in flight).

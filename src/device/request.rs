@@ -186,16 +186,54 @@ impl Device {
 
     /// Frees the whole pages inside the range (TRIM); partial pages are left alone, as zram
     /// does (freeing memory is the point of a discard; rewriting part of a page is not).
+    ///
+    /// A release path: each slot's metadata and counters are cleared under its lock (so the
+    /// page reads back as zeroes, and `mm_stat` drops, before this returns), and only the
+    /// allocator free is deferred ([`ZsPool::free_deferred`](crate::zsmalloc::ZsPool)).
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let inner = self.inner()?;
         self.check_io(&inner, offset, len)?;
+        let how = self.release_free();
         for seg in segments(offset, len, self.page_size_bytes) {
             if seg.len_bytes == self.page_size_bytes {
                 let mut g = inner.slots.lock(seg.index);
-                free_slot(&inner, &mut g);
+                release_slot(&inner, &mut g, how);
             }
         }
         Ok(())
+    }
+
+    /// A swap frontend's notification that page `index` was freed (zram's
+    /// `zram_slot_free_notify`, called when a process exits or swaps a page back in for good).
+    /// A release path like [`discard`](Self::discard): the slot is emptied under its lock and
+    /// the object freed through the deferred-free queue. Never waits: if the slot is locked the
+    /// notification is dropped and counted in `miss_free` (the page stays stored until it is
+    /// overwritten or discarded, as in zram). `EINVAL` for an index past the end.
+    pub fn slot_free_notify(&self, index: u64) -> Result<()> {
+        let inner = self.inner()?;
+        if index >= inner.slots.len() {
+            return Err(Error::invalid(format!(
+                "slot {index} is past the end of the device ({} slots)",
+                inner.slots.len()
+            )));
+        }
+        DeviceStats::add(&inner.stats.notify_free, 1);
+        let index = SlotIndex(index);
+        let Some(mut g) = SlotGuard::try_lock(inner.slots.entry(index), index) else {
+            DeviceStats::add(&inner.stats.miss_free, 1);
+            return Ok(());
+        };
+        release_slot(&inner, &mut g, self.release_free());
+        Ok(())
+    }
+
+    /// How release paths free objects: deferred, unless the benchmark's anchor asked for sync.
+    fn release_free(&self) -> Free {
+        if self.release_sync.load(Ordering::Relaxed) {
+            Free::Sync
+        } else {
+            Free::Deferred
+        }
     }
 
     /// Makes the range read back as zeroes: whole pages are freed, partial pages rewritten.
@@ -216,9 +254,12 @@ impl Device {
         Ok(())
     }
 
-    /// Makes completed writes durable: nothing to do for RAM.
+    /// Makes completed writes durable: nothing to do for RAM. It also drains the allocator's
+    /// deferred-free queue, so the memory of pages discarded before the flush is returned when
+    /// it completes (a natural point: clients flush after trimming).
     pub fn flush(&self) -> Result<()> {
-        let _inner = self.inner()?;
+        let inner = self.inner()?;
+        inner.pool.flush();
         Ok(())
     }
 }
@@ -263,8 +304,13 @@ fn prepare(inner: &Inner, page: &[u8], dst: &mut [u8], limit_pages: u64) -> Resu
     };
     let handle = inner.pool.malloc(src.len())?;
     // As zram: allocate, then check the pool against the limit; over it, give the object back.
-    let total_pages = inner.pool.total_pages();
+    let mut total_pages = inner.pool.total_pages();
     inner.stats.update_max_used(total_pages);
+    if limit_pages != 0 && total_pages > limit_pages && inner.pool.deferred_stats().pending > 0 {
+        // Objects of released pages still hold memory: free them before refusing the write.
+        inner.pool.flush();
+        total_pages = inner.pool.total_pages();
+    }
     if limit_pages != 0 && total_pages > limit_pages {
         inner.pool.free(handle);
         return Err(Error::no_memory(format!(
@@ -310,9 +356,25 @@ fn publish(inner: &Inner, g: &mut SlotGuard<'_>, prepared: Prepared) {
     g.touch(inner.now_secs());
 }
 
+/// How [`release_slot`] frees the slot's allocator object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Free {
+    /// `ZsPool::free` (overwrites, write-zeroes, every path but the release paths).
+    Sync,
+    /// `ZsPool::free_deferred`: release paths (discard, free notifications).
+    Deferred,
+}
+
 /// Releases whatever the slot holds and empties it (zram's `zram_free_page`). The caller holds
 /// the slot lock.
 pub(crate) fn free_slot(inner: &Inner, g: &mut SlotGuard<'_>) {
+    release_slot(inner, g, Free::Sync)
+}
+
+/// [`free_slot`], choosing how the allocator object is freed. The slot's metadata and the
+/// counters are always updated here, under the slot lock; with [`Free::Deferred`] only the
+/// object's memory comes back later.
+pub(crate) fn release_slot(inner: &Inner, g: &mut SlotGuard<'_>, how: Free) {
     let st = g.state();
     if st.is_empty() {
         return;
@@ -324,7 +386,10 @@ pub(crate) fn free_slot(inner: &Inner, g: &mut SlotGuard<'_>) {
         unreachable!("no backing device can be configured yet");
     } else {
         let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
-        inner.pool.free(handle);
+        match how {
+            Free::Sync => inner.pool.free(handle),
+            Free::Deferred => inner.pool.free_deferred(handle),
+        }
         DeviceStats::sub(&s.compr_data_size_bytes, st.size_bytes() as u64);
         if st.has(SlotFlags::HUGE) {
             DeviceStats::sub(&s.huge_pages, 1);

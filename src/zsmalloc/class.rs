@@ -42,6 +42,16 @@ pub(crate) struct SizeClass {
     pub(crate) state: Mutex<ClassState>,
 }
 
+/// What is left of a detached zspage: its frame (pages to return) and its slot table (heap
+/// memory to free), owned by the caller of [`SizeClass::detach`] and released after the class
+/// lock is dropped.
+#[derive(Debug)]
+#[must_use = "the frame must go back to the frame allocator"]
+pub(crate) struct Detached {
+    pub(crate) frame: Frame,
+    pub(crate) owners: Box<[u32]>,
+}
+
 /// Everything the class lock protects; see the module docs.
 #[derive(Debug, Default)]
 pub(crate) struct ClassState {
@@ -100,10 +110,13 @@ impl SizeClass {
     }
 
     /// Detaches zspage `id`, emptied (and unlinked) by [`ClassState::release`], taking its frame
-    /// out under its migrate lock (so the caller must not hold that lock). The caller releases
-    /// the frame after dropping the class lock.
-    pub(crate) fn detach(&self, st: &mut ClassState, id: u32) -> Frame {
-        st.metas[id as usize].detach();
+    /// out under its migrate lock (so the caller must not hold that lock; nobody else holds it
+    /// long: the zspage has no objects, so only a reader with a stale location can be there,
+    /// and it lets go at once). The caller releases what is returned after dropping the class
+    /// lock. The id goes back to `free_ids` now: its descriptor has no frame and its meta no
+    /// slot table, so the next `attach` of it is valid at once.
+    pub(crate) fn detach(&self, st: &mut ClassState, id: u32) -> Detached {
+        let owners = st.metas[id as usize].detach();
         let frame = self
             .desc(id)
             .write()
@@ -111,7 +124,7 @@ impl SizeClass {
             .expect("attached zspage has a frame");
         st.free_ids.push(id);
         st.zspages -= 1;
-        frame
+        Detached { frame, owners }
     }
 }
 

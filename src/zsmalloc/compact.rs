@@ -31,9 +31,9 @@ use std::sync::atomic::Ordering;
 use super::class::SizeClass;
 use super::handle::Location;
 use super::zspage::move_object;
-use super::ZsPool;
+use super::PoolCore;
 
-impl ZsPool {
+impl PoolCore {
     /// Compacts one class; returns the pages it freed.
     pub(crate) fn compact_class(&self, class: &SizeClass) -> u64 {
         let info = class.info;
@@ -83,10 +83,10 @@ impl ZsPool {
                     emptied = st.release(class, src, obj, handle);
                 }
             }
-            let frame = emptied.then(|| class.detach(&mut st, src));
+            let detached = emptied.then(|| class.detach(&mut st, src));
             drop(st);
-            if let Some(frame) = frame {
-                self.release_frame(class, frame);
+            if let Some(d) = detached {
+                self.release_detached(class, d);
                 freed_pages += info.pages_per_zspage as u64;
             }
         }

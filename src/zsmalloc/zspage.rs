@@ -134,11 +134,12 @@ impl ZspageMeta {
         self.inuse = 0;
     }
 
-    /// Ends a zspage life (it must be empty), dropping the slot table.
-    pub(crate) fn detach(&mut self) {
+    /// Ends a zspage life (it must be empty), returning the slot table so the caller can drop
+    /// it (a heap free) after the class lock.
+    pub(crate) fn detach(&mut self) -> Box<[u32]> {
         assert_eq!(self.inuse, 0, "detaching a zspage with live objects");
-        self.owners = Box::default();
         self.first_free = NIL;
+        std::mem::take(&mut self.owners)
     }
 
     /// Whether the zspage id is in use.

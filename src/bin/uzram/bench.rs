@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
-use uzram::bench::{self, store::StoreBenchOptions};
+use uzram::bench::{self, free::FreeBenchOptions, store::StoreBenchOptions};
 use uzram::corpus::Corpus;
 
 /// Where `uzram corpus` writes by default, and where benchmarks look for pages.
@@ -21,6 +21,8 @@ enum BenchCommand {
     Store(StoreArgs),
     /// Zoned GC: the scratch ring against bank switching, on a real backing file (seed 001).
     Gc(GcArgs),
+    /// Releasing pages: synchronous vs. deferred free, and the short class-lock section.
+    Free(FreeArgs),
 }
 
 #[derive(Debug, Args)]
@@ -50,6 +52,29 @@ struct GcArgs {
     #[arg(long, default_value_t = 8)]
     depth: usize,
     /// Where to write the JSON (default: bench/results/gc-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct FreeArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Pages to fill and release (the corpus's non-same-filled pages, cycled); default: each
+    /// of them once.
+    #[arg(long)]
+    pages: Option<usize>,
+    /// Releasing thread counts, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Algorithm the device compresses with.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    /// Timing repetitions; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Where to write the JSON (default: bench/results/free-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -107,6 +132,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = bench::store::run(&corpus, &opts)?;
             let path = bench::json_path(a.json.as_deref(), "store");
+            bench::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
+        BenchCommand::Free(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let opts = FreeBenchOptions {
+                codec: a.codec,
+                pages: a.pages,
+                threads: a.threads,
+                repeats: a.repeats,
+            };
+            let doc = bench::free::run(&corpus, &opts)?;
+            let path = bench::json_path(a.json.as_deref(), "free");
             bench::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())
