@@ -978,6 +978,16 @@ fn read_requests<R: Read, W: Write>(
             payload,
             charge,
         };
+        if lock(&conn.inflight).requests == 1 {
+            // Nothing else in flight (a client at queue depth 1, or the first of a burst):
+            // answer it from this thread. Handing it to a worker would add a thread wake-up
+            // (tens of µs on an idle VM CPU) to a round trip whose whole point is latency;
+            // with requests already in flight the workers take them, so a pipelining client
+            // waits at most one request's service time for the reader.
+            conn.execute(job);
+            conn.refund(charge);
+            continue;
+        }
         if let Err(mpsc::SendError(job)) = tx.send(job) {
             // No worker left (cannot happen while `tx` lives, but never lose the request).
             conn.execute(job);
