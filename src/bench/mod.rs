@@ -3,6 +3,7 @@
 //! keep working.
 
 pub mod kernel_zram;
+pub mod nbd;
 pub mod store;
 
 use crate::error::{Error, Result};
