@@ -13,8 +13,10 @@
 //!   fio's `psync` (iodepth 1 only: it is synchronous) and `io_uring` engines, when run as root
 //!   and zram0 exists unused; it is reset afterwards.
 //!
-//! Each target starts empty and is first filled sequentially (so reads hit data), then runs
-//! its points. Reported per point: IOPS (reads and writes together: fio's
+//! Every target is set up and filled sequentially first (so reads hit data); then each point
+//! runs on every target in turn, and the whole sequence is repeated `repeats` times, so load
+//! from elsewhere drifts over all targets alike. The two kernel targets share one zram0.
+//! Reported per point: IOPS (reads and writes together: fio's
 //! `unified_rw_reporting=mixed`), completion latency p50 and p99 (µs), each the median of
 //! `repeats` runs, and the ratios uzram/anchor on the same point. The issue's targets: uzram at
 //! least nbdkit sparse's IOPS; at least 1/3 of the kernel's psync iodepth-1 IOPS.
@@ -90,6 +92,11 @@ pub struct NbdPoint {
     /// Every run's IOPS.
     pub runs_iops: Vec<f64>,
 }
+
+/// A point on a target: (target index, rw, iodepth, jobs).
+type PointKey = (usize, String, u32, u32);
+/// One run's (IOPS, p50 µs, p99 µs).
+type Sample = (f64, f64, f64);
 
 /// How fio reaches a target.
 enum Access {
@@ -193,43 +200,16 @@ struct Target {
     access: Access,
     max_jobs: u32,
     max_iodepth: u32,
+    /// Fill it before the points (false when another target shares its storage).
+    fill: bool,
 }
 
-fn run_target(
-    t: &Target,
-    opts: &NbdBenchOptions,
-    out: &mut Vec<NbdPoint>,
-    progress: &mut dyn FnMut(&str),
-) -> Result<()> {
-    progress(&format!("{}: filling {} bytes", t.name, opts.size_bytes));
-    prefill(&t.access, opts.size_bytes)?;
-    for rw in &opts.rws {
-        for &iodepth in opts.iodepths.iter().filter(|&&d| d <= t.max_iodepth) {
-            for &jobs in opts.jobs.iter().filter(|&&j| j <= t.max_jobs) {
-                let mut runs = Vec::new();
-                for _ in 0..opts.repeats.max(1) {
-                    runs.push(run_point(&t.access, rw, iodepth, jobs, opts)?);
-                }
-                let iops: Vec<f64> = runs.iter().map(|r| r.0).collect();
-                let p = NbdPoint {
-                    target: t.name.to_string(),
-                    rw: rw.clone(),
-                    iodepth,
-                    jobs,
-                    iops: median(&iops),
-                    p50_us: median(&runs.iter().map(|r| r.1).collect::<Vec<_>>()),
-                    p99_us: median(&runs.iter().map(|r| r.2).collect::<Vec<_>>()),
-                    runs_iops: iops,
-                };
-                progress(&format!(
-                    "{} {rw} iodepth {iodepth} jobs {jobs}: {:.0} IOPS, p50 {:.1} µs, p99 {:.1} µs",
-                    t.name, p.iops, p.p50_us, p.p99_us
-                ));
-                out.push(p);
-            }
-        }
-    }
-    Ok(())
+/// What keeps a target alive; dropping it stops the server, kills nbdkit, resets zram0.
+#[allow(dead_code)] // Held for its Drop only.
+enum Guard {
+    Server(Server),
+    Nbdkit(Nbdkit),
+    Kernel(KernelZram),
 }
 
 /// nbdkit's memory plugin on a unix socket, killed when dropped.
@@ -308,37 +288,39 @@ pub fn run(opts: &NbdBenchOptions) -> Result<serde_json::Value> {
         ));
     }
     let dir = tempfile_dir()?;
-    let mut points = Vec::new();
     let mut skipped: Vec<(String, String)> = Vec::new();
-    let mut progress = |s: &str| eprintln!("bench nbd: {s}");
+    let progress = |s: &str| eprintln!("bench nbd: {s}");
+    // Every target is set up and filled first, then the points run interleaved (each point
+    // on every target in turn, repeat after repeat), so load from elsewhere on the machine
+    // drifts over all targets alike and the ratios compare like with like.
+    let mut guards = Vec::new();
+    let mut targets = Vec::new();
 
     // uzram, in this process: the same server `uzram serve` runs.
-    {
-        let device = Arc::new(Device::new(DeviceConfig {
-            disksize_bytes: opts.size_bytes,
-            ..Default::default()
-        })?);
-        let socket = dir.path.join("uzram.sock");
-        let server = Server::start(
-            vec![Export::new("zram0", device as Arc<dyn BlockDevice>)],
-            &[Listen::Unix {
-                path: socket.clone(),
-                export: "zram0".into(),
-            }],
-            ServerConfig {
-                log_errors: false,
-                ..ServerConfig::default()
-            },
-        )?;
-        let t = Target {
-            name: "uzram",
-            access: Access::Nbd(format!("nbd+unix:///zram0?socket={}", socket.display())),
-            max_jobs: u32::MAX,
-            max_iodepth: u32::MAX,
-        };
-        run_target(&t, opts, &mut points, &mut progress)?;
-        server.stop();
-    }
+    let device = Arc::new(Device::new(DeviceConfig {
+        disksize_bytes: opts.size_bytes,
+        ..Default::default()
+    })?);
+    let socket = dir.path.join("uzram.sock");
+    let server = Server::start(
+        vec![Export::new("zram0", device as Arc<dyn BlockDevice>)],
+        &[Listen::Unix {
+            path: socket.clone(),
+            export: "zram0".into(),
+        }],
+        ServerConfig {
+            log_errors: false,
+            ..ServerConfig::default()
+        },
+    )?;
+    guards.push(Guard::Server(server));
+    targets.push(Target {
+        name: "uzram",
+        access: Access::Nbd(format!("nbd+unix:///zram0?socket={}", socket.display())),
+        max_jobs: u32::MAX,
+        max_iodepth: u32::MAX,
+        fill: true,
+    });
 
     if opts.no_nbdkit {
         skipped.push(("nbdkit".into(), "--no-nbdkit".into()));
@@ -353,15 +335,14 @@ pub fn run(opts: &NbdBenchOptions) -> Result<serde_json::Value> {
             let socket = dir.path.join(format!("{name}.sock"));
             match start_nbdkit(&socket, opts.size_bytes, allocator) {
                 Ok(kit) => {
-                    let t = Target {
+                    guards.push(Guard::Nbdkit(kit));
+                    targets.push(Target {
                         name,
                         access: Access::Nbd(format!("nbd+unix:///?socket={}", socket.display())),
                         max_jobs,
                         max_iodepth: u32::MAX,
-                    };
-                    let r = run_target(&t, opts, &mut points, &mut progress);
-                    drop(kit);
-                    r?;
+                        fill: true,
+                    });
                 }
                 Err(e) => skipped.push((name.into(), e.to_string())),
             }
@@ -371,32 +352,89 @@ pub fn run(opts: &NbdBenchOptions) -> Result<serde_json::Value> {
     if opts.no_kernel {
         skipped.push(("kernel".into(), "--no-kernel".into()));
     } else {
-        for (name, engine, max_iodepth) in [
-            // psync is synchronous: iodepth is always 1.
-            ("kernel-psync", "psync", 1),
-            ("kernel-io_uring", "io_uring", u32::MAX),
-        ] {
-            let Some(k) = KernelZram::open() else {
-                skipped.push((name.into(), KernelZram::unavailable_reason()));
-                continue;
-            };
-            if !k.has_algorithm("lz4") {
-                skipped.push((name.into(), "the kernel's zram has no lz4".into()));
-                continue;
+        match KernelZram::open() {
+            None => skipped.push(("kernel".into(), KernelZram::unavailable_reason())),
+            Some(k) if !k.has_algorithm("lz4") => {
+                skipped.push(("kernel".into(), "the kernel's zram has no lz4".into()))
             }
-            k.store("comp_algorithm", "lz4")?;
-            k.store("disksize", &opts.size_bytes.to_string())?;
-            let t = Target {
-                name,
-                access: Access::Block(PathBuf::from("/dev/zram0"), engine),
-                max_jobs: u32::MAX,
-                max_iodepth,
-            };
-            let r = run_target(&t, opts, &mut points, &mut progress);
-            drop(k); // resets zram0
-            r?;
+            Some(k) => {
+                k.store("comp_algorithm", "lz4")?;
+                k.store("disksize", &opts.size_bytes.to_string())?;
+                // Reset when dropped, on every exit path.
+                guards.push(Guard::Kernel(k));
+                let zram0 = PathBuf::from("/dev/zram0");
+                targets.push(Target {
+                    name: "kernel-psync",
+                    access: Access::Block(zram0.clone(), "psync"),
+                    max_jobs: u32::MAX,
+                    // psync is synchronous: iodepth is always 1.
+                    max_iodepth: 1,
+                    fill: true,
+                });
+                targets.push(Target {
+                    name: "kernel-io_uring",
+                    access: Access::Block(zram0, "io_uring"),
+                    max_jobs: u32::MAX,
+                    max_iodepth: u32::MAX,
+                    // The same zram0, filled through psync already.
+                    fill: false,
+                });
+            }
         }
     }
+
+    for t in targets.iter().filter(|t| t.fill) {
+        progress(&format!("{}: filling {} bytes", t.name, opts.size_bytes));
+        prefill(&t.access, opts.size_bytes)?;
+    }
+    let mut samples: Vec<(PointKey, Vec<Sample>)> = Vec::new();
+    for rep in 0..opts.repeats.max(1) {
+        for rw in &opts.rws {
+            for &iodepth in &opts.iodepths {
+                for &jobs in &opts.jobs {
+                    for (ti, t) in targets.iter().enumerate() {
+                        if iodepth > t.max_iodepth || jobs > t.max_jobs {
+                            continue;
+                        }
+                        let r = run_point(&t.access, rw, iodepth, jobs, opts)?;
+                        progress(&format!(
+                            "run {}: {} {rw} iodepth {iodepth} jobs {jobs}: {:.0} IOPS, \
+                             p50 {:.1} µs, p99 {:.1} µs",
+                            rep + 1,
+                            t.name,
+                            r.0,
+                            r.1,
+                            r.2
+                        ));
+                        let key = (ti, rw.clone(), iodepth, jobs);
+                        match samples.iter_mut().find(|(k, _)| *k == key) {
+                            Some((_, v)) => v.push(r),
+                            None => samples.push((key, vec![r])),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    drop(guards);
+    // Target by target, in the order of the options.
+    samples.sort_by_key(|((ti, _, _, _), _)| *ti);
+    let points: Vec<NbdPoint> = samples
+        .into_iter()
+        .map(|((ti, rw, iodepth, jobs), runs)| {
+            let iops: Vec<f64> = runs.iter().map(|r| r.0).collect();
+            NbdPoint {
+                target: targets[ti].name.to_string(),
+                rw,
+                iodepth,
+                jobs,
+                iops: median(&iops),
+                p50_us: median(&runs.iter().map(|r| r.1).collect::<Vec<_>>()),
+                p99_us: median(&runs.iter().map(|r| r.2).collect::<Vec<_>>()),
+                runs_iops: iops,
+            }
+        })
+        .collect();
 
     let find = |target: &str, p: &NbdPoint| {
         points
