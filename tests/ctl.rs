@@ -90,7 +90,12 @@ fn serve_in(dir: tempfile::TempDir, args: &[&str], prefix: &[&str]) -> Running {
     let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
     let mut cmd = Command::new(prefix.first().copied().unwrap_or(BIN));
     if !prefix.is_empty() {
-        cmd.args(&prefix[1..]).arg(BIN);
+        // The prefix may drop privileges: run a copy in the (world-readable) temporary
+        // directory, since the build directory may be private to root.
+        let copy = dir.path().join("uzram");
+        std::fs::copy(BIN, &copy).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        cmd.args(&prefix[1..]).arg(copy);
     }
     let mut child = cmd
         .arg("serve")
