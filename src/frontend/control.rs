@@ -266,7 +266,8 @@ fn store(
         }
         return device.attr_store(attr, value);
     }
-    if !LONG_OPERATIONS.contains(&attr) {
+    if !LONG_OPERATIONS.contains(&attr) || !device.attr_names().any(|n| n == attr) {
+        // Short, or not an attribute of this device (its errno comes without a "started").
         return device.attr_store(attr, value);
     }
     let start = Instant::now();
