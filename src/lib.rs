@@ -16,6 +16,7 @@
 pub mod backing;
 pub mod bench;
 pub mod compress;
+pub mod config;
 pub mod corpus;
 pub mod device;
 pub mod error;

@@ -1,8 +1,5 @@
 //! `uzram serve` as a user runs it: the built binary, its printed URIs, real clients, and a
 //! clean stop on SIGTERM and SIGINT (requests in flight answered, socket removed, exit 0).
-//!
-//! Off until `serve` is wired into the binary, which needs `uzram::device::Device` from main
-//! (see docs/nbd.md, "Status"): then delete the next line.
 
 mod nbd_support;
 

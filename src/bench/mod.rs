@@ -5,6 +5,7 @@
 pub mod free;
 pub mod gc;
 pub mod kernel_zram;
+pub mod nbd;
 pub mod store;
 
 use crate::error::{Error, Result};
@@ -89,8 +90,17 @@ impl Table {
     pub fn row(&mut self, cells: Vec<String>) {
         self.rows.push(cells);
     }
-    /// Renders the table.
+    /// Renders the table with a rule under the header.
     pub fn render(&self) -> String {
+        self.render_with(true)
+    }
+
+    /// Renders the table without the rule, as `zramctl` and `lsblk` print theirs.
+    pub fn render_plain(&self) -> String {
+        self.render_with(false)
+    }
+
+    fn render_with(&self, rule: bool) -> String {
         let ncol = self.header.len();
         let mut width = vec![0; ncol];
         for r in std::iter::once(&self.header).chain(&self.rows) {
@@ -110,8 +120,10 @@ impl Table {
             out.push('\n');
         };
         line(&self.header, &mut out);
-        out.push_str(&"-".repeat(width.iter().sum::<usize>() + 2 * ncol.saturating_sub(1)));
-        out.push('\n');
+        if rule {
+            out.push_str(&"-".repeat(width.iter().sum::<usize>() + 2 * ncol.saturating_sub(1)));
+            out.push('\n');
+        }
         for r in &self.rows {
             line(r, &mut out);
         }

@@ -5,5 +5,9 @@
 //!
 //! - [`nbd`]: a Network Block Device server (fixed newstyle, structured replies), reachable by
 //!   QEMU, qemu-img/qemu-io, libnbd's tools, fio's nbd engine, and the kernel through nbdfuse.
+//! - [`swap`]: what a server backing swap does to itself (locked memory, I/O flusher).
+//! - [`control`]: a running device's attributes over a unix socket (`uzram ctl`, `uzram status`).
 
+pub mod control;
 pub mod nbd;
+pub mod swap;

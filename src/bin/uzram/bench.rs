@@ -23,6 +23,8 @@ enum BenchCommand {
     Gc(GcArgs),
     /// Releasing pages: synchronous vs. deferred free, and the short class-lock section.
     Free(FreeArgs),
+    /// The NBD server with fio, against nbdkit's memory plugin and the kernel's zram.
+    Nbd(NbdArgs),
 }
 
 #[derive(Debug, Args)]
@@ -75,6 +77,41 @@ struct FreeArgs {
     #[arg(long, default_value_t = 5)]
     repeats: usize,
     /// Where to write the JSON (default: bench/results/free-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct NbdArgs {
+    /// Seconds per point.
+    #[arg(long, default_value_t = 10)]
+    runtime: u64,
+    /// Size of each target (K, M, G suffixes).
+    #[arg(long, default_value = "1G")]
+    size: String,
+    /// Runs per point; the median is reported.
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
+    /// Workloads, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "randwrite,randread,randrw"
+    )]
+    rw: Vec<String>,
+    /// Queue depths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,32")]
+    iodepths: Vec<u32>,
+    /// Job counts (connections), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    jobs: Vec<u32>,
+    /// Skip the kernel zram anchors.
+    #[arg(long)]
+    no_kernel: bool,
+    /// Skip the nbdkit anchors.
+    #[arg(long)]
+    no_nbdkit: bool,
+    /// Where to write the JSON (default: bench/results/nbd-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -146,6 +183,29 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = bench::free::run(&corpus, &opts)?;
             let path = bench::json_path(a.json.as_deref(), "free");
+            bench::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
+        BenchCommand::Nbd(a) => {
+            for rw in &a.rw {
+                if !["randwrite", "randread", "randrw"].contains(&rw.as_str()) {
+                    anyhow::bail!("--rw {rw}: one of randwrite, randread, randrw");
+                }
+            }
+            let opts = bench::nbd::NbdBenchOptions {
+                runtime_secs: a.runtime.max(1),
+                size_bytes: uzram::units::parse_size_bytes(&a.size)
+                    .with_context(|| format!("--size {}", a.size))?,
+                repeats: a.repeats,
+                rws: a.rw,
+                iodepths: a.iodepths,
+                jobs: a.jobs,
+                no_kernel: a.no_kernel,
+                no_nbdkit: a.no_nbdkit,
+            };
+            let doc = bench::nbd::run(&opts)?;
+            let path = bench::json_path(a.json.as_deref(), "nbd");
             bench::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())

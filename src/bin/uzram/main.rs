@@ -3,6 +3,7 @@
 
 mod bench;
 mod corpus;
+mod ctl;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +27,10 @@ enum Command {
     Corpus(corpus::CorpusArgs),
     /// Create devices and export them over NBD (a unix socket by default).
     Serve(serve::ServeArgs),
+    /// Show or store an attribute of a running device, as `cat`/`echo >` on zram's sysfs.
+    Ctl(ctl::CtlArgs),
+    /// A table of the running devices, like zramctl's.
+    Status(ctl::StatusArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -34,5 +39,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::Corpus(a) => corpus::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Ctl(a) => std::process::exit(ctl::run_ctl(a)),
+        Command::Status(a) => ctl::run_status(a),
     }
 }

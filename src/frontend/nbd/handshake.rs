@@ -22,6 +22,9 @@ pub struct Negotiated {
     pub structured: bool,
     /// The transmission flags sent to the client.
     pub transmission_flags: u16,
+    /// The export size sent to the client: if the device no longer has it when transmission
+    /// starts (it was reset in between), the connection is closed.
+    pub size_bytes: u64,
 }
 
 /// The transmission flags of every export (uzram's exports are all writable and share one
@@ -152,8 +155,9 @@ pub fn negotiate<R: Read, W: Write>(
                     return Err(protocol_error("unknown export"));
                 };
                 let tflags = transmission_flags(structured);
+                let size_bytes = exports[export].device.size_bytes();
                 let mut out = Vec::with_capacity(134);
-                out.extend_from_slice(&exports[export].device.size_bytes().to_be_bytes());
+                out.extend_from_slice(&size_bytes.to_be_bytes());
                 out.extend_from_slice(&tflags.to_be_bytes());
                 if !no_zeroes {
                     out.extend_from_slice(&[0u8; 124]);
@@ -163,6 +167,7 @@ pub fn negotiate<R: Read, W: Write>(
                     export,
                     structured,
                     transmission_flags: tflags,
+                    size_bytes,
                 }));
             }
             OPT_LIST => {
@@ -207,7 +212,8 @@ pub fn negotiate<R: Read, W: Write>(
                 let e = &exports[export];
                 let tflags = transmission_flags(structured);
                 let mut out = Vec::new();
-                let info = encode_info_export(e.device.size_bytes(), tflags);
+                let size_bytes = e.device.size_bytes();
+                let info = encode_info_export(size_bytes, tflags);
                 encode_option_reply(&mut out, opt.option, REP_INFO, &info);
                 // Block sizes are sent even unasked (the spec allows it): every client that
                 // shows them, and qemu and libnbd, ask anyway.
@@ -232,6 +238,7 @@ pub fn negotiate<R: Read, W: Write>(
                         export,
                         structured,
                         transmission_flags: tflags,
+                        size_bytes,
                     }));
                 }
             }

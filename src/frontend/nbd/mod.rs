@@ -28,7 +28,7 @@ pub mod handshake;
 pub mod protocol;
 pub mod server;
 
-pub use server::{Endpoint, Server, ServerConfig};
+pub use server::{Endpoint, Openers, Server, ServerConfig};
 
 use crate::BlockDevice;
 use std::net::SocketAddr;

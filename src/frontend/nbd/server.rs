@@ -65,7 +65,19 @@ pub struct ServerConfig {
     pub workers_per_connection: usize,
     /// Print connection errors (protocol violations, I/O errors) to stderr.
     pub log_errors: bool,
+    /// Fill each connection's buffer pool when it starts ([`PREALLOCATED_BUFFERS`] of
+    /// [`PREALLOCATED_BUFFER_BYTES`]) rather than as requests arrive: for serving swap, where
+    /// the request path should not take fresh memory (`uzram serve --swap`).
+    pub preallocate: bool,
 }
+
+/// Buffers preallocated per connection with [`ServerConfig::preallocate`]: half the in-flight
+/// request limit, which a swap client's queue (the kernel's nbd driver: 128 tags by default;
+/// qemu: 16) rarely fills with large requests.
+pub const PREALLOCATED_BUFFERS: usize = 64;
+/// Their data size: 128 KiB (the kernel's default `max_sectors_kb` for most devices, so the
+/// usual largest swap request); each also has room for a reply header.
+pub const PREALLOCATED_BUFFER_BYTES: usize = 128 << 10;
 
 impl Default for ServerConfig {
     fn default() -> ServerConfig {
@@ -73,6 +85,7 @@ impl Default for ServerConfig {
         ServerConfig {
             workers_per_connection: cores.clamp(2, 8),
             log_errors: true,
+            preallocate: false,
         }
     }
 }
@@ -134,9 +147,53 @@ enum Listener {
     Tcp(TcpListener),
 }
 
+/// Who has an export open: the count of connections in transmission on it, under a mutex that
+/// also serialises operations that must not happen while the export is open (zram's `reset`
+/// is `EBUSY` while the disk has openers; the control socket runs it under
+/// [`Openers::while_unused`]).
+#[derive(Debug, Default)]
+pub struct Openers {
+    count: Mutex<usize>,
+}
+
+impl Openers {
+    /// Connections in transmission on the export now.
+    pub fn count(&self) -> usize {
+        *lock(&self.count)
+    }
+
+    /// Runs `f` with no connection in transmission and none able to start until it returns;
+    /// `Err(n)` with the number of openers instead if there are any.
+    pub fn while_unused<R>(&self, f: impl FnOnce() -> R) -> std::result::Result<R, usize> {
+        let g = lock(&self.count);
+        if *g > 0 {
+            return Err(*g);
+        }
+        let r = f();
+        drop(g);
+        Ok(r)
+    }
+
+    fn open(&self) -> OpenGuard<'_> {
+        *lock(&self.count) += 1;
+        OpenGuard(self)
+    }
+}
+
+/// One connection's hold on an export; released when dropped.
+struct OpenGuard<'a>(&'a Openers);
+
+impl Drop for OpenGuard<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.count) -= 1;
+    }
+}
+
 /// State shared by the accept threads and connections.
 struct Shared {
     exports: Vec<Export>,
+    /// One per export, same order.
+    openers: Vec<Arc<Openers>>,
     config: ServerConfig,
     /// Raised once by [`Server::stop`]; read everywhere.
     stopping: AtomicBool,
@@ -191,7 +248,7 @@ fn err_io(what: &str, path: &Path, e: io::Error) -> Error {
 /// Binds a unix socket with mode 0600 without a window where it is reachable with looser
 /// permissions: bind under a temporary name, chmod, then rename into place. A stale socket
 /// (nobody accepting) at `path` is replaced; a live one is an error (`EBUSY`).
-fn bind_unix(path: &Path) -> Result<UnixListener> {
+pub(crate) fn bind_unix(path: &Path) -> Result<UnixListener> {
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
             return Err(Error::busy(format!(
@@ -286,6 +343,7 @@ impl Server {
             }
         }
         let shared = Arc::new(Shared {
+            openers: exports.iter().map(|_| Arc::default()).collect(),
             exports,
             config,
             stopping: AtomicBool::new(false),
@@ -309,6 +367,12 @@ impl Server {
             endpoints,
             stopped: false,
         })
+    }
+
+    /// Who has the export `name` open (`None`: no such export).
+    pub fn openers(&self, name: &str) -> Option<Arc<Openers>> {
+        let i = self.shared.exports.iter().position(|e| e.name == name)?;
+        Some(Arc::clone(&self.shared.openers[i]))
     }
 
     /// The bound listeners.
@@ -501,8 +565,22 @@ fn serve_connection(
     };
     stream.set_read_timeout(None)?;
     let device = &*shared.exports[neg.export].device;
+    let pool = BufPool::new(if shared.config.preallocate {
+        PREALLOCATED_BUFFERS
+    } else {
+        0
+    });
+    let _open = shared.openers[neg.export].open();
+    if device.size_bytes() != neg.size_bytes {
+        // Reset (and perhaps resized) between the size being sent and now: the client's idea
+        // of the export is wrong, so it must reconnect.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the device was reset during the handshake",
+        ));
+    }
     let kill = || stream.shutdown(Shutdown::Both);
-    transmission(
+    transmission_with_pool(
         &mut reader,
         &**stream,
         device,
@@ -510,7 +588,101 @@ fn serve_connection(
         shared.config.workers_per_connection,
         &shared.stopping,
         &kill,
+        &pool,
     )
+}
+
+/// Room for a reply header in front of read data, so a pooled buffer of a class holds a
+/// reply of that class's data size.
+const POOL_HEADROOM_BYTES: usize = 64;
+/// Size classes: 4 KiB << k of data (plus headroom) for k = 0..=13, up to the 32 MiB maximum
+/// payload.
+const POOL_CLASSES: usize = 14;
+
+fn pool_class_of_len(len: usize) -> usize {
+    let pages = len
+        .saturating_sub(POOL_HEADROOM_BYTES)
+        .div_ceil(4096)
+        .max(1);
+    pages.next_power_of_two().trailing_zeros() as usize
+}
+
+fn pool_class_capacity(class: usize) -> usize {
+    (4096 << class) + POOL_HEADROOM_BYTES
+}
+
+/// A connection's request buffers (write payloads, read replies), recycled: a buffer returns
+/// here when its request is answered and a later request it can hold reuses it, so the steady
+/// state allocates nothing. Buffers are kept in power-of-two size classes (a lookup is a few
+/// vector pops, not a search) and the pool holds at most [`MAX_INFLIGHT_BYTES`].
+struct BufPool {
+    inner: Mutex<PoolInner>,
+}
+
+struct PoolInner {
+    classes: [Vec<Vec<u8>>; POOL_CLASSES],
+    held_bytes: usize,
+}
+
+impl BufPool {
+    /// A pool holding `prefill` buffers of [`PREALLOCATED_BUFFER_BYTES`].
+    fn new(prefill: usize) -> BufPool {
+        let pool = BufPool {
+            inner: Mutex::new(PoolInner {
+                classes: Default::default(),
+                held_bytes: 0,
+            }),
+        };
+        for _ in 0..prefill {
+            let class = pool_class_of_len(PREALLOCATED_BUFFER_BYTES);
+            // Written, not `vec![0; n]`: calloc would map zero pages lazily, and the point is
+            // to have every page mapped (and, under mlockall, locked) up front.
+            #[allow(clippy::slow_vector_initialization)]
+            let b = {
+                let mut b = Vec::with_capacity(pool_class_capacity(class));
+                b.resize(b.capacity(), 0);
+                b
+            };
+            pool.give(b);
+        }
+        pool
+    }
+
+    /// A zeroed buffer of `len` bytes: a pooled one of its class or larger, else a new one.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let class = pool_class_of_len(len);
+        let found = {
+            let mut p = lock(&self.inner);
+            let mut found = None;
+            for k in class..POOL_CLASSES {
+                if let Some(b) = p.classes[k].pop() {
+                    p.held_bytes -= b.capacity();
+                    found = Some(b);
+                    break;
+                }
+            }
+            found
+        };
+        let mut b = found.unwrap_or_else(|| Vec::with_capacity(pool_class_capacity(class)));
+        b.clear();
+        b.resize(len, 0);
+        b
+    }
+
+    /// Returns a buffer for reuse (dropped if the pool is full or the buffer is too small).
+    fn give(&self, buf: Vec<u8>) {
+        let cap = buf.capacity();
+        if cap < pool_class_capacity(0) {
+            return;
+        }
+        // The largest class whose capacity it has.
+        let class = (((cap - POOL_HEADROOM_BYTES) / 4096).ilog2() as usize).min(POOL_CLASSES - 1);
+        let mut p = lock(&self.inner);
+        if (p.held_bytes + cap) as u64 <= MAX_INFLIGHT_BYTES {
+            p.held_bytes += cap;
+            p.classes[class].push(buf);
+        }
+    }
 }
 
 /// One request handed to a worker.
@@ -532,6 +704,7 @@ struct InFlight {
 /// The per-connection state the reader and the workers share.
 struct Conn<'a, W> {
     writer: Mutex<W>,
+    pool: &'a BufPool,
     device: &'a dyn BlockDevice,
     structured: bool,
     /// Set when a reply could not be sent: the client is gone, stop reading.
@@ -618,7 +791,7 @@ impl<W: Write> Conn<'_, W> {
                 } else {
                     SIMPLE_REPLY_HEADER_BYTES
                 };
-                let mut buf = vec![0u8; prefix + length as usize];
+                let mut buf = self.pool.take(prefix + length as usize);
                 match dev.read_at(&mut buf[prefix..], offset) {
                     Ok(()) => {
                         if self.structured {
@@ -640,12 +813,14 @@ impl<W: Write> Conn<'_, W> {
                     }
                     Err(e) => fail(&e, false),
                 }
+                self.pool.give(buf);
             }
             Action::Write { offset, fua, .. } => {
                 match with_fua(dev.write_at(&job.payload, offset), fua) {
                     Ok(()) => self.send_ok(&h),
                     Err(e) => fail(&e, true),
                 }
+                self.pool.give(job.payload);
             }
             Action::Trim {
                 offset,
@@ -695,12 +870,28 @@ pub fn transmission<R: Read, W: Write + Send>(
     stop: &AtomicBool,
     kill: &(dyn Fn() + Sync),
 ) -> io::Result<()> {
+    let pool = BufPool::new(0);
+    transmission_with_pool(reader, writer, device, neg, workers, stop, kill, &pool)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn transmission_with_pool<R: Read, W: Write + Send>(
+    reader: &mut R,
+    writer: W,
+    device: &dyn BlockDevice,
+    neg: &Negotiated,
+    workers: usize,
+    stop: &AtomicBool,
+    kill: &(dyn Fn() + Sync),
+    pool: &BufPool,
+) -> io::Result<()> {
     let limits = ExportLimits {
         size_bytes: device.size_bytes(),
         structured: neg.structured,
     };
     let conn = Conn {
         writer: Mutex::new(writer),
+        pool,
         device,
         structured: neg.structured,
         failed: AtomicBool::new(false),
@@ -773,10 +964,11 @@ fn read_requests<R: Read, W: Write>(
         conn.charge(charge);
         let mut payload = Vec::new();
         if payload_len > 0 {
-            payload = vec![0u8; payload_len];
+            payload = conn.pool.take(payload_len);
             if let Err(e) = reader.read_exact(&mut payload) {
                 // The client vanished mid-request: nothing of it was written or acknowledged.
                 conn.refund(charge);
+                conn.pool.give(payload);
                 return Err(e);
             }
         }
@@ -786,6 +978,16 @@ fn read_requests<R: Read, W: Write>(
             payload,
             charge,
         };
+        if lock(&conn.inflight).requests == 1 {
+            // Nothing else in flight (a client at queue depth 1, or the first of a burst):
+            // answer it from this thread. Handing it to a worker would add a thread wake-up
+            // (tens of µs on an idle VM CPU) to a round trip whose whole point is latency;
+            // with requests already in flight the workers take them, so a pipelining client
+            // waits at most one request's service time for the reader.
+            conn.execute(job);
+            conn.refund(charge);
+            continue;
+        }
         if let Err(mpsc::SendError(job)) = tx.send(job) {
             // No worker left (cannot happen while `tx` lives, but never lose the request).
             conn.execute(job);
@@ -813,4 +1015,39 @@ fn read_full_or_eof<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<ReadOutcom
         }
     }
     Ok(ReadOutcome::Full)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffer_pool_recycles_by_class_and_stays_bounded() {
+        assert_eq!(pool_class_of_len(1), 0);
+        assert_eq!(pool_class_of_len(4096 + POOL_HEADROOM_BYTES), 0);
+        assert_eq!(pool_class_of_len(4097 + POOL_HEADROOM_BYTES), 1);
+        assert_eq!(pool_class_of_len(MAX_PAYLOAD_BYTES as usize + 32), 13);
+        let pool = BufPool::new(2);
+        let held = |p: &BufPool| lock(&p.inner).held_bytes;
+        assert_eq!(held(&pool), 2 * pool_class_capacity(5));
+        // A small request takes a preallocated buffer when its own class is empty.
+        let mut b = pool.take(4096);
+        assert_eq!(b.len(), 4096);
+        assert!(b.iter().all(|&x| x == 0));
+        b[0] = 7;
+        let ptr = b.as_ptr();
+        pool.give(b);
+        let b = pool.take(100);
+        assert_eq!(b.as_ptr(), ptr, "the same buffer, reused");
+        assert_eq!(b[0], 0, "and zeroed again");
+        pool.give(b);
+        // Never more than the in-flight budget is kept.
+        let big: Vec<_> = (0..5)
+            .map(|_| pool.take(MAX_PAYLOAD_BYTES as usize))
+            .collect();
+        for b in big {
+            pool.give(b);
+        }
+        assert!(held(&pool) as u64 <= MAX_INFLIGHT_BYTES);
+    }
 }

@@ -1,0 +1,397 @@
+//! `uzram serve`'s configuration: a TOML file describing the server and its devices, and the
+//! embedded default that needs no file (one device of min(RAM/2, 4 GiB), lz4, as
+//! zram-generator makes).
+//!
+//! ```toml
+//! [server]                       # optional
+//! listen = "127.0.0.1:10809"     # also serve TCP (off unless given)
+//! swap = true                    # lock memory, mark the server an I/O flusher (docs/nbd.md)
+//!
+//! [[device]]
+//! name = "zram0"                 # required: device and export name
+//! disksize = "min(ram / 2, 4G)"  # required: a size, or an expression of `ram`
+//! page_size = 4096               # optional: 4096, 16384 or 65536
+//! socket = "/run/uzram/zram0.sock"   # optional: where to listen (default: next to the others)
+//! comp_algorithm = "zstd"        # every other key is an attribute, stored in file order
+//! algorithm_params = "level=8"   # before disksize, exactly as `echo VALUE > ATTR` would
+//! mem_limit = "2G"
+//! ```
+//!
+//! Attribute keys are not interpreted here: each is stored through
+//! [`Device::attr_store`](crate::device::Device::attr_store), so settings the device gains
+//! later (`backing_dev`, `writeback_limit`, ...) work in the file as soon as the device has
+//! them, and a key the device does not have fails with its errno (`ENOENT`) and the key's name,
+//! never silently. Integers and booleans are written as zram's files take them (`1`, `0`).
+
+use crate::device::Device;
+use crate::error::{Error, ErrorKind, Result};
+use crate::units::{parse_size_bytes, DEFAULT_PAGE_SIZE_BYTES};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// The configuration used when `uzram serve` is given neither a file nor device flags.
+pub const DEFAULT_CONFIG_TOML: &str = r#"# uzram's embedded default configuration: one device, as zram-generator creates by default.
+[[device]]
+name = "zram0"
+disksize = "min(ram / 2, 4G)"
+comp_algorithm = "lz4"
+"#;
+
+/// Keys of a `[[device]]` table that are not attributes.
+const DEVICE_KEYS: &[&str] = &["name", "disksize", "page_size", "socket"];
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ServeConfig {
+    /// Also listen on TCP here.
+    pub listen: Option<SocketAddr>,
+    /// Serve swap safely (lock memory, I/O flusher).
+    pub swap: bool,
+    /// The devices, in file order.
+    pub devices: Vec<DeviceSpec>,
+}
+
+/// One `[[device]]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceSpec {
+    /// Device and export name.
+    pub name: String,
+    /// The size: a size (`4G`) or an expression of `ram` (`min(ram / 2, 4G)`).
+    pub disksize: String,
+    /// Page size in bytes.
+    pub page_size_bytes: usize,
+    /// The export socket, if not the default.
+    pub socket: Option<PathBuf>,
+    /// Attributes to store before `disksize`, in order: (name, value).
+    pub attrs: Vec<(String, String)>,
+}
+
+fn bad(msg: impl Into<String>) -> Error {
+    Error::invalid(msg)
+}
+
+impl ServeConfig {
+    /// Parses a configuration file's text. `what` names it in errors.
+    pub fn parse(text: &str, what: &str) -> Result<ServeConfig> {
+        let doc: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| bad(format!("{what}: {e}")))?;
+        let mut cfg = ServeConfig::default();
+        for (key, value) in &doc {
+            match key.as_str() {
+                "server" => {
+                    let t = value
+                        .as_table()
+                        .ok_or_else(|| bad(format!("{what}: [server] must be a table")))?;
+                    for (k, v) in t {
+                        match k.as_str() {
+                            "listen" => {
+                                let s = v.as_str().ok_or_else(|| {
+                                    bad(format!("{what}: server.listen must be a string"))
+                                })?;
+                                cfg.listen = Some(s.parse().map_err(|_| {
+                                    bad(format!("{what}: server.listen = {s:?} is not ADDR:PORT"))
+                                })?);
+                            }
+                            "swap" => {
+                                cfg.swap = v.as_bool().ok_or_else(|| {
+                                    bad(format!("{what}: server.swap must be true or false"))
+                                })?
+                            }
+                            _ => {
+                                return Err(bad(format!(
+                                    "{what}: unknown key server.{k} (known: listen, swap)"
+                                )))
+                            }
+                        }
+                    }
+                }
+                "device" => {
+                    let arr = value
+                        .as_array()
+                        .ok_or_else(|| bad(format!("{what}: devices are [[device]] tables")))?;
+                    for (i, d) in arr.iter().enumerate() {
+                        let t = d
+                            .as_table()
+                            .ok_or_else(|| bad(format!("{what}: devices are [[device]] tables")))?;
+                        cfg.devices.push(DeviceSpec::from_table(t, what, i)?);
+                    }
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "{what}: unknown key {key:?} (known: [server], [[device]])"
+                    )))
+                }
+            }
+        }
+        if cfg.devices.is_empty() {
+            return Err(bad(format!("{what}: no [[device]]")));
+        }
+        for (i, d) in cfg.devices.iter().enumerate() {
+            if cfg.devices[..i].iter().any(|o| o.name == d.name) {
+                return Err(bad(format!("{what}: device {:?} twice", d.name)));
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// The embedded default.
+    pub fn embedded_default() -> ServeConfig {
+        ServeConfig::parse(DEFAULT_CONFIG_TOML, "the embedded default").expect("valid")
+    }
+}
+
+impl DeviceSpec {
+    fn from_table(t: &toml::Table, what: &str, index: usize) -> Result<DeviceSpec> {
+        let name = t
+            .get("name")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| bad(format!("{what}: device #{} has no name", index + 1)))?
+            .to_string();
+        let at = |k: &str| format!("{what}: device {name}: {k}");
+        if name.is_empty() || name.contains(['/', '\0']) || name.starts_with('.') {
+            return Err(bad(format!("{what}: bad device name {name:?}")));
+        }
+        let disksize = match t.get("disksize") {
+            Some(toml::Value::String(s)) => s.clone(),
+            Some(toml::Value::Integer(n)) if *n > 0 => n.to_string(),
+            Some(_) => return Err(bad(format!("{}: a size or an expression", at("disksize")))),
+            None => return Err(bad(format!("{what}: device {name} has no disksize"))),
+        };
+        let page_size_bytes = match t.get("page_size") {
+            None => DEFAULT_PAGE_SIZE_BYTES,
+            Some(v) => v
+                .as_integer()
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| bad(format!("{}: an integer", at("page_size"))))?,
+        };
+        let socket = match t.get("socket") {
+            None => None,
+            Some(v) => Some(PathBuf::from(
+                v.as_str()
+                    .ok_or_else(|| bad(format!("{}: a path", at("socket"))))?,
+            )),
+        };
+        let mut attrs = Vec::new();
+        for (k, v) in t {
+            if DEVICE_KEYS.contains(&k.as_str()) {
+                continue;
+            }
+            let value = match v {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(n) => n.to_string(),
+                toml::Value::Boolean(b) => u8::from(*b).to_string(),
+                _ => {
+                    return Err(bad(format!(
+                        "{}: attribute values are strings, integers or booleans",
+                        at(k)
+                    )))
+                }
+            };
+            attrs.push((k.clone(), value));
+        }
+        Ok(DeviceSpec {
+            name,
+            disksize,
+            page_size_bytes,
+            socket,
+            attrs,
+        })
+    }
+
+    /// Creates the device: stores each attribute in order, then `disksize` (evaluated with
+    /// `ram_bytes` of RAM). Errors name the device and key and keep the device's errno.
+    pub fn build(&self, ram_bytes: u64) -> Result<Device> {
+        let ctx = |k: &str, v: &str, e: Error| {
+            Error::new(
+                e.kind(),
+                format!("device {}: {k} = {v:?}: {}", self.name, e.message()),
+            )
+        };
+        let dev = Device::new_uninit(self.page_size_bytes)
+            .map_err(|e| ctx("page_size", &self.page_size_bytes.to_string(), e))?;
+        for (k, v) in &self.attrs {
+            dev.attr_store(k, v).map_err(|e| ctx(k, v, e))?;
+        }
+        let size =
+            eval_size(&self.disksize, ram_bytes).map_err(|e| ctx("disksize", &self.disksize, e))?;
+        dev.attr_store("disksize", &size.to_string())
+            .map_err(|e| ctx("disksize", &self.disksize, e))?;
+        Ok(dev)
+    }
+}
+
+/// Evaluates a size: a size with zram's suffixes (`4G`), or an expression of `ram` (total RAM
+/// in bytes) with `*` and `/` by integers, `min(a, b)` and `max(a, b)`, as zram-generator's
+/// `zram-size` (whose default is `min(ram / 2, 4096)` in MiB; ours is `min(ram / 2, 4G)`).
+pub fn eval_size(expr: &str, ram_bytes: u64) -> Result<u64> {
+    let e = expr.trim();
+    for (f, pick) in [
+        ("min(", u64::min as fn(u64, u64) -> u64),
+        ("max(", u64::max),
+    ] {
+        if let Some(inner) = e.strip_prefix(f).and_then(|r| r.strip_suffix(')')) {
+            let mut depth = 0;
+            for (i, c) in inner.char_indices() {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    ',' if depth == 0 => {
+                        let a = eval_size(&inner[..i], ram_bytes)?;
+                        let b = eval_size(&inner[i + 1..], ram_bytes)?;
+                        return Ok(pick(a, b));
+                    }
+                    _ => {}
+                }
+            }
+            return Err(bad(format!("{expr:?}: {f}a, b) needs two arguments")));
+        }
+    }
+    let mut parts = e.split_inclusive(['*', '/']);
+    let first = parts.next().unwrap_or("");
+    let (mut op, first) = match first.chars().last() {
+        Some(c @ ('*' | '/')) => (Some(c), &first[..first.len() - 1]),
+        _ => (None, first),
+    };
+    let mut value = match first.trim() {
+        "ram" => ram_bytes,
+        s => parse_size_bytes(s)?,
+    };
+    for p in parts {
+        let (num, next) = match p.chars().last() {
+            Some(c @ ('*' | '/')) => (&p[..p.len() - 1], Some(c)),
+            _ => (p, None),
+        };
+        let n: u64 = num
+            .trim()
+            .parse()
+            .map_err(|_| bad(format!("{expr:?}: {:?} is not an integer", num.trim())))?;
+        value = match op {
+            Some('*') => value
+                .checked_mul(n)
+                .ok_or_else(|| Error::new(ErrorKind::OutOfRange, format!("{expr:?} overflows")))?,
+            Some('/') if n == 0 => return Err(bad(format!("{expr:?}: division by 0"))),
+            Some('/') => value / n,
+            _ => return Err(bad(format!("{expr:?}: not a size or expression"))),
+        };
+        op = next;
+    }
+    if op.is_some() {
+        return Err(bad(format!("{expr:?}: an operator without an operand")));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 1 << 30;
+
+    #[test]
+    fn sizes_and_expressions() {
+        assert_eq!(eval_size("4G", 0).unwrap(), 4 * G);
+        assert_eq!(eval_size("4096", 0).unwrap(), 4096);
+        assert_eq!(eval_size("ram / 2", 16 * G).unwrap(), 8 * G);
+        assert_eq!(eval_size("ram*3/4", 16 * G).unwrap(), 12 * G);
+        assert_eq!(eval_size("min(ram / 2, 4G)", 16 * G).unwrap(), 4 * G);
+        assert_eq!(eval_size("min(ram / 2, 4G)", 2 * G).unwrap(), G);
+        assert_eq!(eval_size("max(min(ram, 1G), 2G)", 16 * G).unwrap(), 2 * G);
+        for bad in [
+            "", "ram /", "ram / 0", "ram / x", "min(1G)", "rom", "1G * ram", "* 2",
+        ] {
+            assert!(eval_size(bad, G).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_embedded_default_is_zram_generators() {
+        let c = ServeConfig::embedded_default();
+        assert_eq!(c.devices.len(), 1);
+        let d = &c.devices[0];
+        assert_eq!(d.name, "zram0");
+        assert_eq!(eval_size(&d.disksize, 3 * G).unwrap(), 3 * G / 2);
+        assert_eq!(eval_size(&d.disksize, 64 * G).unwrap(), 4 * G);
+        assert_eq!(d.attrs, vec![("comp_algorithm".into(), "lz4".into())]);
+        let dev = d.build(G).unwrap();
+        assert_eq!(dev.disksize_bytes(), G / 2);
+        assert!(dev.attr_show("comp_algorithm").unwrap().contains("[lz4]"));
+    }
+
+    #[test]
+    fn a_file_with_two_devices_keeps_attribute_order() {
+        let c = ServeConfig::parse(
+            r#"
+            [server]
+            listen = "127.0.0.1:10809"
+            swap = true
+            [[device]]
+            name = "zram0"
+            disksize = "64M"
+            comp_algorithm = "zstd"
+            algorithm_params = "level=8"
+            mem_limit = "32M"
+            [[device]]
+            name = "zram1"
+            disksize = 16777216
+            page_size = 16384
+            "#,
+            "t.toml",
+        )
+        .unwrap();
+        assert_eq!(c.listen, Some("127.0.0.1:10809".parse().unwrap()));
+        assert!(c.swap);
+        let d0 = &c.devices[0];
+        let keys: Vec<_> = d0.attrs.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["comp_algorithm", "algorithm_params", "mem_limit"]);
+        let dev = d0.build(G).unwrap();
+        assert!(dev.attr_show("comp_algorithm").unwrap().contains("[zstd]"));
+        assert_eq!(dev.disksize_bytes(), 64 << 20);
+        assert_eq!(
+            dev.attr_show("mm_stat").unwrap().split_whitespace().nth(3),
+            Some("33554432")
+        );
+        let dev1 = c.devices[1].build(G).unwrap();
+        assert_eq!(dev1.page_size_bytes(), 16384);
+        assert_eq!(dev1.disksize_bytes(), 16 << 20);
+    }
+
+    #[test]
+    fn unknown_attributes_and_bad_values_are_clear_errors() {
+        let one = |body: &str| {
+            ServeConfig::parse(&format!("[[device]]\nname = \"zram0\"\n{body}"), "t.toml")
+        };
+        // An attribute the device does not have: its errno and the key, never ignored.
+        let c = one("disksize = \"1M\"\nbacking_dev_typo = \"/dev/vdb\"").unwrap();
+        let e = c.devices[0].build(G).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotFound);
+        assert!(e.message().contains("backing_dev_typo"), "{e}");
+        // A read-only attribute.
+        let e = one("disksize = \"1M\"\nmm_stat = 1").unwrap().devices[0]
+            .build(G)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::PermissionDenied);
+        // A bad value keeps the attribute's errno.
+        let e = one("disksize = \"1M\"\ncomp_algorithm = \"lzo9\"")
+            .unwrap()
+            .devices[0]
+            .build(G)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.message().contains("comp_algorithm"), "{e}");
+        assert!(one("").is_err(), "no disksize");
+        assert!(ServeConfig::parse("[[device]]\ndisksize = \"1M\"", "t").is_err());
+        assert!(ServeConfig::parse("", "t").is_err(), "no device");
+        assert!(ServeConfig::parse("[server]\nlisten = \"nowhere\"\n", "t").is_err());
+        assert!(ServeConfig::parse("[server]\ntls = 1\n", "t").is_err());
+        assert!(ServeConfig::parse(
+            "[[device]]\nname=\"a\"\ndisksize=\"1M\"\n[[device]]\nname=\"a\"\ndisksize=\"1M\"\n",
+            "t"
+        )
+        .is_err());
+        assert!(
+            ServeConfig::parse("[[device]\n", "t").is_err(),
+            "TOML syntax"
+        );
+    }
+}

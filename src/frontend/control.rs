@@ -1,0 +1,394 @@
+//! The control socket: a running device's attributes (zram's `/sys/block/zramN/` files) over a
+//! unix socket, for `uzram ctl` and `uzram status`.
+//!
+//! One socket per device, `NAME.ctl` next to its export socket (`/run/uzram/zram0.ctl` as
+//! root), created like the export sockets with mode 0600. The protocol is JSON lines, one
+//! request after another on a connection, each answered in order:
+//!
+//! ```text
+//! → {"op":"show","attr":"mm_stat"}
+//! ← {"ok":"    4096      61 ...\n"}
+//! → {"op":"store","attr":"compact","value":"1"}
+//! ← {"progress":"compact: started"}
+//! ← {"progress":"compact: 12 pages freed so far, mem_used_total 1048576"}
+//! ← {"ok":""}
+//! → {"op":"store","attr":"disksize","value":"1G"}
+//! ← {"error":{"errno":16,"name":"EBUSY","message":"device already initialised: reset it first"}}
+//! ```
+//!
+//! A `show` answers the attribute's text exactly as zram's file reads; a `store` takes the value
+//! as `echo VALUE >` would write it. Long operations ([`LONG_OPERATIONS`]) first send a
+//! `progress` line at once, then one per [`PROGRESS_INTERVAL`] until the final `ok` or `error`;
+//! a client that goes away does not stop the operation (nor does a shell's Ctrl-C stop a sysfs
+//! write). Every `error` carries the errno the sysfs write would have failed with.
+//!
+//! `reset` is refused with `EBUSY` while an NBD client has the device open, as zram refuses it
+//! while the disk is open; the check and the reset happen under the export's [`Openers`] lock,
+//! so no client can connect in between.
+
+use super::nbd::server::bind_unix;
+use super::nbd::Openers;
+use crate::device::attrs::kstrtou64;
+use crate::device::Device;
+use crate::error::{errno_name, Error, ErrorKind, Result};
+use serde::{Deserialize, Serialize};
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Attributes whose store may take long: they report progress.
+pub const LONG_OPERATIONS: &[&str] = &["compact", "writeback", "recompress"];
+
+/// How often a long operation reports progress: often enough that a person sees it move,
+/// rarely enough that the log of a long writeback stays readable.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The longest request line accepted: attribute values are short (the longest, a writeback
+/// `page_indexes=` list or `algorithm_params`, is far below this).
+pub const MAX_REQUEST_BYTES: u64 = 64 << 10;
+
+/// A request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+pub enum Request {
+    /// `cat ATTR`.
+    Show {
+        /// The attribute.
+        attr: String,
+    },
+    /// `echo VALUE > ATTR`.
+    Store {
+        /// The attribute.
+        attr: String,
+        /// The value.
+        value: String,
+    },
+}
+
+/// An error as it travels: the errno and a message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireError {
+    /// The errno the sysfs access would have failed with.
+    pub errno: i32,
+    /// Its symbolic name (`EBUSY`).
+    pub name: String,
+    /// What happened, for people.
+    pub message: String,
+}
+
+/// One line of an answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Response {
+    /// A long operation is under way.
+    Progress(String),
+    /// Done: the attribute's text for `show`, empty for `store`.
+    Ok(String),
+    /// Failed.
+    Error(WireError),
+}
+
+impl From<&Error> for WireError {
+    fn from(e: &Error) -> WireError {
+        WireError {
+            errno: e.errno(),
+            name: errno_name(e.errno()).to_string(),
+            message: e.message().to_string(),
+        }
+    }
+}
+
+/// A running control socket for one device. Dropping it stops it.
+pub struct ControlServer {
+    path: PathBuf,
+    stopping: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ControlServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlServer")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ControlServer {
+    /// Binds `path` (mode 0600; a stale socket is replaced, a live one is `EBUSY`) and serves
+    /// `device`'s attributes. `openers` guards `reset` (see the module documentation).
+    pub fn start(
+        path: &Path,
+        device: Arc<Device>,
+        openers: Option<Arc<Openers>>,
+    ) -> Result<ControlServer> {
+        let listener = bind_unix(path)?;
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stopping);
+        let accept = std::thread::Builder::new()
+            .name("uzram-ctl".into())
+            .spawn(move || accept_loop(&listener, &device, openers.as_ref(), &stop2))
+            .map_err(Error::from)?;
+        Ok(ControlServer {
+            path: path.to_path_buf(),
+            stopping,
+            accept: Some(accept),
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stops accepting and removes the socket. Connections already open finish the request
+    /// they are serving on their own threads.
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        let Some(t) = self.accept.take() else { return };
+        self.stopping.store(true, Ordering::SeqCst);
+        drop(UnixStream::connect(&self.path));
+        let _ = t.join();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}
+
+fn accept_loop(
+    listener: &UnixListener,
+    device: &Arc<Device>,
+    openers: Option<&Arc<Openers>>,
+    stopping: &AtomicBool,
+) {
+    loop {
+        let accepted = listener.accept();
+        if stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok((stream, _)) = accepted else {
+            // EMFILE and the like: back off rather than spin.
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+        let device = Arc::clone(device);
+        let openers = openers.cloned();
+        let _ = std::thread::Builder::new()
+            .name("uzram-ctl-conn".into())
+            .spawn(move || {
+                let _ = serve_connection(stream, &device, openers.as_deref());
+            });
+    }
+}
+
+fn send(w: &mut impl Write, r: &Response) -> io::Result<()> {
+    let mut line = serde_json::to_vec(r).map_err(io::Error::other)?;
+    line.push(b'\n');
+    w.write_all(&line)
+}
+
+fn serve_connection(
+    stream: UnixStream,
+    device: &Device,
+    openers: Option<&Openers>,
+) -> io::Result<()> {
+    let mut reader = BufReader::new(&stream);
+    let mut w = &stream;
+    loop {
+        let mut line = Vec::new();
+        let n = (&mut reader)
+            .take(MAX_REQUEST_BYTES + 1)
+            .read_until(b'\n', &mut line)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if line.last() != Some(&b'\n') {
+            let e = Error::invalid("request too long or not ended by a newline");
+            send(&mut w, &Response::Error((&e).into()))?;
+            return Ok(());
+        }
+        let req: Request = match serde_json::from_slice(&line) {
+            Ok(r) => r,
+            Err(e) => {
+                let e = Error::invalid(format!("malformed request: {e}"));
+                send(&mut w, &Response::Error((&e).into()))?;
+                continue;
+            }
+        };
+        let result = match req {
+            Request::Show { attr } => device.attr_show(&attr),
+            Request::Store { attr, value } => {
+                store(device, openers, &attr, &value, &mut |p| {
+                    // A client gone mid-operation does not stop the operation.
+                    let _ = send(&mut w, &Response::Progress(p));
+                })
+                .map(|()| String::new())
+            }
+        };
+        let r = match result {
+            Ok(text) => Response::Ok(text),
+            Err(e) => Response::Error((&e).into()),
+        };
+        send(&mut w, &r)?;
+    }
+}
+
+/// Stores `attr`, reporting progress of long operations through `progress`.
+fn store(
+    device: &Device,
+    openers: Option<&Openers>,
+    attr: &str,
+    value: &str,
+    progress: &mut dyn FnMut(String),
+) -> Result<()> {
+    if attr == "reset" {
+        // zram checks the value first, then refuses while the disk is open.
+        if kstrtou64(value, 10).is_ok_and(|v| v != 0) {
+            if let Some(o) = openers {
+                return o
+                    .while_unused(|| device.attr_store(attr, value))
+                    .unwrap_or_else(|n| {
+                        Err(Error::busy(format!(
+                            "the device is open by {n} NBD connection(s)"
+                        )))
+                    });
+            }
+        }
+        return device.attr_store(attr, value);
+    }
+    if !LONG_OPERATIONS.contains(&attr) || !device.attr_names().any(|n| n == attr) {
+        // Short, or not an attribute of this device (its errno comes without a "started").
+        return device.attr_store(attr, value);
+    }
+    let start = Instant::now();
+    let before = device.stats();
+    progress(format!("{attr}: started"));
+    std::thread::scope(|s| {
+        let (tx, rx) = mpsc::channel();
+        s.spawn(move || {
+            let _ = tx.send(device.attr_store(attr, value));
+        });
+        loop {
+            match rx.recv_timeout(PROGRESS_INTERVAL) {
+                Ok(r) => return r,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    progress(progress_line(device, attr, &before, start))
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(Error::io(format!("{attr}: the operation ended abnormally")))
+                }
+            }
+        }
+    })
+}
+
+/// What a long operation has done so far, from the statistics it moves.
+fn progress_line(
+    device: &Device,
+    attr: &str,
+    before: &crate::device::StatsSnapshot,
+    start: Instant,
+) -> String {
+    let now = device.stats();
+    let secs = start.elapsed().as_secs();
+    match attr {
+        "compact" => format!(
+            "compact: {} pages freed so far, mem_used_total {} ({secs} s)",
+            now.pages_compacted.saturating_sub(before.pages_compacted),
+            now.mem_used_total_bytes
+        ),
+        _ => {
+            // Writeback and recompression move bd_stat and mm_stat; bd_stat's third column
+            // is bd_writes (4 KiB units, as zram's FOUR_K).
+            let bd_writes = device
+                .attr_show("bd_stat")
+                .ok()
+                .and_then(|s| s.split_whitespace().nth(2)?.parse::<u64>().ok());
+            match bd_writes {
+                Some(w) if attr == "writeback" => format!(
+                    "writeback: bd_writes {w} (4 KiB units), mem_used_total {} ({secs} s)",
+                    now.mem_used_total_bytes
+                ),
+                _ => format!(
+                    "{attr}: running, mem_used_total {} ({secs} s)",
+                    now.mem_used_total_bytes
+                ),
+            }
+        }
+    }
+}
+
+/// The control socket of device `name` whose export socket lives in `dir`.
+pub fn socket_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.ctl"))
+}
+
+/// A connection to a control socket.
+#[derive(Debug)]
+pub struct ControlClient {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl ControlClient {
+    /// Connects to the control socket at `path`.
+    pub fn connect(path: &Path) -> io::Result<ControlClient> {
+        let s = UnixStream::connect(path)?;
+        Ok(ControlClient {
+            writer: s.try_clone()?,
+            reader: BufReader::new(s),
+        })
+    }
+
+    /// Sends `req` and returns the final answer; each progress line goes to `progress` first.
+    /// `Ok(Err(..))` is the device's error; `Err` a broken connection.
+    pub fn call(
+        &mut self,
+        req: &Request,
+        progress: &mut dyn FnMut(&str),
+    ) -> io::Result<std::result::Result<String, WireError>> {
+        let mut line = serde_json::to_vec(req).map_err(io::Error::other)?;
+        line.push(b'\n');
+        self.writer.write_all(&line)?;
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line)? == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            let r: Response = serde_json::from_str(&line)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            match r {
+                Response::Progress(p) => progress(&p),
+                Response::Ok(text) => return Ok(Ok(text)),
+                Response::Error(e) => return Ok(Err(e)),
+            }
+        }
+    }
+
+    /// Shows `attr` (no progress).
+    pub fn show(&mut self, attr: &str) -> io::Result<std::result::Result<String, WireError>> {
+        self.call(
+            &Request::Show {
+                attr: attr.to_string(),
+            },
+            &mut |_| {},
+        )
+    }
+}
+
+impl WireError {
+    /// The error as uzram's own.
+    pub fn to_error(&self) -> Error {
+        Error::new(ErrorKind::from_errno(self.errno), self.message.clone())
+    }
+}

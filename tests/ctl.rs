@@ -1,0 +1,503 @@
+//! `uzram ctl`, `uzram status`, `uzram serve --config` and `--swap` as a user runs them: the
+//! built binary, a real NBD client (qemu-img, qemu-io), exit codes and messages.
+
+mod nbd_support;
+
+use nbd_support::*;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_uzram");
+
+struct Running {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl Running {
+    fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+    fn uri(&self, name: &str) -> String {
+        format!(
+            "nbd+unix:///{name}?socket={}",
+            self.dir().join(format!("{name}.sock")).display()
+        )
+    }
+    /// `uzram ctl --dir DIR ARGS...`.
+    fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .arg("ctl")
+            .arg("--dir")
+            .arg(self.dir())
+            .args(args)
+            .output()
+            .unwrap()
+    }
+    fn status(&self, args: &[&str]) -> String {
+        let out = Command::new(BIN)
+            .arg("status")
+            .arg("--dir")
+            .arg(self.dir())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+    /// What the server wrote to stderr so far.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir().join("stderr")).unwrap_or_default()
+    }
+    fn sockets(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(self.dir())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "sock" || x == "ctl"))
+            .collect()
+    }
+    /// SIGTERM; the server exits 0 and removes its export and control sockets.
+    fn stop(mut self) {
+        assert!(!self.sockets().is_empty());
+        run(Command::new("kill").args(["-TERM", &self.child.id().to_string()]));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                assert!(s.success(), "{s:?}: {}", self.log());
+                break;
+            }
+            assert!(Instant::now() < deadline, "uzram serve did not stop");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(self.sockets(), Vec::<PathBuf>::new(), "sockets left behind");
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `uzram serve ARGS` (`{dir}` in an argument becomes the temporary directory, which the
+/// sockets default to through `--socket`); waits until it is serving.
+fn serve_in(dir: tempfile::TempDir, args: &[&str], prefix: &[&str]) -> Running {
+    let d = dir.path().to_str().unwrap().to_string();
+    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
+    let mut cmd = Command::new(prefix.first().copied().unwrap_or(BIN));
+    if !prefix.is_empty() {
+        // The prefix may drop privileges: run a copy in the (world-readable) temporary
+        // directory, since the build directory may be private to root.
+        let copy = dir.path().join("uzram");
+        std::fs::copy(BIN, &copy).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        cmd.args(&prefix[1..]).arg(copy);
+    }
+    let mut child = cmd
+        .arg("serve")
+        .args(args.iter().map(|a| a.replace("{dir}", &d)))
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut serving = false;
+    for line in lines {
+        if line.unwrap().starts_with("serving") {
+            serving = true;
+            break;
+        }
+    }
+    let r = Running { child, dir };
+    assert!(serving, "uzram serve did not start: {}", r.log());
+    r
+}
+
+fn serve(args: &[&str]) -> Running {
+    serve_in(tempfile::tempdir().unwrap(), args, &[])
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn mm_stat(r: &Running, dev: &str) -> Vec<u64> {
+    let o = r.ctl(&["--dev", dev, "mm_stat"]);
+    assert!(o.status.success(), "{o:?}");
+    let v: Vec<u64> = stdout(&o)
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert_eq!(v.len(), 9, "{o:?}");
+    v
+}
+
+fn qemu_img_size(uri: &str) -> u64 {
+    let out = run(Command::new("qemu-img").args(["info", "--output=json", "-f", "raw", uri]));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    info["virtual-size"].as_u64().unwrap()
+}
+
+#[test]
+fn ctl_shows_and_stores_attributes_with_zrams_errnos() {
+    require("qemu-io");
+    require("qemu-img");
+    let r = serve(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]);
+    let ctl_sock = r.dir().join("zram0.ctl");
+    let mode = std::fs::metadata(&ctl_sock).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "control socket mode {mode:o}");
+
+    // Show, exactly as sysfs reads.
+    let o = r.ctl(&["disksize"]);
+    assert!(o.status.success());
+    assert_eq!(stdout(&o), format!("{}\n", 64u64 << 20));
+    assert_eq!(
+        stdout(&r.ctl(&["comp_algorithm"])),
+        "[lz4] lz4hc zstd deflate \n"
+    );
+    assert_eq!(mm_stat(&r, "zram0")[0], 0);
+
+    // Data written by a client shows in mm_stat.
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x5a 0 1M", &r.uri("zram0")]));
+    let mm = mm_stat(&r, "zram0");
+    assert_eq!(mm[0], 1 << 20, "orig_data_size");
+    assert_eq!(mm[5], 256, "same_pages: a 0x5a fill is same-filled");
+
+    // Errors: the shell's words, the symbolic name, and the errno as exit status.
+    let o = r.ctl(&["disksize", "1G"]);
+    assert_eq!(o.status.code(), Some(libc::EBUSY), "{o:?}");
+    assert!(
+        stderr(&o).starts_with("uzram: disksize: Device or resource busy (EBUSY)"),
+        "{}",
+        stderr(&o)
+    );
+    let o = r.ctl(&["comp_algorithm", "nosuch"]);
+    assert_eq!(o.status.code(), Some(libc::EINVAL), "{o:?}");
+    assert!(stderr(&o).starts_with("uzram: comp_algorithm: Invalid argument (EINVAL)"));
+    let o = r.ctl(&["no_such_attribute"]);
+    assert_eq!(o.status.code(), Some(libc::ENOENT), "{o:?}");
+    let o = r.ctl(&["reset"]);
+    assert_eq!(
+        o.status.code(),
+        Some(libc::EACCES),
+        "reading a write-only attribute"
+    );
+    let o = r.ctl(&["mm_stat", "1"]);
+    assert_eq!(
+        o.status.code(),
+        Some(libc::EACCES),
+        "writing a read-only attribute"
+    );
+    let o = r.ctl(&["--dev", "zram9", "mm_stat"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("is `uzram serve` running?"), "{o:?}");
+
+    let o = r.ctl(&["idle", "all"]);
+    assert!(o.status.success(), "{o:?}");
+
+    // A long operation reports progress before its result.
+    let o = r.ctl(&["compact", "1"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(stderr(&o).starts_with("uzram: compact: started\n"), "{o:?}");
+
+    // reset is refused while a client has the device open, as zram refuses it while the disk
+    // is open; then works, and a new disksize is what new clients see.
+    let (client, _) = RawClient::handshake(&r.dir().join("zram0.sock"), true);
+    let o = r.ctl(&["reset", "1"]);
+    assert_eq!(o.status.code(), Some(libc::EBUSY), "{o:?}");
+    assert!(stderr(&o).contains("open by 1 NBD connection"), "{o:?}");
+    drop(client);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = r.ctl(&["reset", "1"]);
+        if o.status.success() {
+            break;
+        }
+        // The server notices the client's hang-up on its own schedule.
+        assert_eq!(o.status.code(), Some(libc::EBUSY), "{o:?}");
+        assert!(
+            Instant::now() < deadline,
+            "reset stayed busy after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(stdout(&r.ctl(&["initstate"])), "0\n");
+    assert!(r.ctl(&["comp_algorithm", "zstd"]).status.success());
+    // Values of several words are one value, as `echo algo=zstd level=3 >` writes.
+    let o = r.ctl(&["algorithm_params", "algo=zstd", "level=3"]);
+    assert!(o.status.success(), "{o:?}");
+    let o = r.ctl(&["algorithm_params", "algo=zstd", "level=x"]);
+    assert_eq!(o.status.code(), Some(libc::EINVAL), "{o:?}");
+    assert!(r.ctl(&["disksize", "32M"]).status.success());
+    assert_eq!(qemu_img_size(&r.uri("zram0")), 32 << 20);
+    assert_eq!(
+        stdout(&r.ctl(&["comp_algorithm"])),
+        "lz4 lz4hc [zstd] deflate \n"
+    );
+    r.stop();
+}
+
+#[test]
+fn status_is_a_zramctl_table_of_every_device() {
+    require("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("uzram.toml");
+    let d = dir.path().display();
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"
+[[device]]
+name = "zram0"
+disksize = "64M"
+socket = "{d}/zram0.sock"
+comp_algorithm = "zstd"
+algorithm_params = "level=5"
+mem_limit = "32M"
+
+[[device]]
+name = "zram1"
+disksize = "16M"
+page_size = 16384
+socket = "{d}/zram1.sock"
+"#
+        ),
+    )
+    .unwrap();
+    let r = serve_in(dir, &["--config", cfg.to_str().unwrap()], &[]);
+    assert_eq!(qemu_img_size(&r.uri("zram0")), 64 << 20);
+    assert_eq!(qemu_img_size(&r.uri("zram1")), 16 << 20);
+    assert_eq!(mm_stat(&r, "zram0")[3], 32 << 20, "mem_limit from the file");
+    assert_eq!(
+        stdout(&r.ctl(&["--dev", "zram0", "comp_algorithm"])),
+        "lz4 lz4hc [zstd] deflate \n"
+    );
+    // Position-dependent data, so a compressible but not same-filled page.
+    let data = r.dir().join("data");
+    let bytes: Vec<u8> = (0..4u32 << 20).map(|i| (i / 7 % 251) as u8).collect();
+    std::fs::write(&data, &bytes).unwrap();
+    run(Command::new("qemu-img").args([
+        "convert",
+        "-n",
+        "-f",
+        "raw",
+        "-O",
+        "raw",
+        data.to_str().unwrap(),
+        &r.uri("zram1"),
+    ]));
+    let s = r.status(&[]);
+    let lines: Vec<&str> = s.lines().collect();
+    assert_eq!(lines.len(), 3, "{s}");
+    let cols = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    assert_eq!(
+        cols(lines[0]),
+        [
+            "NAME",
+            "ALGORITHM",
+            "DISKSIZE",
+            "DATA",
+            "COMPR",
+            "TOTAL",
+            "BACKING-DEV",
+            "BD-USED"
+        ]
+    );
+    assert_eq!(cols(lines[1])[..4], ["zram0", "zstd", "64M", "0B"]);
+    let z1 = cols(lines[2]);
+    assert_eq!(z1[..4], ["zram1", "lz4", "16M", "4M"], "{s}");
+    let b = r.status(&["--bytes"]);
+    let z1b = cols(b.lines().nth(2).unwrap());
+    let (data_b, compr_b, total_b): (u64, u64, u64) = (
+        z1b[3].parse().unwrap(),
+        z1b[4].parse().unwrap(),
+        z1b[5].parse().unwrap(),
+    );
+    assert_eq!(data_b, 4 << 20);
+    assert!(compr_b > 0 && compr_b < data_b, "{b}");
+    assert!(total_b >= compr_b, "{b}");
+    assert_eq!(&z1b[6..], ["-", "-"]);
+    r.stop();
+}
+
+#[test]
+fn a_config_with_an_unknown_attribute_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[device]]\nname = \"zram0\"\ndisksize = \"16M\"\nsocket = \"{}/zram0.sock\"\nno_such_attribute = \"/dev/vdb\"\n",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--config", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = stderr(&out);
+    assert!(
+        e.contains("no_such_attribute") && e.contains("ENOENT"),
+        "{e}"
+    );
+    assert!(!dir.path().join("zram0.sock").exists());
+    // Device flags and a file do not mix.
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--disksize",
+            "1M",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
+
+#[test]
+fn the_embedded_default_is_min_half_ram_4g_lz4() {
+    require("qemu-img");
+    let r = serve(&["--socket", "{dir}/zram0.sock"]);
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    let want = (kib * 1024 / 2).min(4 << 30).div_ceil(4096) * 4096;
+    assert_eq!(qemu_img_size(&r.uri("zram0")), want);
+    assert_eq!(
+        stdout(&r.ctl(&["comp_algorithm"])),
+        "[lz4] lz4hc zstd deflate \n"
+    );
+    let out = Command::new(BIN)
+        .args(["serve", "--print-default-config"])
+        .output()
+        .unwrap();
+    assert!(stdout(&out).contains("disksize = \"min(ram / 2, 4G)\""));
+    r.stop();
+}
+
+fn vm_lck_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmLck:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Whether this process's effective capabilities include `cap` (CAP_SYS_RESOURCE is 24).
+fn has_capability(cap: u32) -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let hex = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .unwrap();
+    u64::from_str_radix(hex.trim(), 16).unwrap() & (1 << cap) != 0
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn swap_locks_memory_and_marks_an_io_flusher_as_root() {
+    assert!(is_root(), "this test needs root (CI runs as root)");
+    require("qemu-io");
+    let r = serve(&[
+        "--swap",
+        "--disksize",
+        "64M",
+        "--socket",
+        "{dir}/zram0.sock",
+    ]);
+    let log = r.log();
+    assert!(log.contains("--swap: memory locked"), "{log}");
+    // PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE, which some containers withhold even from
+    // root: the log must say which happened.
+    if has_capability(24) {
+        assert!(log.contains("--swap: marked an I/O flusher"), "{log}");
+    } else {
+        assert!(log.contains("NOT marked an I/O flusher"), "{log}");
+        assert!(log.contains("(needs CAP_SYS_RESOURCE)"), "{log}");
+    }
+    assert!(vm_lck_kib(r.child.id()) > 0, "nothing locked");
+    // The preallocated buffers are used: a connection's requests are served and read back.
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x33 64k 256k",
+        &r.uri("zram0"),
+    ]));
+    let o = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "read -P 0x33 64k 256k",
+        &r.uri("zram0"),
+    ]));
+    assert!(!stdout(&o).contains("fail"), "{}", stdout(&o));
+    r.stop();
+}
+
+#[test]
+fn swap_without_privileges_says_what_it_could_not_do_and_serves() {
+    assert!(
+        is_root(),
+        "this test drops root's privileges, so it needs them first"
+    );
+    require("setpriv");
+    require("prlimit");
+    require("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let r = serve_in(
+        dir,
+        &[
+            "--swap",
+            "--disksize",
+            "16M",
+            "--socket",
+            "{dir}/zram0.sock",
+        ],
+        &[
+            "prlimit",
+            "--memlock=65536:65536",
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+        ],
+    );
+    let log = r.log();
+    assert!(
+        log.contains("memory NOT locked: RLIMIT_MEMLOCK is 65536 bytes"),
+        "{log}"
+    );
+    assert!(log.contains("NOT marked an I/O flusher"), "{log}");
+    assert_eq!(vm_lck_kib(r.child.id()), 0);
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x44 0 64k", &r.uri("zram0")]));
+    r.stop();
+}
