@@ -4,6 +4,7 @@
 
 pub mod kernel_zram;
 pub mod store;
+pub mod writeback;
 
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};

@@ -319,6 +319,30 @@ impl Device {
         self.writeback_inner(|_| Ok(spec.clone()), progress)
     }
 
+    /// Marks backing blocks allocated as if other slots held them, so that a benchmark can
+    /// start from a fragmented backing device (the seed's "every other block free"). Returns
+    /// how many were free. `ENODEV` without a backing device. Never call it outside benchmarks
+    /// and tests: the blocks are only given back by `reset`.
+    #[doc(hidden)]
+    pub fn debug_reserve_backing_blocks(
+        &self,
+        blocks: impl IntoIterator<Item = u64>,
+    ) -> Result<u64> {
+        let inner = self.inner()?;
+        let wb = inner
+            .wb
+            .as_ref()
+            .ok_or_else(|| Error::new(ErrorKind::NoDevice, "no backing device"))?;
+        let mut n = 0;
+        for b in blocks {
+            if b >= wb.bitmap.blocks() {
+                return Err(Error::new(ErrorKind::OutOfRange, format!("no block {b}")));
+            }
+            n += u64::from(wb.bitmap.reserve(BlockIndex(b)));
+        }
+        Ok(n)
+    }
+
     /// The `writeback` attribute: parse, then run.
     pub(crate) fn writeback_str(&self, value: &str) -> Result<()> {
         let value = value.strip_suffix('\n').unwrap_or(value).to_string();
