@@ -442,7 +442,7 @@ fn eio_in_the_middle_of_a_batch_keeps_pages_in_ram_and_refunds_the_limit() {
     fill(&dev, n, 1);
     dev.set_writeback_limit_enable(true);
     dev.set_writeback_limit(10_000);
-    // Pool of 32, runs of 8: fail the 3rd and 7th writes (each up to 8 pages).
+    // Pool of 32, runs of up to 16: fail the 3rd and 7th writes (each up to 16 pages).
     backing.set_plan(
         FaultPlan::new()
             .fail_write(3, FaultKind::Eio)
