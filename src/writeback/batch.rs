@@ -69,6 +69,10 @@ pub(crate) fn max_run_pages(batch: usize) -> usize {
     (batch / 2).clamp(1, MAX_OP_BUFS)
 }
 
+/// The state of one writeback call. Owned by the writeback task alone (no lock): the idle and
+/// in-flight lists, the queue, the reserved block. Invariant: every request is in exactly one
+/// place: `idle` (its buffer), or in flight (its buffer in an op held by `queue`, its
+/// [`ReqMeta`] in `in_flight` under the op's tag); `in_flight_reqs` counts the latter.
 struct Engine<'a> {
     inner: &'a Inner,
     wb: &'a WbStore,

@@ -11,7 +11,7 @@
 //! - Read-back lives with the other request paths in `device::request`.
 //!
 //! # State and locks
-//! - [`WbStore`] (the backing device, its bitmap and `bd_*` counters) is part of an initialised
+//! - `WbStore` (the backing device, its bitmap and `bd_*` counters) is part of an initialised
 //!   device's contents: built from the `backing_dev` setting by `disksize`, dropped by `reset`.
 //!   Every writeback holds the device's init lock shared for its whole run, so `reset` waits for
 //!   it, as zram's does.
