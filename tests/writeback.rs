@@ -606,3 +606,37 @@ fn sixteen_k_pages_write_back_and_count_in_4k_units() {
     }
     assert_eq!(bd(&dev)[1], 20);
 }
+
+#[test]
+fn block_reserved_for_a_skipped_candidate_is_released_at_the_end() {
+    let backing = Arc::new(HookBacking {
+        inner: MemBacking::new(64 * PAGE as u64).unwrap(),
+        hook: Mutex::new(None),
+    });
+    let dev = Arc::new(new_device(8, backing.clone(), false));
+    fill(&dev, 8, 1);
+    dev.set_writeback_batch_size(1).unwrap();
+    // Pages 2 and 6 are both HUGE (same bucket, scan order). While page 2's write is in
+    // flight, page 6 is overwritten: when its turn comes it is skipped, and the block the loop
+    // had already reserved for it must go back when the loop ends.
+    let weak = Arc::downgrade(&dev);
+    let mut fired = false;
+    *backing.hook.lock().unwrap() = Some(Box::new(move |_| {
+        if !fired {
+            fired = true;
+            let d = weak.upgrade().unwrap();
+            d.write_at(&page(6, 2), 6 * PAGE as u64).unwrap();
+        }
+    }));
+    let r = dev
+        .writeback(&WritebackSpec::pages(2, 2).and(None, 6, 6))
+        .unwrap();
+    assert_eq!((r.candidates, r.written, r.skipped), (2, 1, 1), "{r:?}");
+    assert_eq!(bd(&dev), [1, 0, 1]);
+    *backing.hook.lock().unwrap() = None;
+    let mut buf = vec![0u8; PAGE];
+    dev.read_at(&mut buf, 6 * PAGE as u64).unwrap();
+    assert!(buf == page(6, 2));
+    dev.read_at(&mut buf, 2 * PAGE as u64).unwrap();
+    assert!(buf == page(2, 1));
+}
