@@ -25,6 +25,7 @@ pub mod frontend;
 pub mod slot;
 pub mod units;
 pub mod writeback;
+pub mod zoned;
 pub mod zsmalloc;
 
 pub use error::{Error, ErrorKind, Result};

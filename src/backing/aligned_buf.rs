@@ -79,6 +79,12 @@ impl AlignedBuf {
         self.ptr.as_ptr()
     }
 
+    /// The start of the buffer, for the kernel to write into (reads). Valid while `self` is
+    /// alive; derived from the allocation itself, not from a shared borrow.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     fn layout(len_bytes: usize) -> Result<Layout> {
         if len_bytes == 0 || len_bytes % SECTOR_BYTES != 0 {
             return Err(Error::invalid(format!(

@@ -42,7 +42,8 @@ use parking_lot::Mutex;
 
 use super::sync::check_submit;
 use super::{
-    check_range, total_len, Backing, IoCompletion, IoOp, IoQueue, SubmitResult, SECTOR_BYTES,
+    check_range, total_len, Backing, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult,
+    SECTOR_BYTES,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -283,6 +284,25 @@ impl<B: Backing> Backing for FaultyBacking<B> {
         self.inner.block_size_bytes()
     }
 
+    fn readv_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> Result<()> {
+        // One vectored read counts as one read for the plan.
+        let len_bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        check_range(self.inner.size_bytes(), offset, len_bytes, "read")?;
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        let fail = {
+            let mut st = self.state.lock();
+            st.reads_since_plan += 1;
+            st.plan.read_faults.contains(&st.reads_since_plan)
+        };
+        if fail {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::io(format!(
+                "injected EIO: read of {len_bytes} bytes at offset {offset}"
+            )));
+        }
+        self.inner.readv_at(bufs, offset)
+    }
+
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         self.reads.fetch_add(1, Ordering::Relaxed);
         let fail = {
@@ -356,12 +376,34 @@ impl<B: Backing> IoQueue for FaultyQueue<'_, B> {
             return Err((e, op));
         }
         let len_bytes = op.len_bytes();
+        if op.kind == IoKind::Read {
+            // Reads fail as the synchronous ones do (the plan's read faults), else go through.
+            let fail = {
+                self.faulty.reads.fetch_add(1, Ordering::Relaxed);
+                let mut st = self.faulty.state.lock();
+                st.reads_since_plan += 1;
+                st.plan.read_faults.contains(&st.reads_since_plan)
+            };
+            if fail {
+                self.faulty.injected.fetch_add(1, Ordering::Relaxed);
+                let err = Error::io(format!(
+                    "injected EIO: read of {len_bytes} bytes at offset {}",
+                    op.offset
+                ));
+                self.injected.push_back(IoCompletion {
+                    op,
+                    result: Err(err),
+                });
+                return Ok(());
+            }
+            return self.inner.submit(op);
+        }
         match self.faulty.decide_write(op.offset, len_bytes) {
             None => self.inner.submit(op).inspect_err(|_| {
                 self.faulty.refund_write(len_bytes);
             }),
             Some(kind) => {
-                let slices: Vec<&[u8]> = op.bufs.iter().map(|b| &b[..]).collect();
+                let slices = op.slices();
                 let err = self.faulty.inject_write(kind, &slices, op.offset);
                 self.injected.push_back(IoCompletion {
                     op,

@@ -312,6 +312,15 @@ impl Backing for FileBacking {
             .map_err(|e| io_error(e, "read", offset, buf.len() as u64))
     }
 
+    fn readv_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> Result<()> {
+        let len_bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        check_range(self.size_bytes, offset, len_bytes, "read")?;
+        // Direct when every piece is aligned, else through the page cache (coherent with
+        // direct writes: they invalidate the cached range).
+        let fd = self.fd_for(offset, bufs.iter().map(|b| (b.as_ptr() as usize, b.len())));
+        sys::preadv_all(fd, bufs, offset).map_err(|e| io_error(e, "read", offset, len_bytes))
+    }
+
     fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> Result<()> {
         let len_bytes = total_len(bufs);
         check_range(self.size_bytes, offset, len_bytes, "write")?;

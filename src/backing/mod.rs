@@ -105,6 +105,20 @@ pub trait Backing: Send + Sync + Debug {
     }
     /// Reads `buf.len()` bytes at `offset`, all of them or an error.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// Fills `bufs` back to back from `offset` (their total a multiple of 512 bytes), all of
+    /// them or an error. One `preadv` for files; the default reads buffer by buffer.
+    fn readv_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> Result<()> {
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        check_range(self.size_bytes(), offset, total, "read")?;
+        let mut at = offset;
+        for b in bufs.iter_mut() {
+            if !b.is_empty() {
+                self.read_at(b, at)?;
+            }
+            at += b.len() as u64;
+        }
+        Ok(())
+    }
     /// Writes all of `buf` at `offset`, or fails.
     fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.writev_at(&[buf], offset)
@@ -121,26 +135,191 @@ pub trait Backing: Send + Sync + Debug {
     fn new_queue(&self, depth: usize) -> Result<Box<dyn IoQueue + '_>>;
 }
 
-/// A vectored write of all `bufs`, back to back, at `offset`. The op owns its buffers.
+/// A vectored write of all `bufs` (or of the `segments` of them), back to back, at `offset`.
+/// The op owns its buffers.
 #[derive(Debug, PartialEq, Eq)]
 pub struct IoOp {
-    /// Byte offset of the first buffer (a multiple of 512).
+    /// Byte offset of the first byte written (a multiple of 512).
     pub offset: u64,
     /// The data, written in order with no gaps.
     pub bufs: Vec<AlignedBuf>,
     /// The caller's token, returned untouched with the completion.
     pub tag: u64,
+    /// When set, only these parts of `bufs` are written, in this order (GC writes the live
+    /// records of the buffers it read into, without copying them): each lies inside its
+    /// buffer, is non-empty and 512-byte aligned in offset and length.
+    pub segments: Option<Vec<Segment>>,
+    /// Write (the default) or read.
+    pub kind: IoKind,
+}
+
+/// What an [`IoOp`] does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoKind {
+    /// Writes the op's bytes to the backing.
+    #[default]
+    Write,
+    /// Fills the op's bytes (its buffers, or their segments) from the backing. GC reads a
+    /// chunk this way and resubmits the same op as a write.
+    Read,
+}
+
+/// A part of one of an op's buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Index into `bufs`.
+    pub buf: usize,
+    /// Byte offset inside that buffer.
+    pub offset: usize,
+    /// Bytes.
+    pub len: usize,
 }
 
 impl IoOp {
     /// A write of `bufs` at `offset` tagged `tag`.
     pub fn new(offset: u64, bufs: Vec<AlignedBuf>, tag: u64) -> IoOp {
-        IoOp { offset, bufs, tag }
+        IoOp {
+            offset,
+            bufs,
+            tag,
+            segments: None,
+            kind: IoKind::Write,
+        }
+    }
+
+    /// A read into `bufs` from `offset` tagged `tag`.
+    pub fn read(offset: u64, bufs: Vec<AlignedBuf>, tag: u64) -> IoOp {
+        IoOp {
+            kind: IoKind::Read,
+            ..IoOp::new(offset, bufs, tag)
+        }
+    }
+
+    /// The parts of the buffers the op covers, as (buffer, offset, length).
+    fn parts(&self) -> Vec<Segment> {
+        match &self.segments {
+            None => (0..self.bufs.len())
+                .map(|buf| Segment {
+                    buf,
+                    offset: 0,
+                    len: self.bufs[buf].len(),
+                })
+                .collect(),
+            Some(segs) => segs.clone(),
+        }
+    }
+
+    /// iovecs for the op's bytes after the first `skip_bytes`, at most `max` of them, built
+    /// from the buffers' own (mutable) pointers so the kernel may write through them (reads).
+    /// The iovecs stay valid while the op (and so its buffers, whose heap memory never moves)
+    /// is alive and nothing else accesses the buffers.
+    pub(crate) fn iovecs_mut(&mut self, mut skip_bytes: u64, max: usize) -> Vec<libc::iovec> {
+        let mut out = Vec::new();
+        for p in self.parts() {
+            if out.len() == max {
+                break;
+            }
+            if skip_bytes >= p.len as u64 {
+                skip_bytes -= p.len as u64;
+                continue;
+            }
+            let skip = skip_bytes as usize;
+            skip_bytes = 0;
+            let base = self.bufs[p.buf].as_mut_ptr();
+            out.push(libc::iovec {
+                // The offset stays inside the buffer: `p` was checked against it.
+                iov_base: base.wrapping_add(p.offset + skip).cast(),
+                iov_len: p.len - skip,
+            });
+        }
+        out
+    }
+
+    /// Mutable slices over the op's bytes, in order (the synchronous engines' reads).
+    pub(crate) fn slices_mut(&mut self) -> Vec<&mut [u8]> {
+        match self.segments.clone() {
+            None => self.bufs.iter_mut().map(|b| &mut b[..]).collect(),
+            Some(segs) => {
+                // Segments of one buffer may not overlap (checked), but several may name the
+                // same buffer: split each buffer's slice at its segments in order.
+                let mut per_buf: Vec<Vec<(usize, Segment)>> = vec![Vec::new(); self.bufs.len()];
+                for (i, s) in segs.iter().enumerate() {
+                    per_buf[s.buf].push((i, *s));
+                }
+                let mut out: Vec<Option<&mut [u8]>> = (0..segs.len()).map(|_| None).collect();
+                for (buf, list) in self.bufs.iter_mut().zip(per_buf.iter_mut()) {
+                    list.sort_by_key(|(_, s)| s.offset);
+                    let mut rest: &mut [u8] = &mut buf[..];
+                    let mut at = 0;
+                    for (i, s) in list.iter() {
+                        let (_, tail) = std::mem::take(&mut rest).split_at_mut(s.offset - at);
+                        let (mine, tail) = tail.split_at_mut(s.len);
+                        out[*i] = Some(mine);
+                        rest = tail;
+                        at = s.offset + s.len;
+                    }
+                }
+                out.into_iter()
+                    .map(|s| s.expect("every segment names a buffer"))
+                    .collect()
+            }
+        }
+    }
+
+    /// The bytes the op writes, in order.
+    pub fn slices(&self) -> Vec<&[u8]> {
+        match &self.segments {
+            None => self.bufs.iter().map(|b| &b[..]).collect(),
+            Some(segs) => segs
+                .iter()
+                .map(|s| &self.bufs[s.buf][s.offset..s.offset + s.len])
+                .collect(),
+        }
     }
 
     /// The total number of bytes the op writes.
     pub fn len_bytes(&self) -> u64 {
-        self.bufs.iter().map(|b| b.len() as u64).sum()
+        match &self.segments {
+            None => self.bufs.iter().map(|b| b.len() as u64).sum(),
+            Some(segs) => segs.iter().map(|s| s.len as u64).sum(),
+        }
+    }
+
+    /// Checks `segments` against `bufs` (see the field's docs).
+    fn check_segments(&self) -> Result<()> {
+        let Some(segs) = &self.segments else {
+            return Ok(());
+        };
+        let sector = SECTOR_BYTES;
+        for s in segs {
+            let fits = self.bufs.get(s.buf).is_some_and(|b| {
+                s.offset
+                    .checked_add(s.len)
+                    .is_some_and(|end| end <= b.len())
+            });
+            if !fits || s.len == 0 || s.offset % sector != 0 || s.len % sector != 0 {
+                return Err(Error::invalid(format!(
+                    "op segment {s:?} is empty, unaligned or outside its buffer"
+                )));
+            }
+        }
+        if self.kind == IoKind::Read {
+            // A read must not fill the same bytes twice.
+            let mut parts = segs.clone();
+            parts.sort_by_key(|s| (s.buf, s.offset));
+            if parts
+                .windows(2)
+                .any(|w| w[0].buf == w[1].buf && w[0].offset + w[0].len > w[1].offset)
+            {
+                return Err(Error::invalid("read op segments overlap"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of iovecs the op needs.
+    fn iovec_count(&self) -> usize {
+        self.segments.as_ref().map_or(self.bufs.len(), Vec::len)
     }
 }
 

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::fmt;
 
 use super::sys::IOV_MAX;
-use super::{check_depth, check_range, Backing, IoCompletion, IoOp, IoQueue, SubmitResult};
+use super::{check_depth, check_range, Backing, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult};
 use crate::error::{Error, Result};
 
 /// A queue that performs each write at submit time. An op counts as in flight until its
@@ -48,13 +48,18 @@ pub(crate) fn check_submit(
             "backing queue full: {in_flight} of {depth} ops in flight; reap completions first"
         )));
     }
-    if op.bufs.is_empty() || op.bufs.len() > IOV_MAX {
+    let n = op.iovec_count();
+    if n == 0 || n > IOV_MAX {
         return Err(Error::invalid(format!(
-            "backing write of {} buffers: an op has 1..={IOV_MAX}",
-            op.bufs.len()
+            "backing write of {n} buffers: an op has 1..={IOV_MAX}"
         )));
     }
-    check_range(size_bytes, op.offset, op.len_bytes(), "write")
+    op.check_segments()?;
+    let what = match op.kind {
+        IoKind::Write => "write",
+        IoKind::Read => "read",
+    };
+    check_range(size_bytes, op.offset, op.len_bytes(), what)
 }
 
 impl IoQueue for SyncQueue<'_> {
@@ -66,8 +71,14 @@ impl IoQueue for SyncQueue<'_> {
         if let Err(e) = check_submit(&op, self.done.len(), self.depth, self.backing.size_bytes()) {
             return Err((e, op));
         }
-        let slices: Vec<&[u8]> = op.bufs.iter().map(|b| &b[..]).collect();
-        let result = self.backing.writev_at(&slices, op.offset);
+        let mut op = op;
+        let result = match op.kind {
+            IoKind::Write => self.backing.writev_at(&op.slices(), op.offset),
+            IoKind::Read => {
+                let offset = op.offset;
+                self.backing.readv_at(&mut op.slices_mut(), offset)
+            }
+        };
         self.done.push_back(IoCompletion { op, result });
         Ok(())
     }

@@ -85,6 +85,67 @@ pub(crate) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
     Ok(())
 }
 
+/// Reads into all of `bufs` back to back from `offset` with `preadv`, looping over short reads,
+/// `EINTR` and more than [`IOV_MAX`] buffers. End of file before the buffers are full fails
+/// with `UnexpectedEof`.
+pub(crate) fn preadv_all(file: &File, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<()> {
+    let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+    let mut done: u64 = 0;
+    while done < total {
+        // Built from mutable pointers: the kernel writes through them.
+        let mut iovecs = Vec::new();
+        let mut skip = done;
+        for buf in bufs.iter_mut() {
+            if iovecs.len() == IOV_MAX {
+                break;
+            }
+            let len = buf.len() as u64;
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            let rest = &mut buf[skip as usize..];
+            skip = 0;
+            iovecs.push(libc::iovec {
+                iov_base: rest.as_mut_ptr().cast(),
+                iov_len: rest.len(),
+            });
+        }
+        let pos = offset + done;
+        let pos =
+            libc::off_t::try_from(pos).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: `iovecs` points into `bufs`, mutably borrowed (alive, and not accessed by
+        // anything else) for the whole call; `iovecs.len()` <= IOV_MAX fits a c_int; the fd is
+        // open while `file` is borrowed.
+        let n = unsafe {
+            libc::preadv(
+                file.as_raw_fd(),
+                iovecs.as_ptr(),
+                iovecs.len() as libc::c_int,
+                pos,
+            )
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "preadv hit end of file at offset {pos} with {} bytes left",
+                    total - done
+                ),
+            ));
+        }
+        done += n as u64;
+    }
+    Ok(())
+}
+
 /// The size of the block device open as `file`, in bytes.
 pub(crate) fn block_device_size_bytes(file: &File) -> io::Result<u64> {
     let mut size: u64 = 0;

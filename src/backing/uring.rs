@@ -29,7 +29,7 @@ use io_uring::{opcode, types, IoUring};
 use super::file::io_error;
 use super::sync::check_submit;
 use super::sys::{iovecs_after, IOV_MAX};
-use super::{check_depth, Backing, FileBacking, IoCompletion, IoOp, IoQueue, SubmitResult};
+use super::{check_depth, Backing, FileBacking, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult};
 use crate::error::{Error, ErrorKind, Result};
 
 /// How many times one op is resubmitted after `EINTR`/`EAGAIN` before it fails. io_uring retries
@@ -104,24 +104,29 @@ impl<'a> UringQueue<'a> {
         let f = self.slots[idx]
             .as_mut()
             .expect("pushing a slot that is in flight");
-        let iovecs = iovecs_after(f.op.bufs.iter().map(|b| &b[..]), f.done_bytes, IOV_MAX);
+        let iovecs = match f.op.kind {
+            IoKind::Write => iovecs_after(f.op.slices(), f.done_bytes, IOV_MAX),
+            IoKind::Read => f.op.iovecs_mut(f.done_bytes, IOV_MAX),
+        };
         f.iovecs = IoVecs(iovecs.into_boxed_slice());
         let offset = f.op.offset + f.done_bytes;
         let fd = self.backing.fd_for(
             offset,
             f.iovecs.0.iter().map(|v| (v.iov_base as usize, v.iov_len)),
         );
-        let entry = opcode::Writev::new(
-            types::Fd(std::os::fd::AsRawFd::as_raw_fd(fd)),
-            f.iovecs.0.as_ptr(),
-            f.iovecs.0.len() as u32,
-        )
-        .offset(offset)
-        .build()
+        let fd = types::Fd(std::os::fd::AsRawFd::as_raw_fd(fd));
+        let (iov, n) = (f.iovecs.0.as_ptr(), f.iovecs.0.len() as u32);
+        let entry = match f.op.kind {
+            IoKind::Write => opcode::Writev::new(fd, iov, n).offset(offset).build(),
+            IoKind::Read => opcode::Readv::new(fd, iov, n).offset(offset).build(),
+        }
         .user_data(idx as u64);
         // SAFETY: the SQE points to `f.iovecs` and, through it, to `f.op.bufs`; both live in
         // `self.slots[idx]` until this SQE's CQE is reaped (see the module docs), and neither's
-        // heap memory moves. The fd belongs to `self.backing`, borrowed for the queue's life.
+        // heap memory moves. For reads the kernel writes into the buffers: the queue owns the
+        // op, so nothing else touches them until the CQE is reaped, and the iovecs were built
+        // from the buffers' own mutable pointers. The fd belongs to `self.backing`, borrowed
+        // for the queue's life.
         unsafe { self.ring.submission().push(&entry) }.map_err(|_| {
             Error::busy("io_uring submission ring full (more SQEs than ops in flight)")
         })
@@ -163,6 +168,10 @@ impl<'a> UringQueue<'a> {
                 .expect("a CQE for a slot that is not in flight");
             let offset = f.op.offset + f.done_bytes;
             let left = f.total_bytes - f.done_bytes;
+            let what = match f.op.kind {
+                IoKind::Write => "write",
+                IoKind::Read => "read",
+            };
             let result = if res < 0 {
                 let errno = -res;
                 if matches!(errno, libc::EINTR | libc::EAGAIN) && f.retries < MAX_RETRIES {
@@ -172,13 +181,13 @@ impl<'a> UringQueue<'a> {
                 }
                 Err(io_error(
                     io::Error::from_raw_os_error(errno),
-                    "write",
+                    what,
                     offset,
                     left,
                 ))
             } else if res == 0 {
                 Err(Error::io(format!(
-                    "backing write at offset {offset} wrote nothing with {left} bytes left"
+                    "backing {what} at offset {offset} moved nothing with {left} bytes left"
                 )))
             } else {
                 f.done_bytes += res as u64;

@@ -2,6 +2,7 @@
 //! JSON to `bench/results/`. No test asserts a timing; the suite runs them at tiny sizes so they
 //! keep working.
 
+pub mod gc;
 pub mod kernel_zram;
 pub mod store;
 pub mod writeback;
@@ -41,6 +42,27 @@ pub fn time<R>(f: impl FnOnce() -> R) -> (R, Duration) {
     let start = Instant::now();
     let r = f();
     (r, start.elapsed())
+}
+
+/// CPU time (user + system) the calling thread has used so far.
+pub fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime: {}", std::io::Error::last_os_error());
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Runs `f` and returns its result, the wall time and the calling thread's CPU time it took.
+/// On a shared machine CPU time is the steadier measure of work done on one thread: it does not
+/// count time spent waiting for a core.
+pub fn time_cpu<R>(f: impl FnOnce() -> R) -> (R, Duration, Duration) {
+    let (start, cpu_start) = (Instant::now(), thread_cpu_time());
+    let r = f();
+    (r, start.elapsed(), thread_cpu_time() - cpu_start)
 }
 
 /// MB/s (10^6 bytes per second) for `bytes` in `d`.

@@ -14,9 +14,15 @@
 //! the raw codec and the store path do the same compression work (the store path skips the codec
 //! for same-filled pages, which would flatter it). Packing uses every page. Each timing is the
 //! median of `repeats` runs.
+//!
+//! Each repetition runs raw compress, store write, raw decompress, store read and store
+//! overwrite back to back, and the ratios are medians of these paired ratios. The single-thread
+//! ratios (`write_vs_raw`, `read_vs_raw`, `overwrite_vs_raw`) compare the thread's CPU time
+//! (user + system: page faults and `madvise` count), which other load on a shared machine does
+//! not inflate; the wall-clock ratios are reported beside them (`*_wall`).
 
 use super::kernel_zram::{AlignedBuf, KernelZram};
-use super::{f, mbps, median, time, Table};
+use super::{f, mbps, median, thread_cpu_time, time, time_cpu, Table};
 use crate::compress::{self, same_filled_word, CodecParams};
 use crate::corpus::Corpus;
 use crate::device::{Device, DeviceConfig, StatsSnapshot};
@@ -26,6 +32,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde_json::json;
 use std::sync::Barrier;
+use std::time::Duration;
 
 /// Options of `uzram bench store`.
 #[derive(Debug, Clone)]
@@ -64,6 +71,86 @@ fn kernel_packing(mm: &[u64]) -> f64 {
     mm[2] as f64 / mm[1] as f64
 }
 
+/// Per-repetition figures of the interleaved raw/store runs.
+#[derive(Default)]
+struct Samples {
+    raw_c: Vec<f64>,
+    raw_d: Vec<f64>,
+    write: Vec<f64>,
+    read: Vec<f64>,
+    write_2t: Vec<f64>,
+    read_2t: Vec<f64>,
+    write_vs_raw: Vec<f64>,
+    write_vs_raw_wall: Vec<f64>,
+    read_vs_raw_wall: Vec<f64>,
+    overwrite: Vec<f64>,
+    overwrite_vs_raw: Vec<f64>,
+    read_vs_raw: Vec<f64>,
+    write_2t_vs_1t: Vec<f64>,
+    read_2t_vs_1t: Vec<f64>,
+}
+
+/// Writes (or reads) page `i` of `work` at page `i` of `dev`, one page per call, split over
+/// `threads` threads that start together; returns the slowest thread's wall time and the
+/// largest CPU time of one thread.
+fn store_pass(
+    dev: &Device,
+    work: &[&[u8]],
+    threads: usize,
+    read: bool,
+) -> Result<(Duration, Duration)> {
+    let ps = dev.page_size_bytes();
+    let chunk = work.len().div_ceil(threads);
+    let barrier = Barrier::new(threads);
+    let results: Vec<Result<(Duration, Duration)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let barrier = &barrier;
+                s.spawn(move || -> Result<(Duration, Duration)> {
+                    let lo = (t * chunk).min(work.len());
+                    let hi = ((t + 1) * chunk).min(work.len());
+                    let mut buf = vec![0u8; ps];
+                    barrier.wait();
+                    let (start, cpu_start) = (std::time::Instant::now(), thread_cpu_time());
+                    for (i, p) in work.iter().enumerate().take(hi).skip(lo) {
+                        let off = (i * ps) as u64;
+                        if read {
+                            dev.read_at(&mut buf, off)?;
+                        } else {
+                            dev.write_at(p, off)?;
+                        }
+                    }
+                    Ok((start.elapsed(), thread_cpu_time() - cpu_start))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
+    });
+    let (mut wall, mut cpu) = (Duration::ZERO, Duration::ZERO);
+    for r in results {
+        let (w, c) = r?;
+        wall = wall.max(w);
+        cpu = cpu.max(c);
+    }
+    Ok((wall, cpu))
+}
+
+/// Untimed: every page of `work` reads back identical.
+fn verify(dev: &Device, work: &[&[u8]]) -> Result<()> {
+    let ps = dev.page_size_bytes();
+    let mut buf = vec![0u8; ps];
+    for (i, p) in work.iter().enumerate() {
+        dev.read_at(&mut buf, (i * ps) as u64)?;
+        if buf != *p {
+            return Err(Error::io(format!("page {i} read back different")));
+        }
+    }
+    Ok(())
+}
+
 /// Runs the benchmark, prints its table, and returns the JSON document.
 pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Value> {
     let ps = corpus.page_size_bytes();
@@ -84,37 +171,14 @@ pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Valu
     let work_bytes = (work.len() * ps) as u64;
     let reps = opts.repeats.max(1);
 
-    // 1. The raw codec.
+    // 1–2. The raw codec and the store path, interleaved: each repetition runs raw compress,
+    // store write, raw decompress, store read back to back, so a noisy neighbour slows both
+    // sides of a ratio alike; the ratios reported are medians of these paired ratios.
     let codec = compress::new_codec(&opts.codec, CodecParams::default())?;
     let bound = compress::compress_bound(ps);
     let mut comp = vec![0u8; bound * work.len()];
     let mut lens = vec![0usize; work.len()];
-    let mut c_samples = Vec::new();
-    let mut d_samples = Vec::new();
     let mut out = vec![0u8; ps];
-    for _ in 0..reps {
-        let (r, d) = time(|| -> Result<()> {
-            for (i, p) in work.iter().enumerate() {
-                lens[i] = codec.compress(p, &mut comp[i * bound..(i + 1) * bound])?;
-            }
-            Ok(())
-        });
-        r?;
-        c_samples.push(mbps(work_bytes, d));
-        let (r, d) = time(|| -> Result<()> {
-            for (i, len) in lens.iter().enumerate() {
-                codec.decompress(&comp[i * bound..i * bound + len], &mut out)?;
-            }
-            Ok(())
-        });
-        r?;
-        d_samples.push(mbps(work_bytes, d));
-    }
-    let raw_compress_mbps = median(&c_samples);
-    let raw_decompress_mbps = median(&d_samples);
-    drop(comp);
-
-    // 2. The store path, 1 and 2 threads, on a fresh device each time.
     let new_dev = |npages: usize| {
         Device::new(DeviceConfig {
             disksize_bytes: (npages * ps) as u64,
@@ -123,61 +187,71 @@ pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Valu
             ..Default::default()
         })
     };
-    let store = |threads: usize| -> Result<(f64, f64)> {
-        let (mut w, mut r) = (Vec::new(), Vec::new());
-        for _ in 0..reps {
-            let dev = new_dev(work.len())?;
-            let chunk = work.len().div_ceil(threads);
-            let barrier = Barrier::new(threads);
-            let run = |read: bool| -> Result<std::time::Duration> {
-                let results: Vec<Result<std::time::Duration>> = std::thread::scope(|s| {
-                    let handles: Vec<_> = (0..threads)
-                        .map(|t| {
-                            let (dev, barrier, work) = (&dev, &barrier, &work);
-                            s.spawn(move || -> Result<std::time::Duration> {
-                                let lo = (t * chunk).min(work.len());
-                                let hi = ((t + 1) * chunk).min(work.len());
-                                let mut buf = vec![0u8; ps];
-                                barrier.wait();
-                                let start = std::time::Instant::now();
-                                for (i, p) in work.iter().enumerate().take(hi).skip(lo) {
-                                    let off = (i * ps) as u64;
-                                    if read {
-                                        dev.read_at(&mut buf, off)?;
-                                    } else {
-                                        dev.write_at(p, off)?;
-                                    }
-                                }
-                                Ok(start.elapsed())
-                            })
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .map(|h| h.join().expect("bench thread"))
-                        .collect()
-                });
-                let mut longest = std::time::Duration::ZERO;
-                for d in results {
-                    longest = longest.max(d?);
-                }
-                Ok(longest)
-            };
-            w.push(mbps(work_bytes, run(false)?));
-            r.push(mbps(work_bytes, run(true)?));
-            // Untimed: everything reads back identical.
-            let mut buf = vec![0u8; ps];
+    let mut s = Samples::default();
+    for _ in 0..reps {
+        let (r, d, raw_c_cpu) = time_cpu(|| -> Result<()> {
             for (i, p) in work.iter().enumerate() {
-                dev.read_at(&mut buf, (i * ps) as u64)?;
-                if buf != *p {
-                    return Err(Error::io(format!("page {i} read back different")));
-                }
+                lens[i] = codec.compress(p, &mut comp[i * bound..(i + 1) * bound])?;
             }
-        }
-        Ok((median(&w), median(&r)))
-    };
-    let (write_mbps, read_mbps) = store(1)?;
-    let (write_mbps_2t, read_mbps_2t) = store(2)?;
+            Ok(())
+        });
+        r?;
+        let raw_c = mbps(work_bytes, d);
+        let dev = new_dev(work.len())?;
+        let (d, w_cpu) = store_pass(&dev, &work, 1, false)?;
+        let w = mbps(work_bytes, d);
+        let (r, d, raw_d_cpu) = time_cpu(|| -> Result<()> {
+            for (i, len) in lens.iter().enumerate() {
+                codec.decompress(&comp[i * bound..i * bound + len], &mut out)?;
+            }
+            Ok(())
+        });
+        r?;
+        let raw_d = mbps(work_bytes, d);
+        let (d, rd_cpu) = store_pass(&dev, &work, 1, true)?;
+        let rd = mbps(work_bytes, d);
+        verify(&dev, &work)?;
+        // Overwrite every page with another page of the corpus (the steady state of a swap
+        // device: each store allocates a new object and frees the old one, so the pool's pages
+        // are reused instead of faulted in fresh), against the raw compress of this repetition.
+        let shifted: Vec<&[u8]> = (0..work.len())
+            .map(|i| work[(i + 1) % work.len()])
+            .collect();
+        let (d, ow_cpu) = store_pass(&dev, &shifted, 1, false)?;
+        let ow = mbps(work_bytes, d);
+        verify(&dev, &shifted)?;
+        drop(dev);
+        // Two threads on a fresh device, compared with one thread of this repetition.
+        let dev = new_dev(work.len())?;
+        let w2 = mbps(work_bytes, store_pass(&dev, &work, 2, false)?.0);
+        let rd2 = mbps(work_bytes, store_pass(&dev, &work, 2, true)?.0);
+        verify(&dev, &work)?;
+        drop(dev);
+        s.raw_c.push(raw_c);
+        s.raw_d.push(raw_d);
+        s.write.push(w);
+        s.read.push(rd);
+        s.overwrite.push(ow);
+        s.write_2t.push(w2);
+        s.read_2t.push(rd2);
+        s.write_vs_raw
+            .push(raw_c_cpu.as_secs_f64() / w_cpu.as_secs_f64());
+        s.read_vs_raw
+            .push(raw_d_cpu.as_secs_f64() / rd_cpu.as_secs_f64());
+        s.overwrite_vs_raw
+            .push(raw_c_cpu.as_secs_f64() / ow_cpu.as_secs_f64());
+        s.write_vs_raw_wall.push(w / raw_c);
+        s.read_vs_raw_wall.push(rd / raw_d);
+        s.write_2t_vs_1t.push(w2 / w);
+        s.read_2t_vs_1t.push(rd2 / rd);
+    }
+    drop(comp);
+    let raw_compress_mbps = median(&s.raw_c);
+    let raw_decompress_mbps = median(&s.raw_d);
+    let (write_mbps, read_mbps) = (median(&s.write), median(&s.read));
+    let (write_mbps_2t, read_mbps_2t) = (median(&s.write_2t), median(&s.read_2t));
+    let write_vs_raw = median(&s.write_vs_raw);
+    let read_vs_raw = median(&s.read_vs_raw);
 
     // 3. Packing over every page: fill, discard a random half, compact.
     let dev = new_dev(pages.len())?;
@@ -235,25 +309,39 @@ pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Valu
         "store write MB/s (1 thread)".into(),
         f(write_mbps),
         String::new(),
-        format!("{} of raw", pct(write_mbps / raw_compress_mbps)),
+        format!(
+            "{} of raw ({} by wall clock)",
+            pct(write_vs_raw),
+            pct(median(&s.write_vs_raw_wall))
+        ),
+    ]);
+    t.row(vec![
+        "store overwrite MB/s (1 thread)".into(),
+        f(median(&s.overwrite)),
+        String::new(),
+        format!("{} of raw", pct(median(&s.overwrite_vs_raw))),
     ]);
     t.row(vec![
         "store read MB/s (1 thread)".into(),
         f(read_mbps),
         String::new(),
-        format!("{} of raw", pct(read_mbps / raw_decompress_mbps)),
+        format!(
+            "{} of raw ({} by wall clock)",
+            pct(read_vs_raw),
+            pct(median(&s.read_vs_raw_wall))
+        ),
     ]);
     t.row(vec![
         "store write MB/s (2 threads)".into(),
         f(write_mbps_2t),
         String::new(),
-        format!("{}x 1 thread", f(write_mbps_2t / write_mbps)),
+        format!("{}x 1 thread", f(median(&s.write_2t_vs_1t))),
     ]);
     t.row(vec![
         "store read MB/s (2 threads)".into(),
         f(read_mbps_2t),
         String::new(),
-        format!("{}x 1 thread", f(read_mbps_2t / read_mbps)),
+        format!("{}x 1 thread", f(median(&s.read_2t_vs_1t))),
     ]);
     let fill_mbps = mbps((pages.len() * ps) as u64, fill_time);
     let k = kernel.as_ref().ok();
@@ -345,8 +433,12 @@ pub fn run(corpus: &Corpus, opts: &StoreBenchOptions) -> Result<serde_json::Valu
         "read_mbps": read_mbps,
         "write_mbps_2t": write_mbps_2t,
         "read_mbps_2t": read_mbps_2t,
-        "write_vs_raw": write_mbps / raw_compress_mbps,
-        "read_vs_raw": read_mbps / raw_decompress_mbps,
+        "write_vs_raw": write_vs_raw,
+        "write_vs_raw_wall": median(&s.write_vs_raw_wall),
+        "read_vs_raw_wall": median(&s.read_vs_raw_wall),
+        "overwrite_mbps": median(&s.overwrite),
+        "overwrite_vs_raw": median(&s.overwrite_vs_raw),
+        "read_vs_raw": read_vs_raw,
         "fill_mbps": fill_mbps,
         "packing_filled": packing(&filled),
         "packing_after_trim": packing(&trimmed),

@@ -89,11 +89,6 @@ impl SizeClass {
         Ok(id as u32)
     }
 
-    /// Returns an id from [`take_id`](Self::take_id) that was not attached.
-    pub(crate) fn put_id(&self, st: &mut ClassState, id: u32) {
-        st.free_ids.push(id);
-    }
-
     /// Attaches a zspage with `frame` under id `id` (from [`take_id`](Self::take_id)). The
     /// caller reserves a slot in it before dropping the class lock.
     pub(crate) fn attach(&self, st: &mut ClassState, id: u32, frame: Frame) {

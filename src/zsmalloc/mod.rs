@@ -159,32 +159,44 @@ impl ZsPool {
             )));
         }
         let class = self.class_for(size_bytes);
+        let pages = class.info.pages_per_zspage;
         let mut st = class.state.lock();
+        // A new zspage's frame is allocated and its pages faulted in with the class lock
+        // dropped, so neither the frame allocator's lock nor page faults extend the class-lock
+        // section. Another thread may have made room meanwhile: then the spare frame goes back.
+        let mut spare: Option<Frame> = None;
+        while st.zspage_with_room().is_none() && spare.is_none() {
+            drop(st);
+            spare = Some(self.frames.alloc_populated(pages)?);
+            st = class.state.lock();
+        }
         let handle = match st.free_handles.pop() {
             Some(handle) => handle,
-            None => self.handles.grow()?,
+            None => match self.handles.grow() {
+                Ok(handle) => handle,
+                Err(e) => {
+                    drop(st);
+                    if let Some(frame) = spare {
+                        self.frames.release(frame, pages);
+                    }
+                    return Err(e);
+                }
+            },
         };
         let id = match st.zspage_with_room() {
             Some(id) => id,
             None => {
-                let attached = class
-                    .take_id(&mut st)
-                    .and_then(|id| match self.frames.alloc() {
-                        Ok(frame) => Ok((id, frame)),
-                        Err(e) => {
-                            class.put_id(&mut st, id);
-                            Err(e)
-                        }
-                    });
-                match attached {
-                    Ok((id, frame)) => {
+                let frame = spare.take().expect("the loop above leaves a spare frame");
+                match class.take_id(&mut st) {
+                    Ok(id) => {
                         class.attach(&mut st, id, frame);
-                        self.total_pages
-                            .fetch_add(class.info.pages_per_zspage as u64, Ordering::Relaxed);
+                        self.total_pages.fetch_add(pages as u64, Ordering::Relaxed);
                         id
                     }
                     Err(e) => {
                         st.free_handles.push(handle);
+                        drop(st);
+                        self.frames.release(frame, pages);
                         return Err(e);
                     }
                 }
@@ -199,6 +211,12 @@ impl ZsPool {
         self.handles
             .word_at(handle)
             .store(loc.encode(), Ordering::Release);
+        // The location is published before the class lock drops, so compaction (which takes
+        // it) never sees the reserved object without its handle pointing at it.
+        drop(st);
+        if let Some(frame) = spare {
+            self.frames.release(frame, pages);
+        }
         Ok(Handle::from_index(handle))
     }
 
@@ -283,7 +301,8 @@ impl ZsPool {
     }
 
     /// Moves objects out of sparse zspages into fuller ones, class by class (largest first), and
-    /// frees the emptied zspages. Returns the pages freed by this call.
+    /// frees the emptied zspages, then empties the frame cache. Returns the pages freed by this
+    /// call (not counting the cache, which `mem_used_total` never included).
     pub fn compact(&self) -> u64 {
         let mut freed_pages = 0;
         for class in self.classes.iter().rev() {
@@ -291,6 +310,8 @@ impl ZsPool {
             self.pages_compacted.fetch_add(freed, Ordering::Relaxed);
             freed_pages += freed;
         }
+        // Compaction is how users give memory back: the frame cache goes too.
+        self.frames.trim();
         freed_pages
     }
 
@@ -563,7 +584,19 @@ pub(crate) mod tests {
         }
         pool.check();
         assert_eq!(pool.total_pages(), 0);
-        assert_eq!(pool.frames.resident_bytes(), 0);
+        let cached = pool.frames.cached_pages() * pool.page_size_bytes();
+        assert!(cached <= page_alloc::FRAME_CACHE_BYTES);
+        assert_eq!(
+            pool.frames.resident_bytes(),
+            cached,
+            "only the frame cache stays"
+        );
+        pool.compact();
+        assert_eq!(
+            pool.frames.resident_bytes(),
+            0,
+            "compaction trims the frame cache"
+        );
     }
 
     #[test]
@@ -723,7 +756,19 @@ pub(crate) mod tests {
             pool.free(h);
         }
         assert_eq!(pool.total_pages(), 0);
-        assert_eq!(pool.frames.resident_bytes(), 0);
+        let cached = pool.frames.cached_pages() * 4096;
+        assert!(cached <= page_alloc::FRAME_CACHE_BYTES);
+        assert_eq!(
+            pool.frames.resident_bytes(),
+            cached,
+            "only the frame cache stays"
+        );
+        pool.compact();
+        assert_eq!(
+            pool.frames.resident_bytes(),
+            0,
+            "compaction trims the frame cache"
+        );
         let after = rss_bytes();
         eprintln!("rss: {before} before, {full} with 64 MiB of objects, {after} after free");
         assert!(

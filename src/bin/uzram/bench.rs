@@ -23,12 +23,14 @@ enum BenchCommand {
     /// Batched writeback: batch sizes against the one-page synchronous path and the backing
     /// file's own write ceiling, on a sequential and a fragmented backing.
     Writeback(WritebackArgs),
+    /// Zoned GC: the scratch ring against bank switching, on a real backing file (seed 001).
+    Gc(GcArgs),
 }
 
 #[derive(Debug, Args)]
 struct WritebackArgs {
-    /// Backing file (created afresh for every run, removed at the end) or block device. Use a
-    /// real disk: tmpfs has no O_DIRECT.
+    /// Backing file (created and written through once, removed at the end) or block device.
+    /// Use a real disk: tmpfs has no O_DIRECT.
     #[arg(long, default_value = "/var/tmp/uzram-writeback-bench.img")]
     backing: PathBuf,
     /// Page corpus (from `uzram corpus`); built with default settings if missing.
@@ -50,6 +52,37 @@ struct WritebackArgs {
     #[arg(long)]
     no_progress: bool,
     /// Where to write the JSON (default: bench/results/writeback-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct GcArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Backing file to create (removed afterwards); put it on the disk to measure.
+    #[arg(long, default_value = "/var/tmp/uzram-bench-gc.img")]
+    backing: PathBuf,
+    /// Zone size (K/M/G suffixes).
+    #[arg(long, default_value = "256M")]
+    zone_size: String,
+    /// Zones in the backing file (all but two are filled).
+    #[arg(long, default_value_t = 6)]
+    zones: u64,
+    /// Repetitions of each mode; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Algorithm of the written-back objects.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    /// Largest GC chunk (K/M suffixes; at most the 1 MiB scratch buffer).
+    #[arg(long, default_value = "1M")]
+    chunk: String,
+    /// Queue depth of GC reads and writes.
+    #[arg(long, default_value_t = 8)]
+    depth: usize,
+    /// Where to write the JSON (default: bench/results/gc-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -78,6 +111,24 @@ struct StoreArgs {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
+        BenchCommand::Gc(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let opts = bench::gc::GcBenchOptions {
+                backing: a.backing,
+                zone_size_bytes: uzram::units::parse_size_bytes(&a.zone_size)?,
+                zones: a.zones,
+                repeats: a.repeats,
+                codec: a.codec,
+                chunk_bytes: uzram::units::parse_size_bytes(&a.chunk)? as usize,
+                depth: a.depth,
+                ..Default::default()
+            };
+            let doc = bench::gc::run(&corpus, &opts)?;
+            let path = bench::json_path(a.json.as_deref(), "gc");
+            bench::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
         BenchCommand::Store(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;
             let opts = StoreBenchOptions {

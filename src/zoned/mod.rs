@@ -1,0 +1,674 @@
+//! Append-only (zoned) backing storage with garbage collection (seed 001).
+//!
+//! The backing device is cut into zones of `zone_size_bytes` (256 MiB by default), each
+//! *empty*, *open* (being appended to at its write pointer) or *full*. Writeback appends
+//! [records](record) — header, checksum, compressed object — back to back into the open zone
+//! and writes them out in large sequential writes ([`ZoneWriter`]); a slot then points at its
+//! record's [`ZoneLoc`]. Overwrite, discard and reset lower the zone's live-byte count
+//! ([`ZoneStore::release`]). Garbage collection ([`gc`]) picks the full zone with the fewest
+//! live bytes, relocates its live records through a scratch [ring](ring) into the GC zone, and
+//! resets the victim once every live record is durable and re-pointed.
+//!
+//! Zones here are emulated over a regular file or block device (a zone is a fixed range of
+//! it, written only sequentially); the layout is in `docs/format.md`.
+//!
+//! # Record states
+//! A record is *pending* from [`ZoneWriter::append`] (or a GC reservation) until its write
+//! completes and its owner either [`commit`](ZoneStore::commit)s it (*live*: a slot points at
+//! it) or [`abort`](ZoneStore::abort)s it (*dead*: the write failed or the slot changed
+//! meanwhile). A live record dies exactly once, through [`release`](ZoneStore::release) or by
+//! being relocated by GC. Only live records count in `live_bytes`; a zone with pending records
+//! is never chosen as a GC victim, so a record cannot become live in a zone being reset.
+//!
+//! # Locks
+//! `zones` (one mutex) protects every zone's state, write pointer, counters and record list;
+//! it is held only for bookkeeping, never across I/O. GC is serialised by `gc_lock`. The
+//! caller's slot locks come before `zones` (the device calls `release`/`commit` under a slot
+//! lock); GC calls [`GcOwner::repoint`] (which takes a slot lock) without holding `zones`.
+
+pub mod gc;
+pub mod record;
+pub mod ring;
+
+pub use gc::{GcOwner, GcReport};
+pub use record::{RecordHeader, FLAG_COMPRESSED};
+pub use ring::{ScratchMode, PIECE_BYTES};
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::backing::{AlignedBuf, Backing, IoOp};
+use crate::error::{Error, Result};
+use record::{record_span_bytes, RECORD_ALIGN_BYTES};
+
+/// Default zone size: 256 MiB, the zone size of the seed's benchmark (SMR HDDs).
+pub const DEFAULT_ZONE_SIZE_BYTES: u64 = 256 << 20;
+/// Largest zone a [`ZoneLoc`] can address: 2 GiB.
+pub const MAX_ZONE_SIZE_BYTES: u64 = (1 << 22) * RECORD_ALIGN_BYTES as u64;
+/// Writeback writes go out in stages of this many bytes (the issue's "at least 128 KiB").
+pub const DEFAULT_STAGE_BYTES: usize = 256 << 10;
+/// Default GC scratch: 2 buffers of 1 MiB (the seed's `XFS_GC_NR_BUFS`, `XFS_GC_BUF_SIZE`).
+pub const DEFAULT_GC_BUFFERS: usize = 2;
+/// See [`DEFAULT_GC_BUFFERS`].
+pub const DEFAULT_GC_BUFFER_BYTES: usize = 1 << 20;
+/// Largest GC chunk (one read, then one write): a whole scratch buffer, as in XFS, where the
+/// buffer size is also the upper bound of each GC I/O.
+pub const DEFAULT_GC_CHUNK_BYTES: usize = 1 << 20;
+
+/// Settings of a zoned store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ZoneConfig {
+    /// Bytes per zone: a multiple of 1 MiB, at most [`MAX_ZONE_SIZE_BYTES`].
+    pub zone_size_bytes: u64,
+    /// GC runs when fewer zones than this are empty (see [`ZoneStore::needs_gc`]).
+    pub gc_free_zones: usize,
+    /// Scratch buffers and their size.
+    pub gc_buffers: usize,
+    /// See `gc_buffers`.
+    pub gc_buffer_bytes: usize,
+    /// Ring or bank switching (benchmark baseline).
+    pub scratch_mode: ScratchMode,
+    /// Largest GC chunk.
+    pub gc_chunk_bytes: usize,
+}
+
+impl Default for ZoneConfig {
+    fn default() -> ZoneConfig {
+        ZoneConfig {
+            zone_size_bytes: DEFAULT_ZONE_SIZE_BYTES,
+            gc_free_zones: 2,
+            gc_buffers: DEFAULT_GC_BUFFERS,
+            gc_buffer_bytes: DEFAULT_GC_BUFFER_BYTES,
+            scratch_mode: ScratchMode::Ring,
+            gc_chunk_bytes: DEFAULT_GC_CHUNK_BYTES,
+        }
+    }
+}
+
+/// Where a record lives: zone, byte offset in the zone and span (both multiples of 512).
+/// Packs into a `u64` (zone 32 bits, offset / 512 22 bits, span / 512 10 bits) for the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ZoneLoc {
+    /// Zone index.
+    pub zone: u32,
+    /// Byte offset of the record inside the zone.
+    pub offset_bytes: u64,
+    /// Bytes the record spans (header, payload, padding).
+    pub span_bytes: u32,
+}
+
+impl ZoneLoc {
+    /// The packed form.
+    pub fn to_raw(self) -> u64 {
+        let a = RECORD_ALIGN_BYTES as u64;
+        (u64::from(self.zone) << 32)
+            | ((self.offset_bytes / a) << 10)
+            | (u64::from(self.span_bytes) / a)
+    }
+
+    /// Unpacks [`to_raw`](Self::to_raw).
+    pub fn from_raw(raw: u64) -> ZoneLoc {
+        let a = RECORD_ALIGN_BYTES as u64;
+        ZoneLoc {
+            zone: (raw >> 32) as u32,
+            offset_bytes: ((raw >> 10) & ((1 << 22) - 1)) * a,
+            span_bytes: ((raw & 0x3ff) * a) as u32,
+        }
+    }
+}
+
+/// A zone's condition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ZoneCondition {
+    /// Write pointer at the start, nothing live.
+    Empty,
+    /// Being appended to (by the writeback writer or by GC).
+    Open,
+    /// Closed for appends; waits for GC.
+    Full,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RecState {
+    Pending,
+    Live,
+    Dead,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Rec {
+    offset_bytes: u64,
+    span_bytes: u32,
+    slot: u64,
+    state: RecState,
+}
+
+#[derive(Debug)]
+struct Zone {
+    cond: ZoneCondition,
+    /// Next byte to hand out (records are placed below it; stages are written below it).
+    wp_bytes: u64,
+    live_bytes: u64,
+    pending: u32,
+    /// In offset order.
+    records: Vec<Rec>,
+}
+
+impl Zone {
+    fn empty() -> Zone {
+        Zone {
+            cond: ZoneCondition::Empty,
+            wp_bytes: 0,
+            live_bytes: 0,
+            pending: 0,
+            records: Vec::new(),
+        }
+    }
+
+    fn rec_mut(&mut self, loc: ZoneLoc) -> &mut Rec {
+        let i = self
+            .records
+            .binary_search_by_key(&loc.offset_bytes, |r| r.offset_bytes)
+            .unwrap_or_else(|_| panic!("no record at {loc:?}"));
+        let r = &mut self.records[i];
+        assert_eq!(r.span_bytes, loc.span_bytes, "record span at {loc:?}");
+        r
+    }
+}
+
+/// Who appends to an open zone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opener {
+    Writer,
+    Gc,
+}
+
+#[derive(Debug)]
+struct Zones {
+    zones: Vec<Zone>,
+    writer_zone: Option<u32>,
+    gc_zone: Option<u32>,
+}
+
+/// Counters shown by `zone_stat`.
+#[derive(Debug, Default)]
+struct Counters {
+    writeback_bytes: AtomicU64,
+    gc_runs: AtomicU64,
+    gc_bytes_relocated: AtomicU64,
+    gc_bytes_written: AtomicU64,
+    zones_reset: AtomicU64,
+}
+
+/// A snapshot for `zone_stat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ZoneStats {
+    /// Zones by condition.
+    pub empty: u64,
+    /// See `empty`.
+    pub open: u64,
+    /// See `empty`.
+    pub full: u64,
+    /// Bytes of live records (headers and padding included).
+    pub live_bytes: u64,
+    /// Bytes written by writeback (records, padding included).
+    pub writeback_bytes: u64,
+    /// Victims reclaimed by GC.
+    pub gc_runs: u64,
+    /// Bytes of live records GC moved.
+    pub gc_bytes_relocated: u64,
+    /// Bytes GC wrote (chunks rounded up to 4 KiB).
+    pub gc_bytes_written: u64,
+}
+
+impl ZoneStats {
+    /// (writeback + GC bytes written) / writeback bytes written; 1.0 before any writes.
+    pub fn write_amplification(&self) -> f64 {
+        if self.writeback_bytes == 0 {
+            1.0
+        } else {
+            (self.writeback_bytes + self.gc_bytes_written) as f64 / self.writeback_bytes as f64
+        }
+    }
+
+    /// `zone_stat`'s line: `empty open full live_bytes writeback_bytes gc_runs
+    /// gc_bytes_relocated gc_bytes_written write_amplification`.
+    pub fn to_line(&self) -> String {
+        format!(
+            "{:8} {:8} {:8} {:12} {:12} {:8} {:12} {:12} {:.3}\n",
+            self.empty,
+            self.open,
+            self.full,
+            self.live_bytes,
+            self.writeback_bytes,
+            self.gc_runs,
+            self.gc_bytes_relocated,
+            self.gc_bytes_written,
+            self.write_amplification()
+        )
+    }
+}
+
+/// The zoned store over one backing device. See the module docs.
+#[derive(Debug)]
+pub struct ZoneStore {
+    backing: Arc<dyn Backing>,
+    config: ZoneConfig,
+    zones: Mutex<Zones>,
+    counters: Counters,
+    gc_lock: Mutex<()>,
+}
+
+impl ZoneStore {
+    /// A store over `backing` cut into zones of `config.zone_size_bytes` (a trailing partial
+    /// zone is not used). `EINVAL` for a bad zone size or fewer than 3 zones (one for
+    /// writeback, one for GC, one to reclaim).
+    pub fn new(backing: Arc<dyn Backing>, config: ZoneConfig) -> Result<ZoneStore> {
+        let zs = config.zone_size_bytes;
+        if zs == 0 || zs % (1 << 20) != 0 || zs > MAX_ZONE_SIZE_BYTES {
+            return Err(Error::invalid(format!(
+                "zone_size {zs}: must be a non-zero multiple of 1 MiB, at most {MAX_ZONE_SIZE_BYTES}"
+            )));
+        }
+        let nr = backing.size_bytes() / zs;
+        if nr < 3 {
+            return Err(Error::invalid(format!(
+                "backing device of {} bytes holds {nr} zones of {zs} bytes; zoned writeback needs \
+                 at least 3",
+                backing.size_bytes()
+            )));
+        }
+        if config.gc_chunk_bytes == 0 || config.gc_chunk_bytes % PIECE_BYTES != 0 {
+            return Err(Error::invalid(
+                "gc chunk size must be a non-zero multiple of 4 KiB",
+            ));
+        }
+        ring::new_scratch(
+            config.scratch_mode,
+            config.gc_buffers,
+            config.gc_buffer_bytes,
+        )?;
+        Ok(ZoneStore {
+            backing,
+            zones: Mutex::new(Zones {
+                zones: (0..nr).map(|_| Zone::empty()).collect(),
+                writer_zone: None,
+                gc_zone: None,
+            }),
+            config,
+            counters: Counters::default(),
+            gc_lock: Mutex::new(()),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ZoneConfig {
+        &self.config
+    }
+
+    /// The backing device.
+    pub fn backing(&self) -> &Arc<dyn Backing> {
+        &self.backing
+    }
+
+    /// Number of zones.
+    pub fn nr_zones(&self) -> usize {
+        self.zones.lock().zones.len()
+    }
+
+    fn zone_base(&self, zone: u32) -> u64 {
+        u64::from(zone) * self.config.zone_size_bytes
+    }
+
+    /// Opens an empty zone for `who`. The writer may not take the last empty zone: it is
+    /// GC's, so GC can always make progress.
+    fn open_zone(&self, z: &mut Zones, who: Opener) -> Result<u32> {
+        let empty: Vec<usize> = (0..z.zones.len())
+            .filter(|&i| z.zones[i].cond == ZoneCondition::Empty)
+            .collect();
+        let keep = if who == Opener::Writer { 1 } else { 0 };
+        if empty.len() <= keep {
+            return Err(Error::new(
+                crate::error::ErrorKind::NoSpace,
+                format!(
+                    "zoned backing device full: {} empty zones{}",
+                    empty.len(),
+                    if keep > 0 {
+                        " (one is kept for GC)"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        let i = empty[0];
+        z.zones[i].cond = ZoneCondition::Open;
+        Ok(i as u32)
+    }
+
+    /// Reserves up to `want` bytes (at least `min`; both multiples of 4 KiB) at the write
+    /// pointer of `who`'s open zone, opening another zone when this one has less than `min`
+    /// left (the old one becomes full). Returns the zone, the offset in it and the length.
+    fn reserve(&self, z: &mut Zones, who: Opener, want: u64, min: u64) -> Result<(u32, u64, u64)> {
+        let zs = self.config.zone_size_bytes;
+        assert!(min <= want && want <= zs && min > 0);
+        let cur = match who {
+            Opener::Writer => z.writer_zone,
+            Opener::Gc => z.gc_zone,
+        };
+        let zone = match cur {
+            Some(i) if z.zones[i as usize].wp_bytes + min <= zs => i,
+            _ => {
+                let i = self.open_zone(z, who)?;
+                if let Some(old) = cur {
+                    z.zones[old as usize].cond = ZoneCondition::Full;
+                }
+                match who {
+                    Opener::Writer => z.writer_zone = Some(i),
+                    Opener::Gc => z.gc_zone = Some(i),
+                }
+                i
+            }
+        };
+        let zr = &mut z.zones[zone as usize];
+        let off = zr.wp_bytes;
+        let len = want.min(zs - off);
+        zr.wp_bytes += len;
+        Ok((zone, off, len))
+    }
+
+    /// A writer for writeback, staging `stage_bytes` (a multiple of 4 KiB, at least 128 KiB
+    /// is the point) per write.
+    pub fn writer(self: &Arc<Self>, stage_bytes: usize) -> Result<ZoneWriter> {
+        if stage_bytes == 0 || stage_bytes % PIECE_BYTES != 0 {
+            return Err(Error::invalid(
+                "stage size must be a non-zero multiple of 4 KiB",
+            ));
+        }
+        Ok(ZoneWriter {
+            store: Arc::clone(self),
+            stage_bytes: stage_bytes.min(self.config.zone_size_bytes as usize),
+            stage: None,
+            ready: std::collections::VecDeque::new(),
+            spare: Vec::new(),
+        })
+    }
+
+    /// Marks the pending record at `loc` live (its write completed and a slot points at it).
+    pub fn commit(&self, loc: ZoneLoc) {
+        let mut z = self.zones.lock();
+        let zone = &mut z.zones[loc.zone as usize];
+        let r = zone.rec_mut(loc);
+        assert_eq!(r.state, RecState::Pending, "commit of {loc:?}");
+        r.state = RecState::Live;
+        zone.pending -= 1;
+        zone.live_bytes += u64::from(loc.span_bytes);
+    }
+
+    /// Marks the pending record at `loc` dead (its write failed or its slot moved on).
+    pub fn abort(&self, loc: ZoneLoc) {
+        let mut z = self.zones.lock();
+        let zone = &mut z.zones[loc.zone as usize];
+        let r = zone.rec_mut(loc);
+        assert_eq!(r.state, RecState::Pending, "abort of {loc:?}");
+        r.state = RecState::Dead;
+        zone.pending -= 1;
+    }
+
+    /// Releases the live record at `loc` (its slot was overwritten, discarded or reset).
+    /// Panics if it is not live: every record is released exactly once.
+    pub fn release(&self, loc: ZoneLoc) {
+        let mut z = self.zones.lock();
+        let zone = &mut z.zones[loc.zone as usize];
+        let r = zone.rec_mut(loc);
+        assert_eq!(r.state, RecState::Live, "release of {loc:?}");
+        r.state = RecState::Dead;
+        zone.live_bytes -= u64::from(loc.span_bytes);
+    }
+
+    /// Reads and verifies the record of `slot` at `loc`; returns its header and payload.
+    /// The caller keeps `slot` pointing at `loc` meanwhile (it holds the slot's lock), so GC
+    /// cannot reset the zone under the read. A bad record is `EIO`.
+    pub fn read_record(&self, loc: ZoneLoc, slot: u64) -> Result<(RecordHeader, Vec<u8>)> {
+        let mut buf = AlignedBuf::new_zeroed(loc.span_bytes as usize)?;
+        self.backing
+            .read_at(&mut buf, self.zone_base(loc.zone) + loc.offset_bytes)?;
+        let (h, payload) = record::decode(&buf, slot)?;
+        Ok((h, payload.to_vec()))
+    }
+
+    /// Whether GC should run: fewer than `gc_free_zones` zones are empty.
+    pub fn needs_gc(&self) -> bool {
+        let z = self.zones.lock();
+        z.zones
+            .iter()
+            .filter(|zone| zone.cond == ZoneCondition::Empty)
+            .count()
+            < self.config.gc_free_zones
+    }
+
+    /// Counters for `zone_stat`.
+    pub fn stats(&self) -> ZoneStats {
+        let z = self.zones.lock();
+        let mut s = ZoneStats::default();
+        for zone in &z.zones {
+            match zone.cond {
+                ZoneCondition::Empty => s.empty += 1,
+                ZoneCondition::Open => s.open += 1,
+                ZoneCondition::Full => s.full += 1,
+            }
+            s.live_bytes += zone.live_bytes;
+        }
+        s.writeback_bytes = self.counters.writeback_bytes.load(Ordering::Relaxed);
+        s.gc_runs = self.counters.gc_runs.load(Ordering::Relaxed);
+        s.gc_bytes_relocated = self.counters.gc_bytes_relocated.load(Ordering::Relaxed);
+        s.gc_bytes_written = self.counters.gc_bytes_written.load(Ordering::Relaxed);
+        s
+    }
+
+    /// Each zone's condition, write pointer and live bytes (for tests and `zone_stat`'s
+    /// detail).
+    pub fn zone_report(&self) -> Vec<(ZoneCondition, u64, u64)> {
+        let z = self.zones.lock();
+        z.zones
+            .iter()
+            .map(|zone| (zone.cond, zone.wp_bytes, zone.live_bytes))
+            .collect()
+    }
+
+    /// Checks the bookkeeping (live and pending counts agree with the record lists, records
+    /// lie below the write pointer without overlapping). For tests.
+    pub fn check(&self) {
+        let z = self.zones.lock();
+        for (i, zone) in z.zones.iter().enumerate() {
+            let live: u64 = zone
+                .records
+                .iter()
+                .filter(|r| r.state == RecState::Live)
+                .map(|r| u64::from(r.span_bytes))
+                .sum();
+            let pending = zone
+                .records
+                .iter()
+                .filter(|r| r.state == RecState::Pending)
+                .count();
+            assert_eq!(live, zone.live_bytes, "zone {i} live bytes");
+            assert_eq!(pending as u32, zone.pending, "zone {i} pending");
+            let mut end = 0;
+            for r in &zone.records {
+                assert!(r.offset_bytes >= end, "zone {i}: overlapping records");
+                end = r.offset_bytes + u64::from(r.span_bytes);
+            }
+            assert!(
+                end <= zone.wp_bytes,
+                "zone {i}: record past the write pointer"
+            );
+            if zone.cond == ZoneCondition::Empty {
+                assert!(zone.records.is_empty() && zone.wp_bytes == 0, "zone {i}");
+            }
+        }
+    }
+}
+
+/// A staged write: records placed in `buf`, to be written at `zone`/`offset`.
+#[derive(Debug)]
+struct Stage {
+    zone: u32,
+    offset_bytes: u64,
+    /// Bytes reserved in the zone (the buffer may be larger).
+    reserved_bytes: usize,
+    buf: AlignedBuf,
+    used: usize,
+    records: Vec<(u64, ZoneLoc)>,
+}
+
+/// A write of staged records, ready for the batched engine. Once its op completes, the
+/// caller commits or aborts each record and may give the buffers back with
+/// [`ZoneWriter::recycle`].
+#[derive(Debug)]
+pub struct StagedWrite {
+    /// The sequential write (absolute offset on the backing device), a multiple of 4 KiB.
+    pub op: IoOp,
+    /// The records it carries: slot and location.
+    pub records: Vec<(u64, ZoneLoc)>,
+}
+
+/// Appends records to the writeback zone in stages; owned by one writeback task.
+///
+/// [`append`](Self::append) places a record in the current stage; a stage that cannot take
+/// the next record is closed and queued as a [`StagedWrite`] ([`take_ready`](Self::take_ready));
+/// [`finish`](Self::finish) closes the current stage at the end of a writeback pass. Every
+/// record handed out must be committed or aborted once its write completes.
+#[derive(Debug)]
+pub struct ZoneWriter {
+    store: Arc<ZoneStore>,
+    stage_bytes: usize,
+    stage: Option<Stage>,
+    ready: std::collections::VecDeque<StagedWrite>,
+    spare: Vec<AlignedBuf>,
+}
+
+impl ZoneWriter {
+    /// Appends a record of `slot` to the current stage and returns its location (pending).
+    /// `ENOSPC` when no zone has room; nothing is appended then (earlier stages stay ready).
+    pub fn append(&mut self, slot: u64, prio: u8, flags: u8, payload: &[u8]) -> Result<ZoneLoc> {
+        let span = record_span_bytes(payload.len());
+        if self
+            .stage
+            .as_ref()
+            .is_some_and(|s| s.used + span > s.reserved_bytes)
+        {
+            self.close_stage();
+        }
+        if self.stage.is_none() {
+            let min = span.next_multiple_of(PIECE_BYTES) as u64;
+            let (zone, off, len) = {
+                let mut z = self.store.zones.lock();
+                self.store
+                    .reserve(&mut z, Opener::Writer, self.stage_bytes as u64, min)?
+            };
+            let buf = match self.spare.pop() {
+                Some(b) => b,
+                None => AlignedBuf::new_zeroed(self.stage_bytes)?,
+            };
+            self.stage = Some(Stage {
+                zone,
+                offset_bytes: off,
+                reserved_bytes: len as usize,
+                buf,
+                used: 0,
+                records: Vec::new(),
+            });
+        }
+        let st = self.stage.as_mut().expect("a stage is open");
+        let loc = ZoneLoc {
+            zone: st.zone,
+            offset_bytes: st.offset_bytes + st.used as u64,
+            span_bytes: span as u32,
+        };
+        let header = RecordHeader {
+            slot,
+            len_bytes: payload.len() as u32,
+            prio,
+            flags,
+        };
+        record::encode(&header, payload, &mut st.buf[st.used..]);
+        st.used += span;
+        st.records.push((slot, loc));
+        let mut z = self.store.zones.lock();
+        let zone = &mut z.zones[loc.zone as usize];
+        zone.records.push(Rec {
+            offset_bytes: loc.offset_bytes,
+            span_bytes: loc.span_bytes,
+            slot,
+            state: RecState::Pending,
+        });
+        zone.pending += 1;
+        Ok(loc)
+    }
+
+    /// Closes the current stage: its unused reservation goes back to the zone (only the writer
+    /// appends to its zone, so the stage is the zone's last reservation).
+    fn close_stage(&mut self) {
+        let Some(mut st) = self.stage.take() else {
+            return;
+        };
+        let len = st.used.next_multiple_of(PIECE_BYTES);
+        {
+            let mut z = self.store.zones.lock();
+            let zone = &mut z.zones[st.zone as usize];
+            debug_assert_eq!(zone.wp_bytes, st.offset_bytes + st.reserved_bytes as u64);
+            zone.wp_bytes = st.offset_bytes + len as u64;
+        }
+        if len == 0 {
+            self.spare.push(st.buf);
+            return;
+        }
+        st.buf[st.used..len].fill(0);
+        let data = if len == st.buf.len() {
+            st.buf
+        } else {
+            // The tail stage of a pass: write only what it holds (the buffer is reused).
+            let copy = AlignedBuf::from_slice(&st.buf[..len]).expect("allocating a stage");
+            self.spare.push(st.buf);
+            copy
+        };
+        self.store
+            .counters
+            .writeback_bytes
+            .fetch_add(len as u64, Ordering::Relaxed);
+        self.ready.push_back(StagedWrite {
+            op: IoOp::new(
+                self.store.zone_base(st.zone) + st.offset_bytes,
+                vec![data],
+                0,
+            ),
+            records: st.records,
+        });
+    }
+
+    /// The next closed stage to write, if any.
+    pub fn take_ready(&mut self) -> Option<StagedWrite> {
+        self.ready.pop_front()
+    }
+
+    /// Closes the current stage (end of a writeback pass); its write comes from
+    /// [`take_ready`](Self::take_ready).
+    pub fn finish(&mut self) {
+        self.close_stage();
+    }
+
+    /// Gives a completed write's buffers back for later stages.
+    pub fn recycle(&mut self, op: IoOp) {
+        for b in op.bufs {
+            if b.len() == self.stage_bytes && self.spare.len() < 64 {
+                self.spare.push(b);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,69 @@
+//! `uzram bench store` end to end on a small corpus of real pages (this test process's own
+//! memory, snapshotted like `uzram corpus` does): the command succeeds, prints its table and
+//! writes JSON with every key the issue names, each a finite positive figure. No timing is
+//! asserted.
+
+use std::process::Command;
+
+#[test]
+fn bench_store_writes_its_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    // Real pages: a snapshot of this process, which holds a heap of mixed data.
+    let heap: Vec<String> = (0..200_000)
+        .map(|i| format!("entry {i} / {}", i * 31))
+        .collect();
+    let mut pages = Vec::new();
+    let n = uzram::corpus::snapshot_pid(std::process::id(), 4096, 512, &mut pages).unwrap();
+    assert!(n >= 64, "only {n} pages in the snapshot");
+    let mut corpus = uzram::corpus::Corpus::new(4096).unwrap();
+    corpus.add_source("self", &pages).unwrap();
+    let corpus_path = dir.path().join("pages.bin");
+    corpus.save(&corpus_path).unwrap();
+    drop(heap);
+
+    let json_path = dir.path().join("store.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
+        .args([
+            "bench",
+            "store",
+            "--repeats",
+            "1",
+            "--no-kernel",
+            "--corpus",
+        ])
+        .arg(&corpus_path)
+        .arg("--json")
+        .arg(&json_path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("packing after compact"), "{stdout}");
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
+    for key in [
+        "raw_compress_mbps",
+        "raw_decompress_mbps",
+        "write_mbps",
+        "read_mbps",
+        "write_vs_raw",
+        "read_vs_raw",
+        "overwrite_vs_raw",
+        "packing_filled",
+        "packing_after_trim",
+        "packing_after_compact",
+        "metadata_bytes_per_page",
+    ] {
+        let v = doc[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} missing: {doc}"));
+        assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+    }
+    assert_eq!(doc["metadata_bytes_per_page"], 16);
+    // The kernel anchor was skipped, and says so rather than inventing figures.
+    assert!(doc["kernel_packing_filled"].is_null());
+}
