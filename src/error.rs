@@ -31,6 +31,9 @@ pub enum ErrorKind {
     PermissionDenied,
     /// No such attribute or device. `ENOENT`.
     NotFound,
+    /// Another post-processing operation (a writeback) is running; try again. `EAGAIN`, as
+    /// zram's `writeback` returns while one is in progress.
+    Again,
 }
 
 impl ErrorKind {
@@ -47,6 +50,7 @@ impl ErrorKind {
             ErrorKind::Unsupported => libc::EOPNOTSUPP,
             ErrorKind::PermissionDenied => libc::EACCES,
             ErrorKind::NotFound => libc::ENOENT,
+            ErrorKind::Again => libc::EAGAIN,
         }
     }
 
@@ -62,6 +66,7 @@ impl ErrorKind {
             libc::ENOSPC | libc::EDQUOT | libc::EFBIG => ErrorKind::NoSpace,
             libc::EOPNOTSUPP => ErrorKind::Unsupported,
             libc::EPERM | libc::EACCES => ErrorKind::PermissionDenied,
+            libc::EAGAIN => ErrorKind::Again,
             _ => ErrorKind::Io,
         }
     }
@@ -145,6 +150,7 @@ pub fn errno_name(errno: i32) -> &'static str {
         libc::EPERM => "EPERM",
         libc::EACCES => "EACCES",
         libc::ENOENT => "ENOENT",
+        libc::EAGAIN => "EAGAIN",
         _ => "errno",
     }
 }

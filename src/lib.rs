@@ -10,6 +10,8 @@
 //! - [`compress`]: the [`Codec`](compress::Codec) trait and one file per algorithm.
 //! - [`zsmalloc`]: the allocator for compressed objects: size classes, zspages, handles,
 //!   compaction.
+//! - [`writeback`]: moving idle or huge pages to a backing device in batches, and reading them
+//!   back; [`backing`]: the backing devices themselves.
 //!
 //! Frontends (the CLI, the NBD server) talk to one narrow trait, [`BlockDevice`].
 
@@ -23,6 +25,7 @@ pub mod error;
 pub mod frontend;
 pub mod slot;
 pub mod units;
+pub mod writeback;
 pub mod zoned;
 pub mod zsmalloc;
 

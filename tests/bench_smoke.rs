@@ -67,3 +67,76 @@ fn bench_store_writes_its_table_and_json() {
     // The kernel anchor was skipped, and says so rather than inventing figures.
     assert!(doc["kernel_packing_filled"].is_null());
 }
+
+/// `uzram bench writeback` end to end at a tiny size: a corpus of this process's memory, a
+/// backing file on the local disk, both layouts, batch 1 (sync) and 8 (io_uring). The command
+/// succeeds, prints its table and writes JSON with every key the issue names. No timing is
+/// asserted.
+#[test]
+fn bench_writeback_writes_its_table_and_json() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+    let heap: Vec<String> = (0..100_000)
+        .map(|i| format!("page {i} of {}", i * 7))
+        .collect();
+    let mut pages = Vec::new();
+    let n = uzram::corpus::snapshot_pid(std::process::id(), 4096, 256, &mut pages).unwrap();
+    assert!(n >= 64, "only {n} pages in the snapshot");
+    let mut corpus = uzram::corpus::Corpus::new(4096).unwrap();
+    corpus.add_source("self", &pages).unwrap();
+    let corpus_path = dir.path().join("pages.bin");
+    corpus.save(&corpus_path).unwrap();
+    drop(heap);
+
+    let json_path = dir.path().join("writeback.json");
+    let backing = dir.path().join("backing.img");
+    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
+        .args([
+            "bench",
+            "writeback",
+            "--pages",
+            "500",
+            "--batch-sizes",
+            "1,8",
+            "--layout",
+            "sequential,fragmented",
+            "--repeats",
+            "1",
+            "--no-progress",
+            "--corpus",
+        ])
+        .arg(&corpus_path)
+        .arg("--backing")
+        .arg(&backing)
+        .arg("--json")
+        .arg(&json_path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("ceiling of the same file"), "{stdout}");
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
+    for layout in ["sequential", "fragmented"] {
+        for batch in ["1", "8"] {
+            let v = doc["pages_per_s"][layout][batch].as_f64().unwrap();
+            assert!(
+                v.is_finite() && v > 0.0,
+                "pages_per_s {layout} {batch} = {v}"
+            );
+        }
+        let x = doc["speedup_vs_batch1"][layout]["8"].as_f64().unwrap();
+        assert!(x.is_finite() && x > 0.0, "{x}");
+    }
+    for pattern in ["sequential", "random"] {
+        for depth in ["1", "32"] {
+            let v = doc["ceiling_pages_per_s"][pattern][depth].as_f64().unwrap();
+            assert!(v.is_finite() && v > 0.0, "ceiling {pattern} {depth} = {v}");
+        }
+    }
+    // The backing file is removed afterwards.
+    assert!(!backing.exists());
+}

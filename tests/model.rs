@@ -8,7 +8,13 @@
 //!   device-wide operations (compact, idle, mem_limit, reset) race with all of them.
 //! - A write that fails with `ENOMEM` (the memory limit) may have written some of its pages and
 //!   not others, so each page of it keeps both candidates until a read tells which one it is.
-//!   Nothing else may fail.
+//! - Writeback (every mode and range syntax, from workers and from the chaos thread) runs
+//!   against a backing device that injects faults: random EIO, torn and short writes, failed
+//!   reads, a backing smaller than the device (ENOSPC), and writeback limit changes. A
+//!   writeback may fail (`EIO`, `ENOSPC`, `EAGAIN` when another one runs) but must never change
+//!   what a page reads back; a read may fail with `EIO` only while read faults are injected (and
+//!   then teaches the model nothing), and a partial write that needs a backing read may fail
+//!   with `EIO` like a failed `ENOMEM` write. Nothing else may fail.
 //! - The canary corrupts the device on purpose (swaps two slots) and the harness must catch it.
 //! - Release paths (discard, free notifications) hand objects to the allocator's deferred-free
 //!   queue, made small (`deferred_capacity`) so its worker drains while the same slots are
@@ -22,8 +28,20 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use uzram::backing::{
+    Backing, Engine, FaultKind, FaultPlan, FaultyBacking, FileBacking, FileOptions, MemBacking,
+};
 use uzram::device::{Device, IdleCutoff};
 use uzram::ErrorKind;
+
+/// Where the model's device writes back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WbBacking {
+    /// A sparse file on the local disk through io_uring (O_DIRECT when supported).
+    FileUring,
+    /// In memory (synchronous queue).
+    Mem,
+}
 
 #[derive(Debug, Clone)]
 struct ModelConfig {
@@ -39,6 +57,10 @@ struct ModelConfig {
     resets: bool,
     /// Capacity of the allocator's deferred-free queue (small: the worker runs often).
     deferred_capacity: usize,
+    /// The backing device (always behind a fault injector).
+    backing: WbBacking,
+    /// `compressed_writeback`.
+    compressed_writeback: bool,
 }
 
 impl ModelConfig {
@@ -63,6 +85,8 @@ impl ModelConfig {
             // 2..=32: from a queue that falls back at every other release to one that drains
             // in batches of 16.
             deferred_capacity: 2 << (seed % 5),
+            backing: WbBacking::Mem,
+            compressed_writeback: false,
         }
     }
 }
@@ -85,6 +109,32 @@ struct Harness {
     done: AtomicBool,
     resets: AtomicU64,
     enomem: AtomicU64,
+    backing: Arc<dyn FaultControl>,
+    /// Read faults may be injected right now (reads may then fail with EIO). Set before a plan
+    /// with read faults is installed, cleared after it is removed.
+    read_faults: AtomicBool,
+    /// Bumped whenever `read_faults` changes, so an op that overlapped a change knows it.
+    read_fault_epoch: AtomicU64,
+    writebacks: AtomicU64,
+    written_back: AtomicU64,
+    wb_errors: AtomicU64,
+    read_eio: AtomicU64,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// The fault injector over either backing.
+trait FaultControl: Send + Sync {
+    fn set_plan(&self, plan: FaultPlan);
+    fn backing(self: Arc<Self>) -> Arc<dyn Backing>;
+}
+
+impl<B: Backing + 'static> FaultControl for FaultyBacking<B> {
+    fn set_plan(&self, plan: FaultPlan) {
+        FaultyBacking::set_plan(self, plan)
+    }
+    fn backing(self: Arc<Self>) -> Arc<dyn Backing> {
+        self
+    }
 }
 
 fn disksize(cfg: &ModelConfig) -> u64 {
@@ -132,12 +182,40 @@ fn gen_page(rng: &mut SmallRng, page_size: usize, index: u64) -> Vec<u8> {
     p
 }
 
+/// Sets a fresh device up (also after a reset): backing device, algorithm, size.
+fn init_device(dev: &Device, cfg: &ModelConfig, backing: &Arc<dyn FaultControl>) {
+    dev.set_backing(backing.clone().backing()).unwrap();
+    dev.set_compressed_writeback(cfg.compressed_writeback)
+        .unwrap();
+    dev.attr_store("comp_algorithm", cfg.algorithm).unwrap();
+    dev.attr_store("disksize", &disksize(cfg).to_string())
+        .unwrap();
+}
+
 impl Harness {
     fn new(cfg: ModelConfig) -> Harness {
+        // Three quarters of the device's pages fit on the backing: writeback runs out of space.
+        let backing_bytes = disksize(&cfg) / 4 * 3;
+        let (backing, dir): (Arc<dyn FaultControl>, _) = match cfg.backing {
+            WbBacking::Mem => (
+                Arc::new(FaultyBacking::new(MemBacking::new(backing_bytes).unwrap())),
+                None,
+            ),
+            WbBacking::FileUring => {
+                let dir = tempfile::tempdir_in("/var/tmp")
+                    .unwrap_or_else(|_| tempfile::tempdir().unwrap());
+                let file = FileBacking::create(
+                    dir.path().join("backing"),
+                    backing_bytes,
+                    &FileOptions::with_engine(Engine::Uring),
+                )
+                .unwrap();
+                (Arc::new(FaultyBacking::new(file)), Some(dir))
+            }
+        };
         let dev = Device::new_uninit(cfg.page_size).expect("create device");
         dev.debug_set_deferred_capacity(cfg.deferred_capacity);
-        dev.attr_store("comp_algorithm", cfg.algorithm).unwrap();
-        dev.init(disksize(&cfg)).expect("initialise device");
+        init_device(&dev, &cfg, &backing);
         let regions = (0..cfg.threads as u64)
             .map(|t| {
                 Mutex::new(Region {
@@ -155,6 +233,14 @@ impl Harness {
             done: AtomicBool::new(false),
             resets: AtomicU64::new(0),
             enomem: AtomicU64::new(0),
+            backing,
+            read_faults: AtomicBool::new(false),
+            read_fault_epoch: AtomicU64::new(0),
+            writebacks: AtomicU64::new(0),
+            written_back: AtomicU64::new(0),
+            wb_errors: AtomicU64::new(0),
+            read_eio: AtomicU64::new(0),
+            _dir: dir,
         }
     }
 
@@ -202,6 +288,7 @@ impl Harness {
             let mut region = self.regions[t].lock();
             let base = region.first_page;
             let op = rng.gen_range(0..100);
+            let rf = self.read_fault_snapshot();
             if self.cfg.canary && t == 0 && op_no == self.cfg.ops_per_thread / 2 {
                 // Corrupt: swap two pages of this region whose expected contents differ.
                 for a in 0..npages as usize {
@@ -264,6 +351,7 @@ impl Harness {
                             self.enomem.fetch_add(1, Ordering::Relaxed);
                             true
                         }
+                        Err(e) if self.read_eio_allowed(e, rf) => true,
                         Err(e) => return self.fail(format!("partial write failed: {e}")),
                     };
                     apply(&mut region, ps, off, &buf, all_or_none);
@@ -276,6 +364,9 @@ impl Harness {
                     let mut buf = vec![0u8; len * 512];
                     let off = start * 512;
                     if let Err(e) = self.dev.read_at(&mut buf, base * ps as u64 + off as u64) {
+                        if self.read_eio_allowed(&e, rf) {
+                            continue;
+                        }
                         return self.fail(format!("read failed: {e}"));
                     }
                     let mut pos = 0;
@@ -318,12 +409,13 @@ impl Harness {
                     let all_or_none = match &r {
                         Ok(()) => false,
                         Err(e) if e.kind() == ErrorKind::NoMemory => true,
+                        Err(e) if self.read_eio_allowed(e, rf) => true,
                         Err(e) => return self.fail(format!("write_zeroes failed: {e}")),
                     };
                     apply(&mut region, ps, off, &zeros, all_or_none);
                 }
                 // Overwrite with the same data as before (exercises free + republish).
-                93..=96 => {
+                93..=95 => {
                     let p = rng.gen_range(0..npages as usize);
                     if region.pages[p].len() == 1 {
                         let data = region.pages[p][0].clone();
@@ -347,6 +439,13 @@ impl Harness {
                         c.push(zero);
                     }
                 }
+                // Writeback from a worker, racing the other workers' I/O (and their writebacks:
+                // EAGAIN). Its own region is locked, so its pages change only through others'
+                // writebacks, which must not change what they read back.
+                96 | 98 => {
+                    let spec = random_writeback(&mut rng, base, npages);
+                    self.writeback(&spec)?;
+                }
                 // Idle marking from a worker, racing other workers' I/O.
                 _ => {
                     if rng.gen_bool(0.5) {
@@ -361,13 +460,119 @@ impl Harness {
         Ok(())
     }
 
-    /// Device-wide operations racing the workers: compaction, mem_limit changes, resets.
+    /// Where the read-fault flag stood when an op started.
+    fn read_fault_snapshot(&self) -> (bool, u64) {
+        (
+            self.read_faults.load(Ordering::SeqCst),
+            self.read_fault_epoch.load(Ordering::SeqCst),
+        )
+    }
+
+    /// Turns read faults on (before installing `plan`) or off (after removing them).
+    fn set_fault_plan(&self, plan: FaultPlan, reads_fail: bool) {
+        if reads_fail {
+            self.read_faults.store(true, Ordering::SeqCst);
+            self.read_fault_epoch.fetch_add(1, Ordering::SeqCst);
+            self.backing.set_plan(plan);
+        } else {
+            self.backing.set_plan(plan);
+            self.read_faults.store(false, Ordering::SeqCst);
+            self.read_fault_epoch.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// True if `e` is a read failure a fault plan in force during the op (which started at
+    /// `snap`) may have caused.
+    fn read_eio_allowed(&self, e: &uzram::Error, snap: (bool, u64)) -> bool {
+        let now = self.read_fault_snapshot();
+        let ok = e.kind() == ErrorKind::Io && (snap.0 || now.0 || snap.1 != now.1);
+        if ok {
+            self.read_eio.fetch_add(1, Ordering::Relaxed);
+        }
+        ok
+    }
+
+    /// Runs one writeback; the errors writeback may return are fine, anything else fails.
+    fn writeback(&self, spec: &str) -> Result<(), String> {
+        let before = self.dev.stats().bd_writes;
+        match self.dev.attr_store("writeback", spec) {
+            Ok(()) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Io | ErrorKind::NoSpace | ErrorKind::Again
+                ) =>
+            {
+                self.wb_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => return self.fail(format!("writeback {spec:?} failed: {e}")),
+        }
+        self.writebacks.fetch_add(1, Ordering::Relaxed);
+        let after = self.dev.stats().bd_writes;
+        self.written_back
+            .fetch_add(after.saturating_sub(before), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Device-wide operations racing the workers: compaction, mem_limit changes, writeback,
+    /// writeback limits, backing faults, resets.
     fn chaos(&self) {
         let mut rng = SmallRng::seed_from_u64(self.cfg.seed.wrapping_add(1));
+        let total_pages = self.cfg.threads as u64 * self.cfg.pages_per_thread;
         while !self.done.load(Ordering::Relaxed) && !self.failed.load(Ordering::Relaxed) {
             match rng.gen_range(0..100) {
-                0..=59 => {
+                0..=39 => {
                     self.dev.compact();
+                }
+                40..=51 => {
+                    let spec = random_writeback(&mut rng, 0, total_pages);
+                    if self.writeback(&spec).is_err() {
+                        return;
+                    }
+                }
+                52..=55 => {
+                    // Limit changes: off, generous, or nearly exhausted.
+                    let (enable, limit) = match rng.gen_range(0..3) {
+                        0 => ("0", 0),
+                        1 => ("1", rng.gen_range(0..1000u64)),
+                        _ => ("1", rng.gen_range(0..4u64)),
+                    };
+                    self.dev
+                        .attr_store("writeback_limit", &limit.to_string())
+                        .unwrap();
+                    self.dev
+                        .attr_store("writeback_limit_enable", enable)
+                        .unwrap();
+                    let batch = [1u32, 2, 4, 32, 64][rng.gen_range(0..5)];
+                    self.dev
+                        .attr_store("writeback_batch_size", &batch.to_string())
+                        .unwrap();
+                }
+                56..=59 => {
+                    // Backing faults: none, random write faults of one kind, or read faults.
+                    let seed = rng.gen();
+                    let kind = [
+                        FaultKind::Eio,
+                        FaultKind::Torn,
+                        FaultKind::Short,
+                        FaultKind::NoSpace,
+                    ][rng.gen_range(0..4)];
+                    match rng.gen_range(0..4) {
+                        0 | 1 => self.set_fault_plan(FaultPlan::new(), false),
+                        2 => self.set_fault_plan(
+                            FaultPlan::new().fail_writes_randomly(5, kind, seed),
+                            false,
+                        ),
+                        _ => {
+                            let mut plan = FaultPlan::new();
+                            for n in 0..64 {
+                                if rng.gen_ratio(1, 4) {
+                                    plan = plan.fail_read(n + 1);
+                                }
+                            }
+                            self.set_fault_plan(plan, true);
+                        }
+                    }
                 }
                 60..=79 => {
                     // A limit a little above what is used now: some writes will hit it.
@@ -389,12 +594,7 @@ impl Harness {
                         }
                     }
                     self.dev.attr_store("reset", "1\n").unwrap();
-                    self.dev
-                        .attr_store("comp_algorithm", self.cfg.algorithm)
-                        .unwrap();
-                    self.dev
-                        .attr_store("disksize", &disksize(&self.cfg).to_string())
-                        .unwrap();
+                    init_device(&self.dev, &self.cfg, &self.backing);
                     self.resets.fetch_add(1, Ordering::Relaxed);
                 }
                 81..=85 => {
@@ -427,12 +627,17 @@ impl Harness {
         self.dev.flush_deferred();
         let s = self.dev.stats();
         let d = self.dev.deferred_stats();
-        if objects(&self.dev) != s.pages_stored - s.same_pages || d.pending != 0 {
+        // Same-filled and written-back slots hold no allocator object (`bd_count` is in 4 KiB
+        // units, as zram's bd_stat; a written-back page takes one page-sized block).
+        let wb_pages = s.bd_count * 4096 / self.cfg.page_size as u64;
+        if objects(&self.dev) != s.pages_stored - s.same_pages - wb_pages || d.pending != 0 {
             return self.fail(format!(
-                "after flush: {} objects for {} stored pages ({} same-filled); {d:?}",
+                "after flush: {} objects for {} stored pages ({} same-filled, {} written back); \
+                 {d:?}",
                 objects(&self.dev),
                 s.pages_stored,
-                s.same_pages
+                s.same_pages,
+                wb_pages
             ));
         }
         self.dev
@@ -450,12 +655,14 @@ impl Harness {
             s.huge_pages,
             objects(&self.dev),
             d.pending,
+            s.bd_count,
         );
-        if back != (0, 0, 0, 0, 0, 0, 0, 0) || d.queued != d.drained {
+        if back != (0, 0, 0, 0, 0, 0, 0, 0, 0) || d.queued != d.drained {
             return self.fail(format!(
                 "after discarding everything and flushing, counters are not back to zero: \
-                 mm_stat {} objects {} {d:?}",
+                 mm_stat {} bd_stat {} objects {} {d:?}",
                 s.mm_stat().trim(),
+                s.bd_stat().trim(),
                 objects(&self.dev)
             ));
         }
@@ -463,6 +670,7 @@ impl Harness {
     }
 
     fn verify_all(&self) -> Result<(), String> {
+        self.set_fault_plan(FaultPlan::new(), false);
         let ps = self.cfg.page_size;
         for r in &self.regions {
             let mut r = r.lock();
@@ -476,6 +684,32 @@ impl Harness {
             }
         }
         Ok(())
+    }
+}
+
+/// A random `writeback` value: a mode over the device, a page or an inclusive range inside
+/// `base..base + pages`, or several of them.
+fn random_writeback(rng: &mut SmallRng, base: u64, pages: u64) -> String {
+    const MODES: [&str; 4] = ["idle", "huge", "huge_idle", "incompressible"];
+    let mode = MODES[rng.gen_range(0..MODES.len())];
+    let page = |rng: &mut SmallRng| base + rng.gen_range(0..pages);
+    match rng.gen_range(0..6) {
+        0 => mode.to_string(),
+        1 => format!("type={mode}"),
+        2 => format!("page_index={}", page(rng)),
+        3 => {
+            let a = page(rng);
+            let b = a + rng.gen_range(0..pages.min(32)).min(base + pages - 1 - a);
+            format!("page_indexes={a}-{b}")
+        }
+        4 => {
+            let a = page(rng);
+            format!("page_index={} page_indexes={a}-{a} type={mode}", page(rng))
+        }
+        _ => {
+            let a = page(rng);
+            format!("page_indexes={a}-{}", base + pages - 1)
+        }
     }
 }
 
@@ -540,13 +774,19 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
     let d = h.dev.deferred_stats();
     h.verify_no_leak()?;
     Ok(format!(
-        "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, mm_stat {}, \
-         deferred (since the last reset) {d:?}",
+        "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, {} writebacks ({} failed) \
+         wrote {} pages, {} reads failed by injected faults, mm_stat {}, bd_stat {}, deferred \
+         (since the last reset) {d:?}",
         cfg.seed,
         h.resets.load(Ordering::Relaxed),
         h.enomem.load(Ordering::Relaxed),
         s.pages_compacted,
-        s.mm_stat().trim()
+        h.writebacks.load(Ordering::Relaxed),
+        h.wb_errors.load(Ordering::Relaxed),
+        h.written_back.load(Ordering::Relaxed),
+        h.read_eio.load(Ordering::Relaxed),
+        s.mm_stat().trim(),
+        s.bd_stat().trim()
     ))
 }
 
@@ -560,13 +800,25 @@ fn run_or_panic(cfg: ModelConfig) {
 
 #[test]
 fn model_4k_lz4() {
-    run_or_panic(ModelConfig::new(4096, "lz4"));
+    let mut cfg = ModelConfig::new(4096, "lz4");
+    cfg.backing = WbBacking::FileUring;
+    run_or_panic(cfg);
 }
 
 #[test]
 fn model_4k_zstd() {
     let mut cfg = ModelConfig::new(4096, "zstd");
     cfg.ops_per_thread /= 2;
+    cfg.compressed_writeback = true;
+    run_or_panic(cfg);
+}
+
+#[test]
+fn model_4k_lz4_compressed_writeback_uring() {
+    let mut cfg = ModelConfig::new(4096, "lz4");
+    cfg.ops_per_thread /= 2;
+    cfg.backing = WbBacking::FileUring;
+    cfg.compressed_writeback = true;
     run_or_panic(cfg);
 }
 

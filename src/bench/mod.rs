@@ -7,6 +7,7 @@ pub mod gc;
 pub mod kernel_zram;
 pub mod nbd;
 pub mod store;
+pub mod writeback;
 
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};

@@ -6,10 +6,12 @@
 //! an unknown name is `ENOENT`. See `docs/attributes.md` for each attribute.
 
 use super::{Device, IdleCutoff};
+use crate::backing::{FileBacking, FileOptions};
 use crate::compress::{self, CodecParams};
 use crate::error::{Error, ErrorKind, Result};
 use crate::units::parse_size_bytes;
 use crate::zsmalloc::DeferredStats;
+use std::sync::Arc;
 
 /// How an attribute may be accessed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,8 +27,11 @@ pub enum AttrMode {
 /// Every attribute, with its mode, in the order `ls /sys/block/zram0` lists zram's.
 pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
     ("algorithm_params", AttrMode::WriteOnly),
+    ("backing_dev", AttrMode::ReadWrite),
+    ("bd_stat", AttrMode::ReadOnly),
     ("comp_algorithm", AttrMode::ReadWrite),
     ("compact", AttrMode::WriteOnly),
+    ("compressed_writeback", AttrMode::ReadWrite),
     ("debug_stat", AttrMode::ReadOnly),
     ("deferred_stat", AttrMode::ReadOnly),
     ("disksize", AttrMode::ReadWrite),
@@ -37,6 +42,10 @@ pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
     ("mem_used_max", AttrMode::WriteOnly),
     ("mm_stat", AttrMode::ReadOnly),
     ("reset", AttrMode::WriteOnly),
+    ("writeback", AttrMode::WriteOnly),
+    ("writeback_batch_size", AttrMode::ReadWrite),
+    ("writeback_limit", AttrMode::ReadWrite),
+    ("writeback_limit_enable", AttrMode::ReadWrite),
 ];
 
 fn mode_of(name: &str) -> Result<AttrMode> {
@@ -97,6 +106,19 @@ pub fn deferred_stat(s: &DeferredStats) -> String {
     )
 }
 
+/// The kernel's `kstrtobool`: `1`/`y`/`Y`/`t`/`T`/`on` are true, `0`/`n`/`N`/`f`/`F`/`off`
+/// false (only the first one or two characters count), anything else `EINVAL`.
+pub fn kstrtobool(value: &str) -> Result<bool> {
+    let b = strip_newline(value).as_bytes();
+    match b {
+        [b'1' | b'y' | b'Y' | b't' | b'T', ..] => Ok(true),
+        [b'0' | b'n' | b'N' | b'f' | b'F', ..] => Ok(false),
+        [b'o' | b'O', b'n' | b'N', ..] => Ok(true),
+        [b'o' | b'O', b'f' | b'F', ..] => Ok(false),
+        _ => Err(Error::invalid(format!("not a boolean: {value:?}"))),
+    }
+}
+
 impl Device {
     /// The names of every attribute this device has.
     pub fn attr_names(&self) -> impl Iterator<Item = &'static str> {
@@ -112,6 +134,12 @@ impl Device {
             ));
         }
         Ok(match name {
+            "backing_dev" => format!("{}\n", self.backing_dev()),
+            "bd_stat" => self.stats().bd_stat(),
+            "compressed_writeback" => format!("{}\n", u8::from(self.compressed_writeback())),
+            "writeback_batch_size" => format!("{}\n", self.writeback_batch_size()),
+            "writeback_limit" => format!("{}\n", self.writeback_limit()),
+            "writeback_limit_enable" => format!("{}\n", u8::from(self.wb_limit.enabled())),
             "comp_algorithm" => {
                 let selected = self.comp_algorithm();
                 let mut out = String::new();
@@ -145,6 +173,45 @@ impl Device {
         }
         match name {
             "algorithm_params" => self.store_algorithm_params(value),
+            "backing_dev" => {
+                // As zram: refused once initialised before the path is even looked at.
+                if self.is_initialised() {
+                    return Err(Error::busy(
+                        "backing_dev cannot change once initialised: reset first",
+                    ));
+                }
+                let path = strip_newline(value);
+                let backing = FileBacking::open(path, &FileOptions::default())?;
+                self.set_backing(Arc::new(backing))
+            }
+            "compressed_writeback" => self.set_compressed_writeback(kstrtobool(value)?),
+            "writeback" => self.writeback_str(value),
+            "writeback_batch_size" => {
+                let v = kstrtou64(value, 10).map_err(|_| {
+                    Error::invalid(format!(
+                        "writeback_batch_size takes a number, not {value:?}"
+                    ))
+                })?;
+                let v = u32::try_from(v)
+                    .map_err(|_| Error::invalid("writeback_batch_size is a 32-bit number"))?;
+                self.set_writeback_batch_size(v)
+            }
+            "writeback_limit" => {
+                let v = kstrtou64(value, 10).map_err(|_| {
+                    Error::invalid(format!("writeback_limit takes a number, not {value:?}"))
+                })?;
+                self.set_writeback_limit(v);
+                Ok(())
+            }
+            "writeback_limit_enable" => {
+                let v = kstrtou64(value, 10).map_err(|_| {
+                    Error::invalid(format!(
+                        "writeback_limit_enable takes 0 or 1, not {value:?}"
+                    ))
+                })?;
+                self.set_writeback_limit_enable(v != 0);
+                Ok(())
+            }
             "comp_algorithm" => {
                 let algo = strip_newline(value);
                 if !compress::algorithms().contains(&algo) {
@@ -299,6 +366,19 @@ mod tests {
             deferred_stat(&s),
             "   40000        3        7        2    39990       10        2    32768\n"
         );
+    }
+
+    #[test]
+    fn kstrtobool_like_the_kernel() {
+        for t in ["1", "y\n", "Yes", "on", "ON", "true"] {
+            assert!(kstrtobool(t).unwrap(), "{t}");
+        }
+        for f in ["0", "n", "No", "off\n", "false"] {
+            assert!(!kstrtobool(f).unwrap(), "{f}");
+        }
+        for bad in ["", "2", "o", "x"] {
+            assert!(kstrtobool(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

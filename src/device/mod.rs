@@ -12,8 +12,12 @@
 //! - Each slot has its own lock ([`crate::slot`]); a slot's data and its share of the counters
 //!   change only under it.
 //! - The allocator has its own per-class locks, never held while taking a slot lock.
+//! - Writeback adds `pp_lock` (one writeback at a time, taken with `state` held shared and
+//!   never waited for: a second writeback gets `EAGAIN`), and two leaf locks, the backing
+//!   bitmap's and the writeback limit's (see [`crate::writeback`]).
 //!
-//! Lock order: `state` → slot lock → allocator locks.
+//! Lock order: `state` → `pp_lock` → slot lock → allocator locks, bitmap lock, limit lock.
+//! No slot lock is held while waiting for backing I/O.
 
 pub mod attrs;
 pub mod idle;
@@ -23,15 +27,18 @@ pub mod stats;
 pub use idle::IdleCutoff;
 pub use stats::StatsSnapshot;
 
+use crate::backing::{Backing, BLOCK_SIZE_BYTES};
 use crate::compress::{self, Codec, CodecParams};
 use crate::error::{Error, Result};
 use crate::slot::{SlotIndex, SlotTable};
 use crate::units::{DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
+use crate::writeback::{WbLimit, WbStore, DEFAULT_WB_BATCH_SIZE};
 use crate::zsmalloc::{DeferredStats, PoolStats, ZsPool};
 use crate::BlockDevice;
-use parking_lot::{RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use stats::DeviceStats;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The algorithm a new or reset device uses (zram-generator's and most distributions' choice).
@@ -69,6 +76,10 @@ impl Default for DeviceConfig {
 struct Settings {
     comp_algorithm: String,
     comp_params: CodecParams,
+    /// `backing_dev`: where writeback puts pages (none until set).
+    backing: Option<Arc<dyn Backing>>,
+    /// `compressed_writeback`.
+    compressed_writeback: bool,
 }
 
 impl Default for Settings {
@@ -76,6 +87,8 @@ impl Default for Settings {
         Settings {
             comp_algorithm: DEFAULT_COMP_ALGORITHM.to_string(),
             comp_params: CodecParams::default(),
+            backing: None,
+            compressed_writeback: false,
         }
     }
 }
@@ -98,6 +111,8 @@ pub(crate) struct Inner {
     /// class holding one object per zspage, where compression saves nothing.
     pub(crate) huge_threshold_bytes: usize,
     pub(crate) stats: DeviceStats,
+    /// The backing device, when `backing_dev` was set before initialisation.
+    pub(crate) wb: Option<WbStore>,
     /// Time zero for slots' access times.
     epoch: Instant,
 }
@@ -124,6 +139,12 @@ pub struct Device {
     deferred_capacity: AtomicU64,
     /// Benchmark-only: release paths free synchronously (the anchor of `uzram bench free`).
     pub(crate) release_sync: AtomicBool,
+    /// `writeback_limit` and `writeback_limit_enable`. Settable at any time; kept by reset.
+    pub(crate) wb_limit: WbLimit,
+    /// `writeback_batch_size` (at least 1), read when a writeback starts. Kept by reset.
+    pub(crate) wb_batch_size: AtomicU32,
+    /// Held by the running writeback (zram's `pp_in_progress`).
+    pub(crate) pp_lock: Mutex<()>,
 }
 
 /// A shared hold on an initialised device's contents (the init lock taken shared).
@@ -152,6 +173,9 @@ impl Device {
             mem_limit_pages: AtomicU64::new(0),
             deferred_capacity: AtomicU64::new(0),
             release_sync: AtomicBool::new(false),
+            wb_limit: WbLimit::default(),
+            wb_batch_size: AtomicU32::new(DEFAULT_WB_BATCH_SIZE),
+            pp_lock: Mutex::new(()),
         })
     }
 
@@ -163,6 +187,7 @@ impl Device {
             st.settings = Settings {
                 comp_algorithm: config.comp_algorithm.clone(),
                 comp_params: config.comp_params,
+                ..Settings::default()
             };
         }
         dev.set_mem_limit_bytes(config.mem_limit_bytes);
@@ -213,6 +238,11 @@ impl Device {
         let pool = ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?;
         let slots = SlotTable::new(disksize_bytes / page)?;
         let huge_threshold_bytes = pool.huge_class_size_bytes();
+        let wb = st
+            .settings
+            .backing
+            .clone()
+            .map(|b| WbStore::new(b, st.settings.compressed_writeback, self.page_size_bytes));
         st.inner = Some(Inner {
             disksize_bytes,
             slots,
@@ -220,19 +250,101 @@ impl Device {
             codec,
             huge_threshold_bytes,
             stats: DeviceStats::default(),
+            wb,
             epoch: Instant::now(),
         });
         Ok(())
     }
 
     /// Frees everything and returns to the uninitialised state with default settings, as
-    /// writing `reset` does. Waits for requests in flight. Dropping the pool stops its
-    /// deferred-free worker and frees what is still queued (see `ZsPool`'s `Drop`).
+    /// writing `reset` does: the backing device is detached (every block it held is dropped with
+    /// the bitmap) and `compressed_writeback` is cleared. Waits for requests and a writeback in
+    /// flight. Dropping the pool stops its deferred-free worker and frees what is still queued
+    /// (see `ZsPool`'s `Drop`). `writeback_limit`, `writeback_limit_enable` and
+    /// `writeback_batch_size` are kept, as zram keeps them.
     pub fn reset(&self) {
         let mut st = self.state.write();
         st.inner = None;
         st.settings = Settings::default();
         self.mem_limit_pages.store(0, Ordering::Relaxed);
+    }
+
+    /// Attaches a backing device for writeback (what writing `backing_dev` does with a path).
+    /// Only before initialisation (`EBUSY`); the backing must hold at least one page.
+    pub fn set_backing(&self, backing: Arc<dyn Backing>) -> Result<()> {
+        let mut st = self.state.write();
+        if st.inner.is_some() {
+            return Err(Error::busy(
+                "backing_dev cannot change once initialised: reset first",
+            ));
+        }
+        let page = self.page_size_bytes as u64;
+        if backing.size_bytes() < page || backing.block_size_bytes() != BLOCK_SIZE_BYTES {
+            return Err(Error::invalid(format!(
+                "backing device {} holds {} bytes: less than one {page}-byte page",
+                backing.describe(),
+                backing.size_bytes()
+            )));
+        }
+        st.settings.backing = Some(backing);
+        Ok(())
+    }
+
+    /// What `backing_dev` shows: the backing's path, or `none`.
+    pub fn backing_dev(&self) -> String {
+        self.state
+            .read()
+            .settings
+            .backing
+            .as_ref()
+            .map_or_else(|| "none".to_string(), |b| b.describe())
+    }
+
+    /// Sets `compressed_writeback`: written-back pages are stored as their compressed object and
+    /// decompressed when read. Only before initialisation (`EBUSY`).
+    pub fn set_compressed_writeback(&self, on: bool) -> Result<()> {
+        let mut st = self.state.write();
+        if st.inner.is_some() {
+            return Err(Error::busy(
+                "compressed_writeback cannot change once initialised",
+            ));
+        }
+        st.settings.compressed_writeback = on;
+        Ok(())
+    }
+
+    /// The `compressed_writeback` setting.
+    pub fn compressed_writeback(&self) -> bool {
+        self.state.read().settings.compressed_writeback
+    }
+
+    /// `writeback_limit_enable`.
+    pub fn set_writeback_limit_enable(&self, on: bool) {
+        self.wb_limit.set_enabled(on);
+    }
+
+    /// `writeback_limit` in 4 KiB units.
+    pub fn set_writeback_limit(&self, units: u64) {
+        self.wb_limit.set_limit_units(units);
+    }
+
+    /// The remaining `writeback_limit` in 4 KiB units.
+    pub fn writeback_limit(&self) -> u64 {
+        self.wb_limit.limit_units()
+    }
+
+    /// `writeback_batch_size`: requests in flight per writeback (`EINVAL` for 0).
+    pub fn set_writeback_batch_size(&self, n: u32) -> Result<()> {
+        if n == 0 {
+            return Err(Error::invalid("writeback_batch_size must be at least 1"));
+        }
+        self.wb_batch_size.store(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The `writeback_batch_size` setting.
+    pub fn writeback_batch_size(&self) -> u32 {
+        self.wb_batch_size.load(Ordering::Relaxed)
     }
 
     /// Sets `mem_limit` (bytes, rounded up to pages; 0 removes the limit).
@@ -308,6 +420,14 @@ impl Device {
         };
         let s = &inner.stats;
         let get = DeviceStats::get;
+        let units = crate::writeback::units_per_page(self.page_size_bytes);
+        let (bd_count, bd_reads, bd_writes) = inner.wb.as_ref().map_or((0, 0, 0), |wb| {
+            (
+                wb.bitmap.bd_count() * units,
+                get(&wb.bd_reads) * units,
+                get(&wb.bd_writes) * units,
+            )
+        });
         let total_pages = inner.pool.total_pages();
         s.update_max_used(total_pages);
         StatsSnapshot {
@@ -325,6 +445,9 @@ impl Device {
             notify_free: get(&s.notify_free),
             miss_free: get(&s.miss_free),
             pages_stored: get(&s.pages_stored),
+            bd_count,
+            bd_reads,
+            bd_writes,
         }
     }
 

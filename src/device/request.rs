@@ -10,6 +10,16 @@
 //! Failure of one page (no memory, `mem_limit`, a backing read error) leaves that page's old
 //! contents intact and fails the request; pages before it in the same request stay written, as
 //! with any block device.
+//!
+//! # Read-back of written-back (WB) slots
+//!
+//! No slot lock is held across backing I/O. A read of a WB slot pins the slot's block under the
+//! slot lock (so the block cannot be reused while it is read, see
+//! [`crate::writeback::BlockBitmap`]), drops the lock, reads the block (decompressing it when it
+//! was written compressed) and counts `bd_reads`. A failed backing read fails the request with
+//! `EIO` and changes nothing. A partial write of a WB slot reads the block the same way, then
+//! retakes the slot lock and goes on only if the slot still points at that block (a pinned
+//! block cannot come back to the slot, so this check is exact); otherwise it starts over.
 
 use super::stats::DeviceStats;
 use super::{Device, Inner};
@@ -17,6 +27,7 @@ use crate::compress::{self, fill_same, same_filled_word};
 use crate::error::{Error, Result};
 use crate::slot::{SlotFlags, SlotGuard, SlotIndex};
 use crate::units::SECTOR_SIZE_BYTES;
+use crate::writeback::{BlockIndex, BlockPin};
 use crate::zsmalloc::Handle;
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
@@ -118,18 +129,21 @@ impl Device {
         for seg in segments(offset, buf.len() as u64, page) {
             let out = &mut buf[done..done + seg.len_bytes];
             done += seg.len_bytes;
-            let mut g = inner.slots.lock(seg.index);
-            let r = if seg.len_bytes == page {
-                read_slot(&inner, &g, out)
-            } else {
-                with_scratch(page, |_, tmp| {
-                    read_slot(&inner, &g, tmp)?;
+            let r = with_scratch(page, |blk, tmp| {
+                let full = seg.len_bytes == page;
+                let mut g = inner.slots.lock(seg.index);
+                g.touch(inner.now_secs());
+                let target: &mut [u8] = if full { &mut *out } else { &mut *tmp };
+                let source = read_slot(&inner, &g, target);
+                drop(g);
+                if let Source::Backing(pin, st) = source? {
+                    read_backing(&inner, &pin, st, target, blk)?;
+                }
+                if !full {
                     out.copy_from_slice(&tmp[seg.offset_bytes..seg.offset_bytes + seg.len_bytes]);
-                    Ok(())
-                })
-            };
-            g.touch(inner.now_secs());
-            drop(g);
+                }
+                Ok(())
+            });
             if let Err(e) = r {
                 DeviceStats::add(&inner.stats.failed_reads, 1);
                 return Err(e);
@@ -166,7 +180,8 @@ impl Device {
         Ok(())
     }
 
-    /// Read-modify-write of part of one page, with the slot locked throughout.
+    /// Read-modify-write of part of one page, with the slot locked from the read to the
+    /// publish. A written-back page is read with the lock dropped (see the module docs).
     fn write_partial(
         &self,
         inner: &Inner,
@@ -174,13 +189,24 @@ impl Device {
         patch: impl FnOnce(&mut [u8]),
         limit_pages: u64,
     ) -> Result<()> {
-        with_scratch(self.page_size_bytes, |dst, page| {
+        with_scratch(self.page_size_bytes, |dst, page| loop {
             let mut g = inner.slots.lock(seg.index);
-            read_slot(inner, &g, page)?;
+            let _pin = match read_slot(inner, &g, page)? {
+                Source::Done => None,
+                Source::Backing(pin, st) => {
+                    drop(g);
+                    read_backing(inner, &pin, st, page, dst)?;
+                    g = inner.slots.lock(seg.index);
+                    if g.state().wb_location() != Some(pin.block().0) {
+                        continue;
+                    }
+                    Some(pin)
+                }
+            };
             patch(&mut page[seg.offset_bytes..seg.offset_bytes + seg.len_bytes]);
             let prepared = prepare(inner, page, dst, limit_pages)?;
             publish(inner, &mut g, prepared);
-            Ok(())
+            return Ok(());
         })
     }
 
@@ -264,21 +290,32 @@ impl Device {
     }
 }
 
-/// Reads the slot's page into `out` (one page). The caller holds the slot lock.
-fn read_slot(inner: &Inner, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<()> {
+/// Where a slot's page comes from.
+enum Source<'a> {
+    /// Already in `out`.
+    Done,
+    /// On the backing device: read the pinned block after dropping the slot lock.
+    Backing(BlockPin<'a>, crate::slot::SlotState),
+}
+
+/// Reads the slot's page into `out` (one page) if it is in RAM; for a WB slot pins its block
+/// and returns it. The caller holds the slot lock.
+fn read_slot<'a>(inner: &'a Inner, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<Source<'a>> {
     let st = g.state();
     if st.is_empty() {
         out.fill(0);
-        return Ok(());
+        return Ok(Source::Done);
     }
     if let Some(word) = st.same_word() {
         fill_same(out, word);
-        return Ok(());
+        return Ok(Source::Done);
     }
-    if st.has(SlotFlags::WB) {
-        return Err(Error::io(
-            "slot is on a backing device, which is not configured",
-        ));
+    if let Some(location) = st.wb_location() {
+        let wb = inner
+            .wb
+            .as_ref()
+            .expect("a WB slot implies a backing device");
+        return Ok(Source::Backing(wb.bitmap.pin(BlockIndex(location)), st));
     }
     let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
     inner.pool.read(handle, |obj| {
@@ -288,7 +325,46 @@ fn read_slot(inner: &Inner, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<()> {
         } else {
             inner.codec.decompress(obj, out)
         }
-    })
+    })?;
+    Ok(Source::Done)
+}
+
+/// Reads a written-back page from its pinned block into `out` (one page), decompressing it if
+/// it was written compressed (`blk` is a page of scratch for that). No slot lock is held.
+/// Counts `bd_reads`; a backing error is `EIO` and changes nothing.
+fn read_backing(
+    inner: &Inner,
+    pin: &BlockPin<'_>,
+    st: crate::slot::SlotState,
+    out: &mut [u8],
+    blk: &mut [u8],
+) -> Result<()> {
+    let wb = inner
+        .wb
+        .as_ref()
+        .expect("a WB slot implies a backing device");
+    let page = out.len();
+    let offset = wb.offset(pin.block());
+    let io_err = |e: Error| {
+        Error::io(format!(
+            "reading written-back page from block {} of {}: {e}",
+            pin.block().0,
+            wb.backing.describe()
+        ))
+    };
+    if wb.compressed && !st.has(SlotFlags::HUGE) {
+        let blk = &mut blk[..page];
+        wb.backing.read_at(blk, offset).map_err(io_err)?;
+        let size = st.size_bytes();
+        inner
+            .codec
+            .decompress(&blk[..size], out)
+            .map_err(|e| Error::io(format!("written-back object does not decompress: {e}")))?;
+    } else {
+        wb.backing.read_at(out, offset).map_err(io_err)?;
+    }
+    crate::writeback::add(&wb.bd_reads, 1);
+    Ok(())
 }
 
 /// Compresses and stores `page` in the pool, outside any slot lock. On error nothing is held.
@@ -382,21 +458,33 @@ pub(crate) fn release_slot(inner: &Inner, g: &mut SlotGuard<'_>, how: Free) {
     let s = &inner.stats;
     if st.has(SlotFlags::SAME) {
         DeviceStats::sub(&s.same_pages, 1);
-    } else if st.has(SlotFlags::WB) {
-        unreachable!("no backing device can be configured yet");
+    } else if let Some(location) = st.wb_location() {
+        let wb = inner
+            .wb
+            .as_ref()
+            .expect("a WB slot implies a backing device");
+        wb.bitmap.release(BlockIndex(location));
     } else {
-        let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
-        match how {
-            Free::Sync => inner.pool.free(handle),
-            Free::Deferred => inner.pool.free_deferred(handle),
-        }
-        DeviceStats::sub(&s.compr_data_size_bytes, st.size_bytes() as u64);
-        if st.has(SlotFlags::HUGE) {
-            DeviceStats::sub(&s.huge_pages, 1);
-        }
+        release_object(inner, st, how);
     }
     DeviceStats::sub(&s.pages_stored, 1);
     g.set_empty();
+}
+
+/// Frees the slot's pool object and takes it out of `compr_data_size` and `huge_pages`
+/// (`pages_stored` is the caller's). The caller holds the slot lock and then either empties
+/// the slot or points it elsewhere (writeback).
+pub(crate) fn release_object(inner: &Inner, st: crate::slot::SlotState, how: Free) {
+    let s = &inner.stats;
+    let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
+    match how {
+        Free::Sync => inner.pool.free(handle),
+        Free::Deferred => inner.pool.free_deferred(handle),
+    }
+    DeviceStats::sub(&s.compr_data_size_bytes, st.size_bytes() as u64);
+    if st.has(SlotFlags::HUGE) {
+        DeviceStats::sub(&s.huge_pages, 1);
+    }
 }
 
 #[cfg(test)]

@@ -85,6 +85,12 @@ pub struct StatsSnapshot {
     pub miss_free: u64,
     /// Slots holding data.
     pub pages_stored: u64,
+    /// Backing blocks in use, in 4 KiB units (`bd_stat`'s first column).
+    pub bd_count: u64,
+    /// Pages read back from the backing device, in 4 KiB units.
+    pub bd_reads: u64,
+    /// Pages written to the backing device, in 4 KiB units.
+    pub bd_writes: u64,
 }
 
 impl StatsSnapshot {
@@ -113,6 +119,14 @@ impl StatsSnapshot {
         )
     }
 
+    /// `bd_stat`: `bd_count bd_reads bd_writes` in 4 KiB units, `"%8llu %8llu %8llu\n"`.
+    pub fn bd_stat(&self) -> String {
+        format!(
+            "{:8} {:8} {:8}\n",
+            self.bd_count, self.bd_reads, self.bd_writes
+        )
+    }
+
     /// `debug_stat`: `"version: 1\n0 %8llu\n"` (the retired writestall column, then miss_free).
     pub fn debug_stat(&self) -> String {
         format!("version: 1\n0 {:8}\n", self.miss_free)
@@ -133,6 +147,7 @@ mod tests {
         );
         assert_eq!(s.io_stat(), "       0        0 0        0\n");
         assert_eq!(s.debug_stat(), "version: 1\n0        0\n");
+        assert_eq!(s.bd_stat(), "       0        0        0\n");
         let s = StatsSnapshot {
             orig_data_size_bytes: 2449408,
             compr_data_size_bytes: 1553423,

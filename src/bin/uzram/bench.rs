@@ -3,6 +3,7 @@
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
+use uzram::bench::writeback::{Layout, WritebackBenchOptions};
 use uzram::bench::{self, free::FreeBenchOptions, store::StoreBenchOptions};
 use uzram::corpus::Corpus;
 
@@ -19,12 +20,44 @@ pub struct BenchArgs {
 enum BenchCommand {
     /// The page store: raw codec vs. store path, packing, and the kernel's zram on the same pages.
     Store(StoreArgs),
+    /// Batched writeback: batch sizes against the one-page synchronous path and the backing
+    /// file's own write ceiling, on a sequential and a fragmented backing.
+    Writeback(WritebackArgs),
     /// Zoned GC: the scratch ring against bank switching, on a real backing file (seed 001).
     Gc(GcArgs),
     /// Releasing pages: synchronous vs. deferred free, and the short class-lock section.
     Free(FreeArgs),
     /// The NBD server with fio, against nbdkit's memory plugin and the kernel's zram.
     Nbd(NbdArgs),
+}
+
+#[derive(Debug, Args)]
+struct WritebackArgs {
+    /// Backing file (created and written through once, removed at the end) or block device.
+    /// Use a real disk: tmpfs has no O_DIRECT.
+    #[arg(long, default_value = "/var/tmp/uzram-writeback-bench.img")]
+    backing: PathBuf,
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Pages in the device (the corpus is cycled).
+    #[arg(long, default_value_t = 100_000)]
+    pages: usize,
+    /// Layouts of the backing's free blocks, comma separated: sequential, fragmented.
+    #[arg(long, value_delimiter = ',', default_value = "sequential,fragmented")]
+    layout: Vec<String>,
+    /// Batch sizes, comma separated (1 runs on the synchronous engine).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128")]
+    batch_sizes: Vec<usize>,
+    /// Timing repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Never draw the progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// Where to write the JSON (default: bench/results/writeback-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -206,6 +239,27 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = bench::nbd::run(&opts)?;
             let path = bench::json_path(a.json.as_deref(), "nbd");
+            bench::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
+        BenchCommand::Writeback(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let layouts = a
+                .layout
+                .iter()
+                .map(|l| Layout::parse(l))
+                .collect::<uzram::Result<Vec<_>>>()?;
+            let opts = WritebackBenchOptions {
+                backing: a.backing,
+                pages: a.pages,
+                layouts,
+                batch_sizes: a.batch_sizes,
+                repeats: a.repeats,
+                progress: !a.no_progress,
+            };
+            let doc = bench::writeback::run(&corpus, &opts)?;
+            let path = bench::json_path(a.json.as_deref(), "writeback");
             bench::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())

@@ -1,0 +1,484 @@
+//! `uzram bench writeback`: batched writeback against the one-page path and the device's own
+//! ceiling, on real program memory.
+//!
+//! The backing file is created once and written through (zeroes, 1 MiB at a time) before any
+//! measurement, so that every measured write is an overwrite of allocated blocks, as on the
+//! block device zram normally writes back to. (Writes into a sparse ext4 file allocate blocks
+//! and journal metadata; truncating or removing a large written file took seconds on a
+//! contended disk. Both made runs incomparable.)
+//!
+//! For each layout and batch size, on a fresh device: fill the device from the corpus (cycled to `pages`), mark every page idle, and time
+//! `writeback idle`. Batch size 1 runs on the synchronous engine (one `pwritev` at a time: the
+//! seed's "before"); larger batches on io_uring. `fragmented` first reserves every other
+//! backing block (the seed's worst case: a long-lived bitmap with holes), so no two written
+//! blocks are adjacent. In the same run, the ceiling of the same file with the same engine:
+//! 4 KiB sequential and random writes at queue depths 1 and 32 (`backing::ceiling`, fio's
+//! `rw=write|randwrite bs=4k`), plus the synchronous engine at depth 1. Each figure is the
+//! median of `repeats` runs. Same-filled pages are never written back, so pages/s counts the
+//! pages actually written.
+//!
+//! A sample of pages (every 61st) is read back after each run and compared with the corpus.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use super::{f, median, Table};
+use crate::backing::ceiling::{self, Pattern};
+use crate::backing::{Backing, Engine, FileBacking, FileOptions};
+use crate::corpus::Corpus;
+use crate::device::{Device, IdleCutoff};
+use crate::error::{Error, Result};
+use crate::writeback::{WritebackMode, WritebackProgress, WritebackSpec};
+
+/// How the backing device's free blocks are laid out when the writeback starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// A fresh bitmap: blocks 0, 1, 2, ... (sequential I/O, adjacent blocks merge).
+    Sequential,
+    /// Every other block taken: blocks 1, 3, 5, ... (no two adjacent).
+    Fragmented,
+}
+
+impl Layout {
+    /// The name used on the command line and in the JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Sequential => "sequential",
+            Layout::Fragmented => "fragmented",
+        }
+    }
+    /// Parses `sequential` or `fragmented`.
+    pub fn parse(s: &str) -> Result<Layout> {
+        match s {
+            "sequential" => Ok(Layout::Sequential),
+            "fragmented" => Ok(Layout::Fragmented),
+            _ => Err(Error::invalid(format!(
+                "layout {s:?}: sequential or fragmented"
+            ))),
+        }
+    }
+    /// The ceiling pattern it is compared with.
+    fn pattern(self) -> Pattern {
+        match self {
+            Layout::Sequential => Pattern::Sequential,
+            Layout::Fragmented => Pattern::Random,
+        }
+    }
+}
+
+/// Options of `uzram bench writeback`.
+#[derive(Debug, Clone)]
+pub struct WritebackBenchOptions {
+    /// The backing file (created, or truncated and resized, for every run) or block device.
+    pub backing: PathBuf,
+    /// Pages in the device (the corpus is cycled).
+    pub pages: usize,
+    /// Layouts to run.
+    pub layouts: Vec<Layout>,
+    /// Batch sizes to run (1 runs on the synchronous engine).
+    pub batch_sizes: Vec<usize>,
+    /// Repetitions (medians are reported).
+    pub repeats: usize,
+    /// Show a progress bar (on a terminal, for runs longer than a second).
+    pub progress: bool,
+}
+
+impl Default for WritebackBenchOptions {
+    fn default() -> Self {
+        WritebackBenchOptions {
+            backing: PathBuf::from("/var/tmp/uzram-writeback-bench.img"),
+            pages: 100_000,
+            layouts: vec![Layout::Sequential, Layout::Fragmented],
+            batch_sizes: vec![1, 2, 4, 8, 16, 32, 64, 128],
+            repeats: 3,
+            progress: true,
+        }
+    }
+}
+
+/// The engine a batch size runs on.
+fn engine_for(batch: usize) -> Engine {
+    if batch == 1 {
+        Engine::Sync
+    } else {
+        Engine::Uring
+    }
+}
+
+fn is_block_device(path: &Path) -> bool {
+    std::fs::metadata(path)
+        .map(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()))
+        .unwrap_or(false)
+}
+
+/// Creates the backing file at `size_bytes` and writes it through with zeroes (see the module
+/// docs). A block device is used as it is.
+fn prepare_backing(path: &Path, size_bytes: u64) -> Result<()> {
+    if is_block_device(path) {
+        return Ok(());
+    }
+    let b = FileBacking::create(path, size_bytes, &FileOptions::with_engine(Engine::Sync))?;
+    let chunk = crate::backing::AlignedBuf::new_zeroed(1 << 20)?;
+    let mut off = 0;
+    while off < b.size_bytes() {
+        let n = (b.size_bytes() - off).min(chunk.len() as u64) as usize;
+        b.write_at(&chunk[..n], off)?;
+        off += n as u64;
+    }
+    b.flush()
+}
+
+/// Opens the prepared backing with `engine`.
+fn open_backing(path: &Path, engine: Engine) -> Result<FileBacking> {
+    FileBacking::open(path, &FileOptions::with_engine(engine))
+}
+
+/// One timed writeback.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    pages_per_s: f64,
+    written: u64,
+    ops: u64,
+}
+
+/// A progress bar on stderr, drawn only on a terminal and only once a run passed a second.
+struct Bar {
+    enabled: bool,
+    label: String,
+    start: Instant,
+    last: Option<Instant>,
+}
+
+impl Bar {
+    fn new(enabled: bool, label: String) -> Bar {
+        Bar {
+            enabled: enabled && std::io::stderr().is_terminal(),
+            label,
+            start: Instant::now(),
+            last: None,
+        }
+    }
+    fn update(&mut self, p: &WritebackProgress) {
+        if !self.enabled || self.start.elapsed().as_secs_f64() < 1.0 {
+            return;
+        }
+        if self.last.is_some_and(|t| t.elapsed().as_millis() < 200) {
+            return;
+        }
+        self.last = Some(Instant::now());
+        let done = p.written + p.failed + p.changed;
+        let frac = if p.candidates == 0 {
+            1.0
+        } else {
+            done as f64 / p.candidates as f64
+        };
+        let width = 30;
+        let filled = ((frac * width as f64) as usize).min(width);
+        eprint!(
+            "\r  {} [{}{}] {:3.0}% {}/{}",
+            self.label,
+            "#".repeat(filled),
+            " ".repeat(width - filled),
+            frac * 100.0,
+            done,
+            p.candidates
+        );
+        let _ = std::io::stderr().flush();
+    }
+    fn finish(&self) {
+        if self.last.is_some() {
+            eprintln!();
+        }
+    }
+}
+
+fn run_one(
+    corpus: &Corpus,
+    opts: &WritebackBenchOptions,
+    layout: Layout,
+    batch: usize,
+    io_mode: &mut String,
+) -> Result<Sample> {
+    let ps = corpus.page_size_bytes();
+    let n = opts.pages;
+    let backing = open_backing(&opts.backing, engine_for(batch))?;
+    *io_mode = backing.io_mode().to_string();
+    let blocks = backing.size_bytes() / ps as u64;
+    let dev = Device::new_uninit(ps)?;
+    dev.set_backing(Arc::new(backing))?;
+    dev.set_writeback_batch_size(u32::try_from(batch).map_err(|_| Error::invalid("batch"))?)?;
+    dev.init((n * ps) as u64)?;
+    for i in 0..n {
+        dev.write_at(corpus.page(i % corpus.len()), (i * ps) as u64)?;
+    }
+    dev.mark_idle(IdleCutoff::All);
+    if layout == Layout::Fragmented {
+        let need = 2 * n as u64;
+        if blocks < need {
+            return Err(Error::invalid(format!(
+                "the backing holds {blocks} blocks; the fragmented layout needs {need}"
+            )));
+        }
+        dev.debug_reserve_backing_blocks((0..need).step_by(2))?;
+    }
+    let mut bar = Bar::new(opts.progress, format!("{} batch {batch:>3}", layout.name()));
+    let start = Instant::now();
+    let report = dev
+        .writeback_with_progress(&WritebackSpec::mode(WritebackMode::Idle), &mut |p| {
+            bar.update(p)
+        })?;
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    bar.finish();
+    if let Some(e) = report.error {
+        return Err(e);
+    }
+    if report.written != report.candidates {
+        return Err(Error::io(format!(
+            "wrote back {} of {} candidates",
+            report.written, report.candidates
+        )));
+    }
+    // Untimed: a sample reads back identical.
+    let mut buf = vec![0u8; ps];
+    for i in (0..n).step_by(61) {
+        dev.read_at(&mut buf, (i * ps) as u64)?;
+        if buf != corpus.page(i % corpus.len()) {
+            return Err(Error::io(format!("page {i} read back different")));
+        }
+    }
+    Ok(Sample {
+        pages_per_s: report.written as f64 / secs,
+        written: report.written,
+        ops: report.ops,
+    })
+}
+
+/// Runs the benchmark, prints its tables, and returns the JSON document.
+pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
+    let ps = corpus.page_size_bytes();
+    if corpus.is_empty() || opts.pages == 0 {
+        return Err(Error::invalid("no pages to write back"));
+    }
+    if opts.batch_sizes.is_empty() || opts.batch_sizes.contains(&0) {
+        return Err(Error::invalid("batch sizes must be at least 1"));
+    }
+    let reps = opts.repeats.max(1);
+    let mut io_mode = String::new();
+    // (layout, batch) -> samples
+    let mut samples: BTreeMap<(&'static str, usize), Vec<Sample>> = BTreeMap::new();
+    // (engine, pattern, depth) -> pages/s samples
+    let mut ceilings: BTreeMap<(&'static str, &'static str, usize), Vec<f64>> = BTreeMap::new();
+    let ceiling_blocks = opts.pages as u64;
+    // Room for the fragmented layout (every other block taken) plus slack.
+    let backing_bytes = (2 * opts.pages as u64 + 64) * ps as u64;
+    let prep = Instant::now();
+    prepare_backing(&opts.backing, backing_bytes)?;
+    eprintln!(
+        "  backing {} prepared ({} MiB written through) in {:.1} s",
+        opts.backing.display(),
+        backing_bytes >> 20,
+        prep.elapsed().as_secs_f64()
+    );
+    for rep in 0..reps {
+        for &layout in &opts.layouts {
+            for &batch in &opts.batch_sizes {
+                let s = run_one(corpus, opts, layout, batch, &mut io_mode)?;
+                eprintln!(
+                    "  run {}/{reps}: {:10} batch {batch:>3} ({}): {:>9} pages/s, {} pages in {} writes",
+                    rep + 1,
+                    layout.name(),
+                    engine_for(batch).name(),
+                    f(s.pages_per_s),
+                    s.written,
+                    s.ops
+                );
+                samples.entry((layout.name(), batch)).or_default().push(s);
+            }
+        }
+        // The ceiling of the same file, in the same state the writeback runs found it.
+        for (engine, depths) in [(Engine::Uring, &[1usize, 32][..]), (Engine::Sync, &[1][..])] {
+            for pattern in [Pattern::Sequential, Pattern::Random] {
+                for &depth in depths {
+                    let b = open_backing(&opts.backing, engine)?;
+                    let mut q = b.new_queue_with(engine, depth)?;
+                    let c = ceiling::measure_queue(
+                        q.as_mut(),
+                        b.size_bytes(),
+                        pattern,
+                        ceiling_blocks,
+                    )?;
+                    ceilings
+                        .entry((engine.name(), pattern.name(), depth))
+                        .or_default()
+                        .push(c.pages_per_s);
+                }
+            }
+        }
+    }
+    if !is_block_device(&opts.backing) {
+        let _ = std::fs::remove_file(&opts.backing);
+    }
+
+    let ceiling = |engine: &str, pattern: &str, depth: usize| {
+        ceilings
+            .get(&(engine, pattern, depth))
+            .map_or(f64::NAN, |v| median(v))
+    };
+    let mut pages_per_s = serde_json::Map::new();
+    let mut speedup = serde_json::Map::new();
+    let mut fraction = serde_json::Map::new();
+    let mut ops = serde_json::Map::new();
+    let mut table = Table::new(&[
+        "layout",
+        "batch",
+        "engine",
+        "pages/s",
+        "x batch 1",
+        "of d32 ceiling",
+        "writes",
+    ]);
+    for &layout in &opts.layouts {
+        let name = layout.name();
+        let base = samples
+            .get(&(name, 1))
+            .map(|v| median(&v.iter().map(|s| s.pages_per_s).collect::<Vec<_>>()));
+        let ceil32 = ceiling("uring", layout.pattern().name(), 32);
+        let (mut p, mut sp, mut fr, mut op) = (
+            serde_json::Map::new(),
+            serde_json::Map::new(),
+            serde_json::Map::new(),
+            serde_json::Map::new(),
+        );
+        for &batch in &opts.batch_sizes {
+            let v = &samples[&(name, batch)];
+            let pps = median(&v.iter().map(|s| s.pages_per_s).collect::<Vec<_>>());
+            let writes = v[0].ops;
+            let x = base.map_or(f64::NAN, |b| pps / b);
+            p.insert(batch.to_string(), json!(pps));
+            if base.is_some() {
+                sp.insert(batch.to_string(), json!(x));
+            }
+            fr.insert(batch.to_string(), json!(pps / ceil32));
+            op.insert(batch.to_string(), json!(writes));
+            table.row(vec![
+                name.to_string(),
+                batch.to_string(),
+                engine_for(batch).name().to_string(),
+                f(pps),
+                f(x),
+                f(pps / ceil32),
+                writes.to_string(),
+            ]);
+        }
+        pages_per_s.insert(name.into(), Value::Object(p));
+        speedup.insert(name.into(), Value::Object(sp));
+        fraction.insert(name.into(), Value::Object(fr));
+        ops.insert(name.into(), Value::Object(op));
+    }
+    let mut ctable = Table::new(&["engine", "pattern", "depth", "pages/s"]);
+    let mut ceiling_json = serde_json::Map::new();
+    let mut ceiling_sync = serde_json::Map::new();
+    for ((engine, pattern, depth), v) in &ceilings {
+        let m = median(v);
+        ctable.row(vec![
+            engine.to_string(),
+            pattern.to_string(),
+            depth.to_string(),
+            f(m),
+        ]);
+        let target = if *engine == "uring" {
+            &mut ceiling_json
+        } else {
+            &mut ceiling_sync
+        };
+        target
+            .entry(pattern.to_string())
+            .or_insert_with(|| json!({}))
+            .as_object_mut()
+            .expect("object")
+            .insert(depth.to_string(), json!(m));
+    }
+    println!(
+        "writeback of {} pages ({} of them written: same-filled pages stay), backing {} ({io_mode}), median of {reps}",
+        opts.pages,
+        samples.values().next().map_or(0, |v| v[0].written),
+        opts.backing.display()
+    );
+    println!("{}", table.render());
+    println!("ceiling of the same file (4 KiB writes):");
+    println!("{}", ctable.render());
+    Ok(json!({
+        "benchmark": "writeback",
+        "backing": opts.backing.display().to_string(),
+        "io_mode": io_mode,
+        "page_size_bytes": ps,
+        "pages": opts.pages,
+        "written_pages": samples.values().next().map_or(0, |v| v[0].written),
+        "repeats": reps,
+        "batch1_engine": "sync",
+        "batched_engine": "uring",
+        "pages_per_s": pages_per_s,
+        "speedup_vs_batch1": speedup,
+        "fraction_of_ceiling_d32": fraction,
+        "writes": ops,
+        "ceiling_pages_per_s": ceiling_json,
+        "ceiling_sync_pages_per_s": ceiling_sync,
+        "ceiling_compared_with": {"sequential": "sequential", "fragmented": "random"},
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_run_writes_json_with_the_required_keys() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+        // Pages of several kinds (text-like, half random, random), none same-filled, so every
+        // page is a candidate.
+        let mut corpus = Corpus::new(4096).unwrap();
+        let mut pages = vec![0u8; 64 * 4096];
+        let mut x = 0x1234_5678_9abc_def1u64;
+        for (i, p) in pages.chunks_mut(4096).enumerate() {
+            let random_bytes = [64, 2048, 4096][i % 3];
+            for (k, b) in p.iter_mut().enumerate() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *b = if k < random_bytes {
+                    x as u8
+                } else {
+                    b"zram "[k % 5]
+                };
+            }
+        }
+        corpus.add_source("test", &pages).unwrap();
+        let opts = WritebackBenchOptions {
+            backing: dir.path().join("bd"),
+            pages: 300,
+            batch_sizes: vec![1, 8],
+            repeats: 1,
+            progress: false,
+            ..Default::default()
+        };
+        let doc = run(&corpus, &opts).unwrap();
+        for layout in ["sequential", "fragmented"] {
+            assert!(doc["pages_per_s"][layout]["8"].as_f64().unwrap() > 0.0);
+            assert!(doc["speedup_vs_batch1"][layout]["8"].as_f64().unwrap() > 0.0);
+        }
+        for pattern in ["sequential", "random"] {
+            for depth in ["1", "32"] {
+                assert!(doc["ceiling_pages_per_s"][pattern][depth].as_f64().unwrap() > 0.0);
+            }
+        }
+        // Fragmented: no two written blocks adjacent, so one write per page.
+        let written = doc["written_pages"].as_u64().unwrap();
+        assert_eq!(doc["writes"]["fragmented"]["8"].as_u64().unwrap(), written);
+        assert!(doc["writes"]["sequential"]["8"].as_u64().unwrap() < written);
+    }
+}

@@ -1,0 +1,642 @@
+//! Writeback: attributes and their errnos, every mode and range syntax, read-back (plain and
+//! compressed), block release on overwrite/discard/reset, the writeback limit, a slot changed
+//! while its write is in flight, and one test per backing failure (EIO in the middle of a
+//! batch, ENOSPC from a full bitmap and from the device, torn and short writes, failed reads).
+
+use std::sync::{Arc, Mutex};
+use uzram::backing::{
+    Backing, Engine, FaultKind, FaultPlan, FaultyBacking, FileBacking, FileOptions, IoOp, IoQueue,
+    MemBacking, SubmitResult, SyncQueue,
+};
+use uzram::device::{Device, DeviceConfig, IdleCutoff};
+use uzram::writeback::{WritebackMode, WritebackSpec};
+use uzram::ErrorKind;
+
+const PAGE: usize = 4096;
+
+/// Page `i` of a test: kinds cycle through compressible text, half-random, random
+/// (incompressible: HUGE) and same-filled; every non-same page is stamped with its index and
+/// `version` so a misplaced or stale page is caught.
+fn page(i: u64, version: u64) -> Vec<u8> {
+    let mut p = vec![0u8; PAGE];
+    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    match i % 4 {
+        0 => {
+            for (k, c) in p.chunks_mut(16).enumerate() {
+                let s = format!("page {i:6} v{version:3} {:4}", k % 97);
+                c.copy_from_slice(&s.as_bytes()[..16]);
+            }
+        }
+        1 => {
+            for c in p[..PAGE / 2].chunks_mut(8) {
+                c.copy_from_slice(&rnd().to_le_bytes());
+            }
+        }
+        2 => {
+            for c in p.chunks_mut(8) {
+                c.copy_from_slice(&rnd().to_le_bytes());
+            }
+        }
+        _ => {
+            p.fill((i as u8) | 1);
+            return p;
+        }
+    }
+    p[..8].copy_from_slice(&i.to_le_bytes());
+    p[8..16].copy_from_slice(&version.to_le_bytes());
+    p
+}
+
+fn new_device(pages: u64, backing: Arc<dyn Backing>, compressed: bool) -> Device {
+    let dev = Device::new_uninit(PAGE).unwrap();
+    dev.set_backing(backing).unwrap();
+    dev.set_compressed_writeback(compressed).unwrap();
+    dev.attr_store("disksize", &(pages * PAGE as u64).to_string())
+        .unwrap();
+    dev
+}
+
+fn fill(dev: &Device, pages: u64, version: u64) {
+    for i in 0..pages {
+        dev.write_at(&page(i, version), i * PAGE as u64).unwrap();
+    }
+}
+
+fn check_all(dev: &Device, pages: u64, version: u64) {
+    for i in 0..pages {
+        let mut buf = vec![0u8; PAGE];
+        dev.read_at(&mut buf, i * PAGE as u64).unwrap();
+        assert!(buf == page(i, version), "page {i} differs");
+    }
+}
+
+/// `bd_stat` as numbers.
+fn bd(dev: &Device) -> [u64; 3] {
+    let s = dev.attr_show("bd_stat").unwrap();
+    let v: Vec<u64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    [v[0], v[1], v[2]]
+}
+
+fn mem(blocks: u64) -> Arc<MemBacking> {
+    Arc::new(MemBacking::new(blocks * PAGE as u64).unwrap())
+}
+
+fn tmpdir() -> tempfile::TempDir {
+    tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap())
+}
+
+fn file_backing(dir: &tempfile::TempDir, blocks: u64, engine: Engine) -> FileBacking {
+    FileBacking::create(
+        dir.path().join("backing"),
+        blocks * PAGE as u64,
+        &FileOptions::with_engine(engine),
+    )
+    .unwrap()
+}
+
+#[test]
+fn attributes_syntax_and_errnos() {
+    let dev = Device::new_uninit(PAGE).unwrap();
+    assert_eq!(dev.attr_show("backing_dev").unwrap(), "none\n");
+    assert_eq!(dev.attr_show("writeback_batch_size").unwrap(), "32\n");
+    assert_eq!(dev.attr_show("writeback_limit").unwrap(), "0\n");
+    assert_eq!(dev.attr_show("writeback_limit_enable").unwrap(), "0\n");
+    assert_eq!(dev.attr_show("compressed_writeback").unwrap(), "0\n");
+    assert_eq!(
+        dev.attr_show("bd_stat").unwrap(),
+        "       0        0        0\n"
+    );
+    // Uninitialised: writeback is EINVAL, as zram's.
+    let e = dev.attr_store("writeback", "idle").unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL);
+    for (name, bad) in [
+        ("writeback_batch_size", "0"),
+        ("writeback_batch_size", "x"),
+        ("writeback_batch_size", "4294967296"),
+        ("writeback_limit", "-1"),
+        ("writeback_limit_enable", "yes"),
+        ("compressed_writeback", "maybe"),
+    ] {
+        let e = dev.attr_store(name, bad).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "{name}={bad}: {e}");
+    }
+    assert_eq!(dev.attr_show("writeback_batch_size").unwrap(), "32\n");
+    dev.attr_store("writeback_batch_size", "7\n").unwrap();
+    dev.attr_store("writeback_limit", "123\n").unwrap();
+    dev.attr_store("writeback_limit_enable", "1\n").unwrap();
+    dev.attr_store("compressed_writeback", "1\n").unwrap();
+    assert_eq!(dev.attr_show("writeback_batch_size").unwrap(), "7\n");
+    assert_eq!(dev.attr_show("writeback_limit").unwrap(), "123\n");
+    assert_eq!(dev.attr_show("writeback_limit_enable").unwrap(), "1\n");
+    assert_eq!(dev.attr_show("compressed_writeback").unwrap(), "1\n");
+    let e = dev
+        .attr_store("backing_dev", "/nonexistent/backing\n")
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::ENOENT);
+    let dir = tmpdir();
+    let path = dir.path().join("bd");
+    FileBacking::create(&path, 64 * PAGE as u64, &FileOptions::default()).unwrap();
+    dev.attr_store("backing_dev", &format!("{}\n", path.display()))
+        .unwrap();
+    assert_eq!(
+        dev.attr_show("backing_dev").unwrap(),
+        format!("{}\n", path.display())
+    );
+    dev.attr_store("disksize", "64K").unwrap();
+    // Settings of the backing store are fixed once initialised.
+    let e = dev
+        .attr_store("backing_dev", &path.display().to_string())
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::EBUSY);
+    assert_eq!(
+        dev.attr_store("compressed_writeback", "0")
+            .unwrap_err()
+            .errno(),
+        libc::EBUSY
+    );
+    for (bad, errno) in [
+        ("bogus", libc::EINVAL),
+        ("type=bogus", libc::EINVAL),
+        ("page_index=16", libc::ERANGE),
+        ("page_indexes=3-16", libc::ERANGE),
+        ("page_indexes=5-3", libc::ERANGE),
+        ("page_indexes=5", libc::EINVAL),
+        ("page_index=abc", libc::EINVAL),
+    ] {
+        let e = dev.attr_store("writeback", bad).unwrap_err();
+        assert_eq!(e.errno(), errno, "writeback {bad}: {e}");
+    }
+    // The limit (enabled, 123 units) is untouched by rejected writebacks.
+    assert_eq!(dev.attr_show("writeback_limit").unwrap(), "123\n");
+    // reset detaches the backing device, keeps the limit settings (as zram).
+    dev.attr_store("reset", "1").unwrap();
+    assert_eq!(dev.attr_show("backing_dev").unwrap(), "none\n");
+    assert_eq!(dev.attr_show("compressed_writeback").unwrap(), "0\n");
+    assert_eq!(dev.attr_show("writeback_limit").unwrap(), "123\n");
+    dev.attr_store("disksize", "64K").unwrap();
+    let e = dev.attr_store("writeback", "idle").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoDevice);
+    assert_eq!(e.errno(), libc::ENODEV);
+}
+
+fn writeback_reads_back(backing: Arc<dyn Backing>, compressed: bool) {
+    let n = 200;
+    let dev = new_device(n, backing, compressed);
+    fill(&dev, n, 1);
+    let before = dev.stats();
+    dev.mark_idle(IdleCutoff::All);
+    dev.attr_store("writeback", "idle\n").unwrap();
+    let after = dev.stats();
+    // Same-filled pages (a quarter) stay in their slots; every other page went out.
+    let written = n - n / 4;
+    assert_eq!(bd(&dev), [written, 0, written]);
+    assert_eq!(after.compr_data_size_bytes, 0);
+    assert_eq!(after.huge_pages, 0);
+    assert_eq!(after.pages_stored, before.pages_stored);
+    assert_eq!(after.same_pages, before.same_pages);
+    check_all(&dev, n, 1);
+    assert_eq!(bd(&dev), [written, written, written]);
+    // A second writeback finds nothing: WB slots are never candidates.
+    dev.mark_idle(IdleCutoff::All);
+    let r = dev
+        .writeback(&WritebackSpec::mode(WritebackMode::Idle))
+        .unwrap();
+    assert_eq!(r.candidates, 0);
+    // Overwrite and discard release blocks; reset releases the rest.
+    dev.write_at(&page(0, 2), 0).unwrap();
+    dev.discard(PAGE as u64, PAGE as u64).unwrap();
+    // A partial write of a WB page reads it back, patches it and stores it in RAM.
+    let mut p2 = page(2, 1);
+    p2[512..1024].fill(0xAB);
+    dev.write_at(&[0xABu8; 512], 2 * PAGE as u64 + 512).unwrap();
+    let mut buf = vec![0u8; PAGE];
+    dev.read_at(&mut buf, 2 * PAGE as u64).unwrap();
+    assert!(buf == p2);
+    assert_eq!(bd(&dev)[0], written - 3);
+    assert_eq!(dev.stats().pages_stored, before.pages_stored - 1);
+    dev.reset();
+    assert_eq!(bd(&dev), [0, 0, 0]);
+}
+
+#[test]
+fn writeback_idle_reads_back_from_memory_backing() {
+    writeback_reads_back(mem(1024), false);
+}
+
+#[test]
+fn compressed_writeback_reads_back() {
+    writeback_reads_back(mem(1024), true);
+}
+
+#[test]
+fn writeback_reads_back_from_file_with_uring_and_sync() {
+    for engine in [Engine::Uring, Engine::Sync] {
+        let dir = tmpdir();
+        writeback_reads_back(Arc::new(file_backing(&dir, 1024, engine)), false);
+        let dir = tmpdir();
+        writeback_reads_back(Arc::new(file_backing(&dir, 1024, engine)), true);
+    }
+}
+
+#[test]
+fn modes_and_ranges_select_what_they_say() {
+    let n = 64;
+    let dev = new_device(n, mem(256), false);
+    fill(&dev, n, 1);
+    // huge: only the random pages (i % 4 == 2).
+    dev.attr_store("writeback", "huge").unwrap();
+    assert_eq!(bd(&dev)[0], n / 4);
+    assert_eq!(dev.stats().huge_pages, 0);
+    // huge_idle finds nothing more; incompressible finds nothing (no recompression ran).
+    dev.mark_idle(IdleCutoff::All);
+    dev.attr_store("writeback", "type=huge_idle").unwrap();
+    dev.attr_store("writeback", "incompressible").unwrap();
+    assert_eq!(bd(&dev)[0], n / 4);
+    // page_index: one page (page 0 is compressible text).
+    dev.attr_store("writeback", "page_index=0").unwrap();
+    assert_eq!(bd(&dev)[0], n / 4 + 1);
+    // page_indexes, inclusive, several in one write: 4..=5 and 8..=9 (pages 4, 5, 8, 9).
+    dev.attr_store("writeback", "page_indexes=4-5 page_indexes=8-9")
+        .unwrap();
+    assert_eq!(bd(&dev)[0], n / 4 + 5);
+    // Idle marking after an access: only idle pages go. Touch page 12, then idle.
+    dev.mark_idle(IdleCutoff::All);
+    let mut buf = vec![0u8; PAGE];
+    dev.read_at(&mut buf, 12 * PAGE as u64).unwrap();
+    dev.attr_store("writeback", "idle").unwrap();
+    // Left in RAM: same-filled pages and page 12.
+    assert_eq!(bd(&dev)[0], n - n / 4 - 1);
+    assert!(dev.stats().compr_data_size_bytes > 0);
+    check_all(&dev, n, 1);
+}
+
+#[test]
+fn largest_objects_go_first() {
+    // With a limit of one page, the one written must be the HUGE page (the largest object).
+    let dev = new_device(4, mem(16), false);
+    for i in 0..4 {
+        dev.write_at(&page(i, 1), i * PAGE as u64).unwrap();
+    }
+    assert_eq!(dev.stats().huge_pages, 1);
+    dev.attr_store("writeback_limit_enable", "1").unwrap();
+    dev.attr_store("writeback_limit", "1").unwrap();
+    let e = dev.attr_store("writeback", "page_indexes=0-3").unwrap_err();
+    assert_eq!(e.errno(), libc::EIO, "limit exhausted");
+    assert_eq!(bd(&dev)[0], 1);
+    assert_eq!(dev.stats().huge_pages, 0);
+    assert_eq!(dev.attr_show("writeback_limit").unwrap(), "0\n");
+    // Nothing left in the budget: EIO again, nothing written.
+    assert_eq!(
+        dev.attr_store("writeback", "page_indexes=0-3")
+            .unwrap_err()
+            .errno(),
+        libc::EIO
+    );
+    // Raising the limit lets the rest go, half-random (bucket of ~2 KiB) before text.
+    dev.attr_store("writeback_limit", "1").unwrap();
+    let _ = dev.attr_store("writeback", "page_indexes=0-3");
+    let s = dev.stats();
+    // Page 1 (half random) went; page 0 (text) stayed.
+    let mut buf = vec![0u8; PAGE];
+    dev.read_at(&mut buf, PAGE as u64).unwrap();
+    assert_eq!(bd(&dev), [2, 1, 2]);
+    assert!(s.compr_data_size_bytes > 0 && s.compr_data_size_bytes < 1024);
+    dev.attr_store("writeback_limit_enable", "0").unwrap();
+    dev.attr_store("writeback", "page_indexes=0-3").unwrap();
+    assert_eq!(bd(&dev)[0], 3);
+    assert_eq!(dev.attr_show("writeback_limit").unwrap(), "0\n");
+    check_all(&dev, 4, 1);
+}
+
+#[test]
+fn limit_is_charged_per_page_and_stops_with_eio() {
+    let n = 100;
+    let dev = new_device(n, mem(256), false);
+    fill(&dev, n, 1);
+    dev.set_writeback_limit_enable(true);
+    dev.set_writeback_limit(10);
+    let e = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap_err();
+    assert_eq!(e.errno(), libc::EIO);
+    assert_eq!(bd(&dev), [10, 0, 10]);
+    assert_eq!(dev.writeback_limit(), 0);
+    check_all(&dev, n, 1);
+}
+
+/// A backing whose queue runs a hook before each submit (on the writeback task), so a test can
+/// change a slot while its write is "in flight" deterministically.
+type Hook = Box<dyn FnMut(u64) + Send>;
+
+struct HookBacking {
+    inner: MemBacking,
+    hook: Mutex<Option<Hook>>,
+}
+
+impl std::fmt::Debug for HookBacking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HookBacking")
+    }
+}
+
+impl Backing for HookBacking {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> uzram::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+    fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> uzram::Result<()> {
+        self.inner.writev_at(bufs, offset)
+    }
+    fn flush(&self) -> uzram::Result<()> {
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "hook".into()
+    }
+    fn new_queue(&self, depth: usize) -> uzram::Result<Box<dyn IoQueue + '_>> {
+        Ok(Box::new(HookQueue {
+            backing: self,
+            inner: SyncQueue::new(&self.inner, depth)?,
+        }))
+    }
+}
+
+#[derive(Debug)]
+struct HookQueue<'a> {
+    backing: &'a HookBacking,
+    inner: SyncQueue<'a>,
+}
+
+impl IoQueue for HookQueue<'_> {
+    fn depth(&self) -> usize {
+        self.inner.depth()
+    }
+    fn submit(&mut self, op: IoOp) -> SubmitResult {
+        let offset = op.offset;
+        let r = self.inner.submit(op);
+        // The write is done, its completion not yet reaped: the slot changes now.
+        if let Some(h) = self.backing.hook.lock().unwrap().as_mut() {
+            h(offset);
+        }
+        r
+    }
+    fn wait(&mut self, min: usize) -> uzram::Result<Vec<uzram::backing::IoCompletion>> {
+        self.inner.wait(min)
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+}
+
+#[test]
+fn slot_changed_while_in_flight_keeps_new_data_and_releases_the_block() {
+    let backing = Arc::new(HookBacking {
+        inner: MemBacking::new(64 * PAGE as u64).unwrap(),
+        hook: Mutex::new(None),
+    });
+    let dev = Arc::new(new_device(8, backing.clone(), false));
+    fill(&dev, 8, 1);
+    dev.set_writeback_batch_size(1).unwrap();
+    dev.set_writeback_limit_enable(true);
+    dev.set_writeback_limit(100);
+    // While page 0's write is in flight, overwrite page 0 (once).
+    let weak = Arc::downgrade(&dev);
+    let mut fired = false;
+    *backing.hook.lock().unwrap() = Some(Box::new(move |_| {
+        if !fired {
+            fired = true;
+            let d = weak.upgrade().unwrap();
+            d.write_at(&page(0, 2), 0).unwrap();
+            // One writeback at a time.
+            let e = d.attr_store("writeback", "huge").unwrap_err();
+            assert_eq!(e.errno(), libc::EAGAIN);
+        }
+    }));
+    let r = dev.writeback(&WritebackSpec::pages(0, 0)).unwrap();
+    assert_eq!((r.written, r.changed), (0, 1));
+    // The block went back, the charge stayed, the I/O counted.
+    assert_eq!(bd(&dev), [0, 0, 1]);
+    assert_eq!(dev.writeback_limit(), 99);
+    let mut buf = vec![0u8; PAGE];
+    dev.read_at(&mut buf, 0).unwrap();
+    assert!(buf == page(0, 2));
+    *backing.hook.lock().unwrap() = None;
+}
+
+fn faulty_file(dir: &tempfile::TempDir, blocks: u64) -> Arc<FaultyBacking<FileBacking>> {
+    Arc::new(FaultyBacking::new(file_backing(dir, blocks, Engine::Uring)))
+}
+
+#[test]
+fn eio_in_the_middle_of_a_batch_keeps_pages_in_ram_and_refunds_the_limit() {
+    let dir = tmpdir();
+    let backing = faulty_file(&dir, 512);
+    let n = 256;
+    let dev = new_device(n, backing.clone(), false);
+    fill(&dev, n, 1);
+    dev.set_writeback_limit_enable(true);
+    dev.set_writeback_limit(10_000);
+    // Pool of 32, runs of up to 16: fail the 3rd and 7th writes (each up to 16 pages).
+    backing.set_plan(
+        FaultPlan::new()
+            .fail_write(3, FaultKind::Eio)
+            .fail_write(7, FaultKind::Eio),
+    );
+    let stats_before = dev.stats();
+    let r = dev
+        .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
+        .unwrap();
+    assert_eq!(r.error.as_ref().map(|e| e.errno()), Some(libc::EIO));
+    let candidates = n - n / 4;
+    assert!(r.failed > 0, "{r:?}");
+    assert_eq!(r.written + r.failed, candidates, "{r:?}");
+    assert_eq!(bd(&dev), [r.written, 0, r.written]);
+    // Refunded: only written pages were charged.
+    assert_eq!(dev.writeback_limit(), 10_000 - r.written);
+    assert_eq!(dev.stats().pages_stored, stats_before.pages_stored);
+    check_all(&dev, n, 1);
+    // The failed pages can be written back later.
+    backing.clear_plan();
+    dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
+    assert_eq!(bd(&dev)[0], candidates);
+    check_all(&dev, n, 1);
+}
+
+#[test]
+fn torn_and_short_writes_are_never_success() {
+    for kind in [FaultKind::Torn, FaultKind::Short] {
+        let dir = tmpdir();
+        let backing = faulty_file(&dir, 512);
+        let n = 64;
+        let dev = new_device(n, backing.clone(), false);
+        fill(&dev, n, 1);
+        // Every write fails this way: nothing may become WB.
+        backing.set_plan(FaultPlan::new().fail_writes_randomly(1, kind, 7));
+        let e = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap_err();
+        assert_eq!(e.errno(), libc::EIO, "{kind:?}");
+        assert_eq!(bd(&dev), [0, 0, 0], "{kind:?}");
+        backing.clear_plan();
+        check_all(&dev, n, 1);
+        // Some writes torn, the rest fine: exactly the fine ones are WB and read back.
+        backing.set_plan(FaultPlan::new().fail_writes_randomly(3, kind, 11));
+        dev.set_writeback_batch_size(4).unwrap();
+        let r = dev
+            .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
+            .unwrap();
+        assert!(r.failed > 0 && r.written > 0, "{kind:?} {r:?}");
+        backing.clear_plan();
+        assert_eq!(bd(&dev)[0], r.written);
+        check_all(&dev, n, 1);
+    }
+}
+
+#[test]
+fn enospc_from_a_full_bitmap_stops_and_loses_nothing() {
+    let n = 100;
+    let dev = new_device(n, mem(20), false);
+    fill(&dev, n, 1);
+    let e = dev
+        .attr_store("writeback", "page_indexes=0-99")
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::ENOSPC);
+    assert_eq!(bd(&dev), [20, 0, 20]);
+    check_all(&dev, n, 1);
+    // Freeing some blocks makes room again.
+    dev.discard(0, 10 * PAGE as u64).unwrap();
+    let freed = bd(&dev)[0];
+    assert!(freed < 20);
+    let e = dev
+        .attr_store("writeback", "page_indexes=0-99")
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::ENOSPC);
+    assert_eq!(bd(&dev)[0], 20);
+}
+
+#[test]
+fn enospc_from_the_device_stops_and_loses_nothing() {
+    let dir = tmpdir();
+    let backing = faulty_file(&dir, 512);
+    let n = 128;
+    let dev = new_device(n, backing.clone(), false);
+    fill(&dev, n, 1);
+    backing.set_plan(FaultPlan::new().no_space_after_bytes(40 * PAGE as u64));
+    let e = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NoSpace);
+    let w = bd(&dev)[0];
+    assert!(w > 0 && w <= 40, "{w}");
+    backing.clear_plan();
+    check_all(&dev, n, 1);
+}
+
+#[test]
+fn failed_read_back_is_eio_and_changes_nothing() {
+    let backing = Arc::new(FaultyBacking::new(
+        MemBacking::new(64 * PAGE as u64).unwrap(),
+    ));
+    let dev = new_device(8, backing.clone(), false);
+    fill(&dev, 8, 1);
+    dev.writeback(&WritebackSpec::pages(0, 7)).unwrap();
+    let before = dev.stats();
+    let bd_before = bd(&dev);
+    backing.set_plan(FaultPlan::new().fail_read(1));
+    let mut buf = vec![0u8; PAGE];
+    let e = dev.read_at(&mut buf, 0).unwrap_err();
+    assert_eq!(e.errno(), libc::EIO);
+    // A partial write of a WB page needs the read too: it fails and changes nothing.
+    backing.set_plan(FaultPlan::new().fail_read(1));
+    let e = dev.write_at(&[7u8; 512], PAGE as u64).unwrap_err();
+    assert_eq!(e.errno(), libc::EIO);
+    let after = dev.stats();
+    assert_eq!(after.failed_reads, before.failed_reads + 1);
+    assert_eq!(after.failed_writes, before.failed_writes + 1);
+    assert_eq!(
+        (after.pages_stored, after.compr_data_size_bytes),
+        (before.pages_stored, before.compr_data_size_bytes)
+    );
+    assert_eq!(bd(&dev), bd_before);
+    check_all(&dev, 8, 1);
+}
+
+#[test]
+fn backing_must_hold_a_page_and_be_set_before_init() {
+    let dev = Device::new_uninit(PAGE).unwrap();
+    let tiny = Arc::new(MemBacking::new(4096).unwrap());
+    // One page fits: accepted. A 16 KiB-page device needs 16 KiB.
+    dev.set_backing(tiny.clone()).unwrap();
+    let dev16 = Device::new_uninit(16384).unwrap();
+    assert_eq!(dev16.set_backing(tiny).unwrap_err().errno(), libc::EINVAL);
+    let d = Device::new(DeviceConfig {
+        disksize_bytes: 1 << 20,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(d.set_backing(mem(4)).unwrap_err().errno(), libc::EBUSY);
+}
+
+#[test]
+fn sixteen_k_pages_write_back_and_count_in_4k_units() {
+    let dev = Device::new_uninit(16384).unwrap();
+    dev.set_backing(Arc::new(MemBacking::new(64 * 16384).unwrap()))
+        .unwrap();
+    dev.attr_store("disksize", "256K").unwrap();
+    let mut expect = Vec::new();
+    for i in 0..16u64 {
+        let p: Vec<u8> = (0..4).flat_map(|k| page(i * 4 + k, 3)).collect();
+        dev.write_at(&p, i * 16384).unwrap();
+        expect.push(p);
+    }
+    dev.set_writeback_limit_enable(true);
+    dev.set_writeback_limit(4 * 5 + 3);
+    let e = dev
+        .attr_store("writeback", "page_indexes=0-15")
+        .unwrap_err();
+    assert_eq!(e.errno(), libc::EIO);
+    assert_eq!(bd(&dev), [20, 0, 20]);
+    assert_eq!(dev.writeback_limit(), 3);
+    for (i, p) in expect.iter().enumerate() {
+        let mut buf = vec![0u8; 16384];
+        dev.read_at(&mut buf, i as u64 * 16384).unwrap();
+        assert!(&buf == p, "page {i}");
+    }
+    assert_eq!(bd(&dev)[1], 20);
+}
+
+#[test]
+fn block_reserved_for_a_skipped_candidate_is_released_at_the_end() {
+    let backing = Arc::new(HookBacking {
+        inner: MemBacking::new(64 * PAGE as u64).unwrap(),
+        hook: Mutex::new(None),
+    });
+    let dev = Arc::new(new_device(8, backing.clone(), false));
+    fill(&dev, 8, 1);
+    dev.set_writeback_batch_size(1).unwrap();
+    // Pages 2 and 6 are both HUGE (same bucket, scan order). While page 2's write is in
+    // flight, page 6 is overwritten: when its turn comes it is skipped, and the block the loop
+    // had already reserved for it must go back when the loop ends.
+    let weak = Arc::downgrade(&dev);
+    let mut fired = false;
+    *backing.hook.lock().unwrap() = Some(Box::new(move |_| {
+        if !fired {
+            fired = true;
+            let d = weak.upgrade().unwrap();
+            d.write_at(&page(6, 2), 6 * PAGE as u64).unwrap();
+        }
+    }));
+    let r = dev
+        .writeback(&WritebackSpec::pages(2, 2).and(None, 6, 6))
+        .unwrap();
+    assert_eq!((r.candidates, r.written, r.skipped), (2, 1, 1), "{r:?}");
+    assert_eq!(bd(&dev), [1, 0, 1]);
+    *backing.hook.lock().unwrap() = None;
+    let mut buf = vec![0u8; PAGE];
+    dev.read_at(&mut buf, 6 * PAGE as u64).unwrap();
+    assert!(buf == page(6, 2));
+    dev.read_at(&mut buf, 2 * PAGE as u64).unwrap();
+    assert!(buf == page(2, 1));
+}
