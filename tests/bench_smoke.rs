@@ -140,3 +140,59 @@ fn bench_writeback_writes_its_table_and_json() {
     // The backing file is removed afterwards.
     assert!(!backing.exists());
 }
+
+#[test]
+fn bench_gc_writes_its_table_and_json() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+    let heap: Vec<String> = (0..100_000)
+        .map(|i| format!("object {i}: {}", i * 13))
+        .collect();
+    let mut pages = Vec::new();
+    let n = uzram::corpus::snapshot_pid(std::process::id(), 4096, 512, &mut pages).unwrap();
+    assert!(n >= 64, "only {n} pages in the snapshot");
+    let mut corpus = uzram::corpus::Corpus::new(4096).unwrap();
+    corpus.add_source("self", &pages).unwrap();
+    let corpus_path = dir.path().join("pages.bin");
+    corpus.save(&corpus_path).unwrap();
+    drop(heap);
+
+    let json_path = dir.path().join("gc.json");
+    let backing = dir.path().join("gc.img");
+    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
+        .args([
+            "bench",
+            "gc",
+            "--zone-size",
+            "2M",
+            "--zones",
+            "5",
+            "--repeats",
+            "2",
+            "--corpus",
+        ])
+        .arg(&corpus_path)
+        .arg("--backing")
+        .arg(&backing)
+        .arg("--json")
+        .arg(&json_path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("GC time ms"), "{stdout}");
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
+    for key in ["gc_ms_ring", "gc_ms_bank", "gc_ratio", "seq_write_mbps"] {
+        let v = doc[key].as_f64().unwrap_or_else(|| panic!("{key}: {doc}"));
+        assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+    }
+    // Each run reclaimed zones and relocated the surviving half.
+    for run in doc["runs"].as_array().unwrap() {
+        assert!(run["zones_reclaimed"].as_u64().unwrap() >= 1, "{run}");
+    }
+    assert!(!backing.exists(), "the backing file is removed");
+}
