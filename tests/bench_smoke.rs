@@ -5,21 +5,27 @@
 
 use std::process::Command;
 
-#[test]
-fn bench_store_writes_its_table_and_json() {
-    let dir = tempfile::tempdir().unwrap();
-    // Real pages: a snapshot of this process, which holds a heap of mixed data.
+/// A corpus file of real pages: a snapshot (at most `max_pages`) of this test process, which
+/// holds a heap of mixed data built for the purpose. Returns its path inside `dir`.
+fn self_corpus(dir: &std::path::Path, max_pages: usize) -> std::path::PathBuf {
     let heap: Vec<String> = (0..200_000)
         .map(|i| format!("entry {i} / {}", i * 31))
         .collect();
     let mut pages = Vec::new();
-    let n = uzram::corpus::snapshot_pid(std::process::id(), 4096, 512, &mut pages).unwrap();
+    let n = uzram::corpus::snapshot_pid(std::process::id(), 4096, max_pages, &mut pages).unwrap();
     assert!(n >= 64, "only {n} pages in the snapshot");
     let mut corpus = uzram::corpus::Corpus::new(4096).unwrap();
     corpus.add_source("self", &pages).unwrap();
-    let corpus_path = dir.path().join("pages.bin");
-    corpus.save(&corpus_path).unwrap();
+    let path = dir.join("pages.bin");
+    corpus.save(&path).unwrap();
     drop(heap);
+    path
+}
+
+#[test]
+fn bench_store_writes_its_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus_path = self_corpus(dir.path(), 512);
 
     let json_path = dir.path().join("store.json");
     let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
@@ -75,17 +81,7 @@ fn bench_store_writes_its_table_and_json() {
 #[test]
 fn bench_writeback_writes_its_table_and_json() {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
-    let heap: Vec<String> = (0..100_000)
-        .map(|i| format!("page {i} of {}", i * 7))
-        .collect();
-    let mut pages = Vec::new();
-    let n = uzram::corpus::snapshot_pid(std::process::id(), 4096, 256, &mut pages).unwrap();
-    assert!(n >= 64, "only {n} pages in the snapshot");
-    let mut corpus = uzram::corpus::Corpus::new(4096).unwrap();
-    corpus.add_source("self", &pages).unwrap();
-    let corpus_path = dir.path().join("pages.bin");
-    corpus.save(&corpus_path).unwrap();
-    drop(heap);
+    let corpus_path = self_corpus(dir.path(), 256);
 
     let json_path = dir.path().join("writeback.json");
     let backing = dir.path().join("backing.img");
@@ -144,17 +140,7 @@ fn bench_writeback_writes_its_table_and_json() {
 #[test]
 fn bench_gc_writes_its_table_and_json() {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
-    let heap: Vec<String> = (0..100_000)
-        .map(|i| format!("object {i}: {}", i * 13))
-        .collect();
-    let mut pages = Vec::new();
-    let n = uzram::corpus::snapshot_pid(std::process::id(), 4096, 512, &mut pages).unwrap();
-    assert!(n >= 64, "only {n} pages in the snapshot");
-    let mut corpus = uzram::corpus::Corpus::new(4096).unwrap();
-    corpus.add_source("self", &pages).unwrap();
-    let corpus_path = dir.path().join("pages.bin");
-    corpus.save(&corpus_path).unwrap();
-    drop(heap);
+    let corpus_path = self_corpus(dir.path(), 512);
 
     let json_path = dir.path().join("gc.json");
     let backing = dir.path().join("gc.img");

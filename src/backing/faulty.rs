@@ -190,6 +190,23 @@ impl<B: Backing> FaultyBacking<B> {
 
     /// Numbers a write and decides its fate. `None`: pass it on (its bytes are counted now, so
     /// concurrent writes cannot overshoot a byte limit together).
+    /// Counts a read and fails it with an injected `EIO` if the plan says so.
+    fn decide_read(&self, offset: u64, len_bytes: u64) -> Result<()> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        let fail = {
+            let mut st = self.state.lock();
+            st.reads_since_plan += 1;
+            st.plan.read_faults.contains(&st.reads_since_plan)
+        };
+        if fail {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::io(format!(
+                "injected EIO: read of {len_bytes} bytes at offset {offset}"
+            )));
+        }
+        Ok(())
+    }
+
     fn decide_write(&self, offset: u64, len_bytes: u64) -> Option<FaultKind> {
         self.writes.fetch_add(1, Ordering::Relaxed);
         let mut st = self.state.lock();
@@ -288,35 +305,12 @@ impl<B: Backing> Backing for FaultyBacking<B> {
         // One vectored read counts as one read for the plan.
         let len_bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         check_range(self.inner.size_bytes(), offset, len_bytes, "read")?;
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        let fail = {
-            let mut st = self.state.lock();
-            st.reads_since_plan += 1;
-            st.plan.read_faults.contains(&st.reads_since_plan)
-        };
-        if fail {
-            self.injected.fetch_add(1, Ordering::Relaxed);
-            return Err(Error::io(format!(
-                "injected EIO: read of {len_bytes} bytes at offset {offset}"
-            )));
-        }
+        self.decide_read(offset, len_bytes)?;
         self.inner.readv_at(bufs, offset)
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        let fail = {
-            let mut st = self.state.lock();
-            st.reads_since_plan += 1;
-            st.plan.read_faults.contains(&st.reads_since_plan)
-        };
-        if fail {
-            self.injected.fetch_add(1, Ordering::Relaxed);
-            return Err(Error::io(format!(
-                "injected EIO: read of {} bytes at offset {offset}",
-                buf.len()
-            )));
-        }
+        self.decide_read(offset, buf.len() as u64)?;
         self.inner.read_at(buf, offset)
     }
 
@@ -378,18 +372,7 @@ impl<B: Backing> IoQueue for FaultyQueue<'_, B> {
         let len_bytes = op.len_bytes();
         if op.kind == IoKind::Read {
             // Reads fail as the synchronous ones do (the plan's read faults), else go through.
-            let fail = {
-                self.faulty.reads.fetch_add(1, Ordering::Relaxed);
-                let mut st = self.faulty.state.lock();
-                st.reads_since_plan += 1;
-                st.plan.read_faults.contains(&st.reads_since_plan)
-            };
-            if fail {
-                self.faulty.injected.fetch_add(1, Ordering::Relaxed);
-                let err = Error::io(format!(
-                    "injected EIO: read of {len_bytes} bytes at offset {}",
-                    op.offset
-                ));
+            if let Err(err) = self.faulty.decide_read(op.offset, len_bytes) {
                 self.injected.push_back(IoCompletion {
                     op,
                     result: Err(err),
