@@ -33,9 +33,12 @@ pub const MIN_RECLAIM_DIVISOR: u64 = 4;
 
 /// Whoever points slots at records: GC asks it to move a slot from `old` to `new`.
 pub trait GcOwner: Sync {
-    /// Re-points `slot` from `old` to `new` if it still points at `old` (under the slot's
-    /// lock) and returns whether it did.
-    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc) -> bool;
+    /// Re-points `slot` from `old` to `new` if it still points at `old` and returns whether it
+    /// did. Both the check and the store happen under the slot's lock, and so does `moved`,
+    /// which the owner calls right after storing `new` (it makes `new` live and `old` dead in
+    /// the store's books): a release of the slot, which also happens under its lock, then
+    /// always finds `new` live.
+    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc, moved: &dyn Fn()) -> bool;
 }
 
 /// What one [`ZoneStore::gc`] call did.
@@ -201,9 +204,17 @@ impl ZoneStore {
         }
         // Every copy is written and re-pointed; make them durable before the originals go.
         self.backing.flush()?;
-        let mut z = self.zones.lock();
-        let zone = &mut z.zones[victim as usize];
-        if zone.live_bytes == 0 && zone.pending == 0 {
+        let z = self.zones.lock();
+        let zone = &z.zones[victim as usize];
+        let reclaimable = zone.live_bytes == 0 && zone.pending == 0;
+        drop(z);
+        if reclaimable {
+            // Readers that pinned the victim before their slot moved finish first. No new pin
+            // can come (no slot points into the victim any more) and nothing can become live
+            // in it (it is full with nothing pending), so the wait is bounded.
+            let mut z = self.wait_unpinned(victim);
+            let zone = &mut z.zones[victim as usize];
+            debug_assert!(zone.live_bytes == 0 && zone.pending == 0);
             *zone = super::Zone::empty();
             drop(z);
             report.zones_reclaimed += 1;
@@ -338,9 +349,10 @@ impl ZoneStore {
                 report.bytes_relocated += copied;
                 report.bytes_written += op.len_bytes();
                 for (slot, old, new) in chunk.moves {
-                    // The slot lock (taken by `repoint`) orders this against overwrite and
-                    // discard: either they see `new` and release it, or `repoint` fails.
-                    if owner.repoint(slot, old, new) {
+                    // The slot lock (taken by `repoint`, held across `moved`) orders this
+                    // against overwrite and discard: either they see `new`, already live, and
+                    // release it, or `repoint` fails.
+                    let moved = || {
                         let mut z = self.zones.lock();
                         let nz = &mut z.zones[new.zone as usize];
                         let r = nz.rec_mut(new);
@@ -352,6 +364,8 @@ impl ZoneStore {
                         assert_eq!(r.state, RecState::Live, "relocated {old:?} was not live");
                         r.state = RecState::Dead;
                         oz.live_bytes -= u64::from(old.span_bytes);
+                    };
+                    if owner.repoint(slot, old, new, &moved) {
                         report.records_relocated += 1;
                     } else {
                         self.abort(new);

@@ -15,11 +15,12 @@ struct MapOwner {
 }
 
 impl GcOwner for MapOwner {
-    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc) -> bool {
+    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc, moved: &dyn Fn()) -> bool {
         let mut m = self.map.lock();
         match m.get_mut(&slot) {
             Some(loc) if *loc == old => {
                 *loc = new;
+                moved();
                 true
             }
             _ => false,
