@@ -335,3 +335,57 @@ fn faults_during_gc_lose_nothing_and_reset_no_zone_early() {
         check_all(&store, &owner, &gens);
     }
 }
+
+#[test]
+fn gc_does_not_reset_a_victim_while_a_reader_pins_it() {
+    let (store, _) = store(6, ScratchMode::Ring);
+    let owner = MapOwner::default();
+    fill(&store, &owner, 600, 0);
+    let mut gens: HashMap<u64, u64> = (0..600).map(|s| (s, 0)).collect();
+    // Release most of zone 0 so it is a victim; keep one record of it to pin.
+    let (pinned_slot, pinned_loc) = {
+        let m = owner.map.lock();
+        let (&s, &l) = m.iter().find(|(_, l)| l.zone == 0).unwrap();
+        (s, l)
+    };
+    for slot in 0..600 {
+        let mut m = owner.map.lock();
+        if slot != pinned_slot && m[&slot].zone == 0 && slot % 4 != 0 {
+            let loc = m.remove(&slot).unwrap();
+            drop(m);
+            store.release(loc);
+            gens.remove(&slot);
+        }
+    }
+    // A reader pins the record (as the device does under the slot lock), then GC runs.
+    let pin = {
+        let _m = owner.map.lock();
+        store.pin(pinned_loc)
+    };
+    std::thread::scope(|s| {
+        let gc = s.spawn(|| {
+            let mut queue = store.backing().new_queue(4).unwrap();
+            store.gc(&owner, queue.as_mut(), 1).unwrap()
+        });
+        // Wait until GC re-pointed the pinned record's slot away from zone 0.
+        while owner.map.lock()[&pinned_slot].zone == 0 {
+            std::thread::yield_now();
+        }
+        // Give GC every chance to (wrongly) reset the victim: it must not while pinned.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(
+            store.stats().gc_runs,
+            0,
+            "victim reset under a reader's pin"
+        );
+        assert_ne!(store.zone_report()[0].0, ZoneCondition::Empty);
+        // The pinned bytes are still the record.
+        let (_, p) = store.read_record(pin.loc(), pinned_slot).unwrap();
+        assert_eq!(p, payload(pinned_slot, 0));
+        drop(pin);
+        let r = gc.join().unwrap();
+        assert_eq!(r.zones_reclaimed, 1, "{r:?}");
+    });
+    assert_eq!(store.zone_report()[0].0, ZoneCondition::Empty);
+    check_all(&store, &owner, &gens);
+}
