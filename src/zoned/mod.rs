@@ -165,6 +165,9 @@ struct Zone {
     pending: u32,
     /// Readers holding a [`ZonePin`] on this zone: it is not reset while non-zero.
     readers: u32,
+    /// The GC pass ([`Zones::gc_pass`]) that last wrote into this zone: a pass never picks a
+    /// zone it wrote as a victim (it would chase its own tail forever).
+    gc_pass: u64,
     /// In offset order.
     records: Vec<Rec>,
 }
@@ -177,6 +180,7 @@ impl Zone {
             live_bytes: 0,
             pending: 0,
             readers: 0,
+            gc_pass: 0,
             records: Vec::new(),
         }
     }
@@ -204,6 +208,8 @@ struct Zones {
     zones: Vec<Zone>,
     writer_zone: Option<u32>,
     gc_zone: Option<u32>,
+    /// Number of the running (or last) [`ZoneStore::gc`] call, from 1.
+    gc_pass: u64,
 }
 
 /// Counters shown by `zone_stat`.
@@ -337,6 +343,7 @@ impl ZoneStore {
                 zones: (0..nr).map(|_| Zone::empty()).collect(),
                 writer_zone: None,
                 gc_zone: None,
+                gc_pass: 0,
             }),
             config,
             counters: Counters::default(),
@@ -414,7 +421,11 @@ impl ZoneStore {
                 i
             }
         };
+        let pass = z.gc_pass;
         let zr = &mut z.zones[zone as usize];
+        if who == Opener::Gc {
+            zr.gc_pass = pass;
+        }
         let off = zr.wp_bytes;
         let len = want.min(zs - off);
         zr.wp_bytes += len;
