@@ -458,3 +458,52 @@ fn eio_in_the_middle_of_gc_loses_nothing_and_resets_no_zone() {
         dev.debug_check_zones();
     }
 }
+
+#[test]
+fn large_pages_write_back_and_read_back() {
+    for ps in [16384usize, 65536] {
+        let dev = Device::new_uninit(ps).unwrap();
+        dev.set_backing(mem_zones(4)).unwrap();
+        dev.attr_store("backing_layout", "zoned").unwrap();
+        dev.attr_store("zone_size", "1M").unwrap();
+        let n = 24u64;
+        dev.attr_store("disksize", &(n * ps as u64).to_string())
+            .unwrap();
+        // Random (stored raw: the largest records) and text-like pages, stamped.
+        let pages: Vec<Vec<u8>> = (0..n)
+            .map(|i| {
+                let mut p: Vec<u8> = if i % 2 == 0 {
+                    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+                    (0..ps)
+                        .map(|_| {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            x as u8
+                        })
+                        .collect()
+                } else {
+                    (0..ps).map(|k| b"zoned record "[k % 13]).collect()
+                };
+                p[..8].copy_from_slice(&i.to_le_bytes());
+                p
+            })
+            .collect();
+        for (i, p) in pages.iter().enumerate() {
+            dev.write_at(p, i as u64 * ps as u64).unwrap();
+        }
+        let r = dev
+            .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
+            .unwrap();
+        assert_eq!(r.written, n, "{ps}: {r:?}");
+        assert_eq!(bd(&dev)[0], n * ps as u64 / 4096, "bd_count in 4 KiB units");
+        for (i, p) in pages.iter().enumerate() {
+            let mut buf = vec![0u8; ps];
+            dev.read_at(&mut buf, i as u64 * ps as u64).unwrap();
+            assert!(&buf == p, "{ps}: page {i}");
+        }
+        dev.discard(0, n * ps as u64).unwrap();
+        assert_eq!(zone_stat(&dev)[3], 0);
+        dev.debug_check_zones();
+    }
+}
