@@ -133,6 +133,18 @@ fn bench_writeback_writes_its_table_and_json() {
             assert!(v.is_finite() && v > 0.0, "ceiling {pattern} {depth} = {v}");
         }
     }
+    // The zoned store ran too (the default `--store bitmap,zoned`), with the comparison keys.
+    for key in [
+        "zoned_pages_per_s",
+        "bitmap_pages_per_s",
+        "batch1_sync_pages_per_s",
+        "zoned_vs_batch1",
+        "zoned_vs_bitmap",
+    ] {
+        let v = doc[key].as_f64().unwrap_or(f64::NAN);
+        assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+    }
+    assert!(stdout.contains("zoned"), "{stdout}");
     // The backing file is removed afterwards.
     assert!(!backing.exists());
 }

@@ -15,6 +15,11 @@
 //!   what a page reads back; a read may fail with `EIO` only while read faults are injected (and
 //!   then teaches the model nothing), and a partial write that needs a backing read may fail
 //!   with `EIO` like a failed `ENOMEM` write. Nothing else may fail.
+//! - Zoned configurations (`backing_layout=zoned`, 1 MiB zones, four of them) write back into
+//!   the append-only store and run garbage collection (`gc` writes from workers and the chaos
+//!   thread, and the trigger after writebacks) under the same faults; GC may fail with `EIO` or
+//!   `ENOSPC` but never change what a page reads back, and the store's books must balance (no
+//!   live byte left after discarding everything).
 //! - The canary corrupts the device on purpose (swaps two slots) and the harness must catch it.
 //! - Release paths (discard, free notifications) hand objects to the allocator's deferred-free
 //!   queue, made small (`deferred_capacity`) so its worker drains while the same slots are
@@ -61,7 +66,14 @@ struct ModelConfig {
     backing: WbBacking,
     /// `compressed_writeback`.
     compressed_writeback: bool,
+    /// `backing_layout=zoned` with 1 MiB zones (the backing then holds [`ZONED_ZONES`] zones),
+    /// and `gc` attribute writes from the workers and the chaos thread.
+    zoned: bool,
 }
+
+/// Zones of the zoned configurations' backing: few, so that writeback fills them, GC has
+/// victims and the writer runs into ENOSPC.
+const ZONED_ZONES: u64 = 4;
 
 impl ModelConfig {
     fn new(page_size: usize, algorithm: &'static str) -> ModelConfig {
@@ -87,6 +99,7 @@ impl ModelConfig {
             deferred_capacity: 2 << (seed % 5),
             backing: WbBacking::Mem,
             compressed_writeback: false,
+            zoned: false,
         }
     }
 }
@@ -118,6 +131,11 @@ struct Harness {
     writebacks: AtomicU64,
     written_back: AtomicU64,
     wb_errors: AtomicU64,
+    gcs: AtomicU64,
+    gc_errors: AtomicU64,
+    /// Zones reclaimed and records relocated by the chaos thread's library GC calls.
+    gc_reclaimed: AtomicU64,
+    gc_relocated: AtomicU64,
     read_eio: AtomicU64,
     _dir: Option<tempfile::TempDir>,
 }
@@ -187,6 +205,10 @@ fn init_device(dev: &Device, cfg: &ModelConfig, backing: &Arc<dyn FaultControl>)
     dev.set_backing(backing.clone().backing()).unwrap();
     dev.set_compressed_writeback(cfg.compressed_writeback)
         .unwrap();
+    if cfg.zoned {
+        dev.attr_store("backing_layout", "zoned").unwrap();
+        dev.attr_store("zone_size", "1M").unwrap();
+    }
     dev.attr_store("comp_algorithm", cfg.algorithm).unwrap();
     dev.attr_store("disksize", &disksize(cfg).to_string())
         .unwrap();
@@ -195,7 +217,11 @@ fn init_device(dev: &Device, cfg: &ModelConfig, backing: &Arc<dyn FaultControl>)
 impl Harness {
     fn new(cfg: ModelConfig) -> Harness {
         // Three quarters of the device's pages fit on the backing: writeback runs out of space.
-        let backing_bytes = disksize(&cfg) / 4 * 3;
+        let backing_bytes = if cfg.zoned {
+            ZONED_ZONES << 20
+        } else {
+            disksize(&cfg) / 4 * 3
+        };
         let (backing, dir): (Arc<dyn FaultControl>, _) = match cfg.backing {
             WbBacking::Mem => (
                 Arc::new(FaultyBacking::new(MemBacking::new(backing_bytes).unwrap())),
@@ -239,6 +265,10 @@ impl Harness {
             writebacks: AtomicU64::new(0),
             written_back: AtomicU64::new(0),
             wb_errors: AtomicU64::new(0),
+            gcs: AtomicU64::new(0),
+            gc_errors: AtomicU64::new(0),
+            gc_reclaimed: AtomicU64::new(0),
+            gc_relocated: AtomicU64::new(0),
             read_eio: AtomicU64::new(0),
             _dir: dir,
         }
@@ -446,6 +476,8 @@ impl Harness {
                     let spec = random_writeback(&mut rng, base, npages);
                     self.writeback(&spec)?;
                 }
+                // GC from a worker (zoned), racing everything else.
+                _ if self.cfg.zoned && rng.gen_bool(0.5) => self.gc()?,
                 // Idle marking from a worker, racing other workers' I/O.
                 _ => {
                     if rng.gen_bool(0.5) {
@@ -514,6 +546,21 @@ impl Harness {
         Ok(())
     }
 
+    /// Runs the `gc` attribute (zoned configurations): it may fail with `EIO` (injected
+    /// faults) or `ENOSPC` (the GC zone filled), never change what a page reads back.
+    fn gc(&self) -> Result<(), String> {
+        match self.dev.attr_store("gc", "1") {
+            Ok(()) => {
+                self.gcs.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::Io | ErrorKind::NoSpace) => {
+                self.gc_errors.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => return self.fail(format!("gc failed: {e}")),
+        }
+        Ok(())
+    }
+
     /// Device-wide operations racing the workers: compaction, mem_limit changes, writeback,
     /// writeback limits, backing faults, resets.
     fn chaos(&self) {
@@ -523,6 +570,31 @@ impl Harness {
             match rng.gen_range(0..100) {
                 0..=39 => {
                     self.dev.compact();
+                }
+                40..=45 if self.cfg.zoned => {
+                    // The attribute, or the library call (which reports what it moved).
+                    if rng.gen_bool(0.5) {
+                        if self.gc().is_err() {
+                            return;
+                        }
+                    } else {
+                        match self.dev.gc() {
+                            Ok(r) => {
+                                self.gcs.fetch_add(1, Ordering::Relaxed);
+                                self.gc_reclaimed
+                                    .fetch_add(r.zones_reclaimed, Ordering::Relaxed);
+                                self.gc_relocated
+                                    .fetch_add(r.records_relocated, Ordering::Relaxed);
+                            }
+                            Err(e) if matches!(e.kind(), ErrorKind::Io | ErrorKind::NoSpace) => {
+                                self.gc_errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => {
+                                let _ = self.fail(format!("gc failed: {e}"));
+                                return;
+                            }
+                        }
+                    }
                 }
                 40..=51 => {
                     let spec = random_writeback(&mut rng, 0, total_pages);
@@ -657,10 +729,12 @@ impl Harness {
             d.pending,
             s.bd_count,
         );
-        if back != (0, 0, 0, 0, 0, 0, 0, 0, 0) || d.queued != d.drained {
+        self.dev.debug_check_zones();
+        let live = self.dev.zone_stats().map_or(0, |z| z.live_bytes);
+        if back != (0, 0, 0, 0, 0, 0, 0, 0, 0) || d.queued != d.drained || live != 0 {
             return self.fail(format!(
                 "after discarding everything and flushing, counters are not back to zero: \
-                 mm_stat {} bd_stat {} objects {} {d:?}",
+                 mm_stat {} bd_stat {} live zoned bytes {live} objects {} {d:?}",
                 s.mm_stat().trim(),
                 s.bd_stat().trim(),
                 objects(&self.dev)
@@ -671,6 +745,7 @@ impl Harness {
 
     fn verify_all(&self) -> Result<(), String> {
         self.set_fault_plan(FaultPlan::new(), false);
+        self.dev.debug_check_zones();
         let ps = self.cfg.page_size;
         for r in &self.regions {
             let mut r = r.lock();
@@ -772,10 +847,12 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
     h.verify_all()?;
     let s = h.dev.stats();
     let d = h.dev.deferred_stats();
+    let zone_stat = h.dev.attr_show("zone_stat").map_err(|e| e.to_string())?;
     h.verify_no_leak()?;
     Ok(format!(
         "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, {} writebacks ({} failed) \
-         wrote {} pages, {} reads failed by injected faults, mm_stat {}, bd_stat {}, deferred \
+         wrote {} pages, {} gc ({} failed; chaos's reclaimed {} zones, relocated {} records), \
+         {} reads failed by injected faults, mm_stat {}, bd_stat {}, zone_stat {}, deferred \
          (since the last reset) {d:?}",
         cfg.seed,
         h.resets.load(Ordering::Relaxed),
@@ -784,9 +861,14 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
         h.writebacks.load(Ordering::Relaxed),
         h.wb_errors.load(Ordering::Relaxed),
         h.written_back.load(Ordering::Relaxed),
+        h.gcs.load(Ordering::Relaxed),
+        h.gc_errors.load(Ordering::Relaxed),
+        h.gc_reclaimed.load(Ordering::Relaxed),
+        h.gc_relocated.load(Ordering::Relaxed),
         h.read_eio.load(Ordering::Relaxed),
         s.mm_stat().trim(),
-        s.bd_stat().trim()
+        s.bd_stat().trim(),
+        zone_stat.trim()
     ))
 }
 
@@ -835,6 +917,28 @@ fn model_64k_lz4() {
     let mut cfg = ModelConfig::new(65536, "lz4");
     cfg.pages_per_thread = 8;
     cfg.ops_per_thread /= 6;
+    run_or_panic(cfg);
+}
+
+/// Zoned writeback, read-back and GC (attribute writes from workers and chaos, and the
+/// trigger after writebacks) over memory, with every injected fault.
+#[test]
+fn model_4k_lz4_zoned() {
+    let mut cfg = ModelConfig::new(4096, "lz4");
+    cfg.ops_per_thread /= 2;
+    cfg.pages_per_thread = 160;
+    cfg.zoned = true;
+    run_or_panic(cfg);
+}
+
+/// The same over a real file through io_uring.
+#[test]
+fn model_4k_zstd_zoned_uring() {
+    let mut cfg = ModelConfig::new(4096, "zstd");
+    cfg.ops_per_thread /= 2;
+    cfg.pages_per_thread = 160;
+    cfg.backing = WbBacking::FileUring;
+    cfg.zoned = true;
     run_or_panic(cfg);
 }
 

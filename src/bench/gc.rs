@@ -67,15 +67,21 @@ struct Owner {
 const NO_LOC: u64 = u64::MAX;
 
 impl GcOwner for Owner {
-    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc) -> bool {
-        self.locs[slot as usize]
+    /// A compare-and-swap stands for the slot lock: the benchmark releases slots only before
+    /// GC starts, so nothing can release `new` between the swap and `moved`.
+    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc, moved: &dyn Fn()) -> bool {
+        let ok = self.locs[slot as usize]
             .compare_exchange(
                 old.to_raw(),
                 new.to_raw(),
                 Ordering::AcqRel,
                 Ordering::Acquire,
             )
-            .is_ok()
+            .is_ok();
+        if ok {
+            moved();
+        }
+        ok
     }
 }
 

@@ -33,7 +33,8 @@ use crate::backing::{Backing, Engine, FileBacking, FileOptions};
 use crate::corpus::Corpus;
 use crate::device::{Device, IdleCutoff};
 use crate::error::{Error, Result};
-use crate::writeback::{WritebackMode, WritebackProgress, WritebackSpec};
+use crate::writeback::{BackingLayout, WritebackMode, WritebackProgress, WritebackSpec};
+use crate::zoned::DEFAULT_ZONE_SIZE_BYTES;
 
 /// How the backing device's free blocks are laid out when the writeback starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +72,35 @@ impl Layout {
     }
 }
 
+/// Where writeback puts pages (`--store`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Store {
+    /// The bitmap (one block per page), on each `--layout`.
+    Bitmap,
+    /// The zoned store (`backing_layout=zoned`): records appended in 256 KiB sequential
+    /// stages. The free-block layout does not apply (the log only appends), so it runs once per
+    /// batch size, on the same backing file; its rows are labelled `zoned`.
+    Zoned,
+}
+
+impl Store {
+    /// `bitmap` or `zoned`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Store::Bitmap => "bitmap",
+            Store::Zoned => "zoned",
+        }
+    }
+    /// Parses `bitmap` or `zoned`.
+    pub fn parse(s: &str) -> Result<Store> {
+        match s {
+            "bitmap" => Ok(Store::Bitmap),
+            "zoned" => Ok(Store::Zoned),
+            _ => Err(Error::invalid(format!("store {s:?}: bitmap or zoned"))),
+        }
+    }
+}
+
 /// Options of `uzram bench writeback`.
 #[derive(Debug, Clone)]
 pub struct WritebackBenchOptions {
@@ -86,6 +116,11 @@ pub struct WritebackBenchOptions {
     pub repeats: usize,
     /// Show a progress bar (on a terminal, for runs longer than a second).
     pub progress: bool,
+    /// Stores to run (default both).
+    pub stores: Vec<Store>,
+    /// Zone size for the zoned store (None: 256 MiB, or a quarter of the backing file rounded
+    /// down to 1 MiB if that is smaller, so small runs still have several zones).
+    pub zone_size_bytes: Option<u64>,
 }
 
 impl Default for WritebackBenchOptions {
@@ -97,6 +132,8 @@ impl Default for WritebackBenchOptions {
             batch_sizes: vec![1, 2, 4, 8, 16, 32, 64, 128],
             repeats: 3,
             progress: true,
+            stores: vec![Store::Bitmap, Store::Zoned],
+            zone_size_bytes: None,
         }
     }
 }
@@ -197,10 +234,40 @@ impl Bar {
     }
 }
 
+/// The zone size a run of the zoned store uses (see [`WritebackBenchOptions::zone_size_bytes`]).
+fn zone_size_for(opts: &WritebackBenchOptions, backing_bytes: u64) -> u64 {
+    opts.zone_size_bytes.unwrap_or_else(|| {
+        (backing_bytes / 4 / (1 << 20) * (1 << 20)).clamp(1 << 20, DEFAULT_ZONE_SIZE_BYTES)
+    })
+}
+
+/// Where one run writes back: the bitmap on a layout, or the zoned store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Bitmap(Layout),
+    Zoned,
+}
+
+impl Target {
+    fn name(self) -> &'static str {
+        match self {
+            Target::Bitmap(l) => l.name(),
+            Target::Zoned => "zoned",
+        }
+    }
+    /// The ceiling pattern it is compared with.
+    fn pattern(self) -> Pattern {
+        match self {
+            Target::Bitmap(l) => l.pattern(),
+            Target::Zoned => Pattern::Sequential,
+        }
+    }
+}
+
 fn run_one(
     corpus: &Corpus,
     opts: &WritebackBenchOptions,
-    layout: Layout,
+    target: Target,
     batch: usize,
     io_mode: &mut String,
 ) -> Result<Sample> {
@@ -209,15 +276,20 @@ fn run_one(
     let backing = open_backing(&opts.backing, engine_for(batch))?;
     *io_mode = backing.io_mode().to_string();
     let blocks = backing.size_bytes() / ps as u64;
+    let backing_bytes = backing.size_bytes();
     let dev = Device::new_uninit(ps)?;
     dev.set_backing(Arc::new(backing))?;
+    if target == Target::Zoned {
+        dev.set_backing_layout(BackingLayout::Zoned)?;
+        dev.set_zone_size_bytes(zone_size_for(opts, backing_bytes))?;
+    }
     dev.set_writeback_batch_size(u32::try_from(batch).map_err(|_| Error::invalid("batch"))?)?;
     dev.init((n * ps) as u64)?;
     for i in 0..n {
         dev.write_at(corpus.page(i % corpus.len()), (i * ps) as u64)?;
     }
     dev.mark_idle(IdleCutoff::All);
-    if layout == Layout::Fragmented {
+    if target == Target::Bitmap(Layout::Fragmented) {
         let need = 2 * n as u64;
         if blocks < need {
             return Err(Error::invalid(format!(
@@ -226,7 +298,7 @@ fn run_one(
         }
         dev.debug_reserve_backing_blocks((0..need).step_by(2))?;
     }
-    let mut bar = Bar::new(opts.progress, format!("{} batch {batch:>3}", layout.name()));
+    let mut bar = Bar::new(opts.progress, format!("{} batch {batch:>3}", target.name()));
     let start = Instant::now();
     let report = dev
         .writeback_with_progress(&WritebackSpec::mode(WritebackMode::Idle), &mut |p| {
@@ -267,6 +339,16 @@ pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
     if opts.batch_sizes.is_empty() || opts.batch_sizes.contains(&0) {
         return Err(Error::invalid("batch sizes must be at least 1"));
     }
+    if opts.stores.is_empty() {
+        return Err(Error::invalid("no store to run"));
+    }
+    let mut targets: Vec<Target> = Vec::new();
+    if opts.stores.contains(&Store::Bitmap) {
+        targets.extend(opts.layouts.iter().map(|&l| Target::Bitmap(l)));
+    }
+    if opts.stores.contains(&Store::Zoned) {
+        targets.push(Target::Zoned);
+    }
     let reps = opts.repeats.max(1);
     let mut io_mode = String::new();
     // (layout, batch) -> samples
@@ -275,7 +357,11 @@ pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
     let mut ceilings: BTreeMap<(&'static str, &'static str, usize), Vec<f64>> = BTreeMap::new();
     let ceiling_blocks = opts.pages as u64;
     // Room for the fragmented layout (every other block taken) plus slack.
-    let backing_bytes = (2 * opts.pages as u64 + 64) * ps as u64;
+    let mut backing_bytes = (2 * opts.pages as u64 + 64) * ps as u64;
+    if opts.stores.contains(&Store::Zoned) {
+        // The zoned store needs at least 3 zones (of at least 1 MiB): 4 for small runs.
+        backing_bytes = backing_bytes.max(4 << 20);
+    }
     let prep = Instant::now();
     prepare_backing(&opts.backing, backing_bytes)?;
     eprintln!(
@@ -285,19 +371,19 @@ pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
         prep.elapsed().as_secs_f64()
     );
     for rep in 0..reps {
-        for &layout in &opts.layouts {
+        for &target in &targets {
             for &batch in &opts.batch_sizes {
-                let s = run_one(corpus, opts, layout, batch, &mut io_mode)?;
+                let s = run_one(corpus, opts, target, batch, &mut io_mode)?;
                 eprintln!(
                     "  run {}/{reps}: {:10} batch {batch:>3} ({}): {:>9} pages/s, {} pages in {} writes",
                     rep + 1,
-                    layout.name(),
+                    target.name(),
                     engine_for(batch).name(),
                     f(s.pages_per_s),
                     s.written,
                     s.ops
                 );
-                samples.entry((layout.name(), batch)).or_default().push(s);
+                samples.entry((target.name(), batch)).or_default().push(s);
             }
         }
         // The ceiling of the same file, in the same state the writeback runs found it.
@@ -342,12 +428,12 @@ pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
         "of d32 ceiling",
         "writes",
     ]);
-    for &layout in &opts.layouts {
-        let name = layout.name();
+    for &target in &targets {
+        let name = target.name();
         let base = samples
             .get(&(name, 1))
             .map(|v| median(&v.iter().map(|s| s.pages_per_s).collect::<Vec<_>>()));
-        let ceil32 = ceiling("uring", layout.pattern().name(), 32);
+        let ceil32 = ceiling("uring", target.pattern().name(), 32);
         let (mut p, mut sp, mut fr, mut op) = (
             serde_json::Map::new(),
             serde_json::Map::new(),
@@ -403,6 +489,49 @@ pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
             .expect("object")
             .insert(depth.to_string(), json!(m));
     }
+    // The issue's comparison: the zoned store against batch-1 synchronous and batched bitmap
+    // writeback on the fragmented layout (the bitmap's best batch size: the fairest anchor).
+    let med = |key: (&'static str, usize)| {
+        samples
+            .get(&key)
+            .map(|v| median(&v.iter().map(|s| s.pages_per_s).collect::<Vec<_>>()))
+    };
+    let best = |name: &'static str, batched_only: bool| {
+        opts.batch_sizes
+            .iter()
+            .filter(|&&b| !batched_only || b > 1)
+            .filter_map(|&b| med((name, b)).map(|v| (b, v)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+    };
+    let frag = Layout::Fragmented.name();
+    let batch1 = med((frag, 1));
+    let bitmap_best = best(frag, true);
+    let zoned_best = best("zoned", false);
+    let mut comparison = serde_json::Map::new();
+    if let Some(b1) = batch1 {
+        comparison.insert("batch1_sync_pages_per_s".into(), json!(b1));
+    }
+    if let Some((b, v)) = bitmap_best {
+        comparison.insert("bitmap_pages_per_s".into(), json!(v));
+        comparison.insert("bitmap_batch_size".into(), json!(b));
+    }
+    if let Some((b, v)) = zoned_best {
+        comparison.insert("zoned_pages_per_s".into(), json!(v));
+        comparison.insert("zoned_batch_size".into(), json!(b));
+        if let Some(b1) = batch1 {
+            comparison.insert("zoned_vs_batch1".into(), json!(v / b1));
+        }
+        if let Some((_, bm)) = bitmap_best {
+            comparison.insert("zoned_vs_bitmap".into(), json!(v / bm));
+        }
+    }
+    if let Some(zs) = opts
+        .stores
+        .contains(&Store::Zoned)
+        .then(|| zone_size_for(opts, backing_bytes))
+    {
+        comparison.insert("zone_size_bytes".into(), json!(zs));
+    }
     println!(
         "writeback of {} pages ({} of them written: same-filled pages stay), backing {} ({io_mode}), median of {reps}",
         opts.pages,
@@ -410,9 +539,20 @@ pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
         opts.backing.display()
     );
     println!("{}", table.render());
+    if let (Some((zb, z)), Some(b1), Some((bb, bm))) = (zoned_best, batch1, bitmap_best) {
+        println!(
+            "zoned (batch {zb}) {} pages/s: {} x fragmented batch 1 (sync, {} pages/s), {} x \
+             fragmented bitmap batch {bb} ({} pages/s)",
+            f(z),
+            f(z / b1),
+            f(b1),
+            f(z / bm),
+            f(bm)
+        );
+    }
     println!("ceiling of the same file (4 KiB writes):");
     println!("{}", ctable.render());
-    Ok(json!({
+    let mut doc = json!({
         "benchmark": "writeback",
         "backing": opts.backing.display().to_string(),
         "io_mode": io_mode,
@@ -428,8 +568,11 @@ pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
         "writes": ops,
         "ceiling_pages_per_s": ceiling_json,
         "ceiling_sync_pages_per_s": ceiling_sync,
-        "ceiling_compared_with": {"sequential": "sequential", "fragmented": "random"},
-    }))
+        "ceiling_compared_with": {"sequential": "sequential", "fragmented": "random", "zoned": "sequential"},
+        "stores": opts.stores.iter().map(|s| s.name()).collect::<Vec<_>>(),
+    });
+    doc.as_object_mut().expect("object").extend(comparison);
+    Ok(doc)
 }
 
 #[cfg(test)]
@@ -475,6 +618,21 @@ mod tests {
             for depth in ["1", "32"] {
                 assert!(doc["ceiling_pages_per_s"][pattern][depth].as_f64().unwrap() > 0.0);
             }
+        }
+        // The zoned store: packed records, a few large writes; the comparison keys.
+        assert!(doc["pages_per_s"]["zoned"]["8"].as_f64().unwrap() > 0.0);
+        assert!(
+            doc["writes"]["zoned"]["8"].as_u64().unwrap() * 8
+                < doc["written_pages"].as_u64().unwrap()
+        );
+        for key in [
+            "zoned_pages_per_s",
+            "bitmap_pages_per_s",
+            "batch1_sync_pages_per_s",
+            "zoned_vs_batch1",
+            "zoned_vs_bitmap",
+        ] {
+            assert!(doc[key].as_f64().unwrap() > 0.0, "{key}");
         }
         // Fragmented: no two written blocks adjacent, so one write per page.
         let written = doc["written_pages"].as_u64().unwrap();

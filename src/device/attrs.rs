@@ -10,6 +10,7 @@ use crate::backing::{FileBacking, FileOptions};
 use crate::compress::{self, CodecParams};
 use crate::error::{Error, ErrorKind, Result};
 use crate::units::parse_size_bytes;
+use crate::writeback::BackingLayout;
 use crate::zsmalloc::DeferredStats;
 use std::sync::Arc;
 
@@ -28,6 +29,7 @@ pub enum AttrMode {
 pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
     ("algorithm_params", AttrMode::WriteOnly),
     ("backing_dev", AttrMode::ReadWrite),
+    ("backing_layout", AttrMode::ReadWrite),
     ("bd_stat", AttrMode::ReadOnly),
     ("comp_algorithm", AttrMode::ReadWrite),
     ("compact", AttrMode::WriteOnly),
@@ -35,6 +37,7 @@ pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
     ("debug_stat", AttrMode::ReadOnly),
     ("deferred_stat", AttrMode::ReadOnly),
     ("disksize", AttrMode::ReadWrite),
+    ("gc", AttrMode::WriteOnly),
     ("idle", AttrMode::WriteOnly),
     ("initstate", AttrMode::ReadOnly),
     ("io_stat", AttrMode::ReadOnly),
@@ -46,6 +49,8 @@ pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
     ("writeback_batch_size", AttrMode::ReadWrite),
     ("writeback_limit", AttrMode::ReadWrite),
     ("writeback_limit_enable", AttrMode::ReadWrite),
+    ("zone_size", AttrMode::ReadWrite),
+    ("zone_stat", AttrMode::ReadOnly),
 ];
 
 fn mode_of(name: &str) -> Result<AttrMode> {
@@ -135,6 +140,9 @@ impl Device {
         }
         Ok(match name {
             "backing_dev" => format!("{}\n", self.backing_dev()),
+            "backing_layout" => format!("{}\n", self.backing_layout().name()),
+            "zone_size" => format!("{}\n", self.zone_size_bytes()),
+            "zone_stat" => self.zone_stats().unwrap_or_default().to_line(),
             "bd_stat" => self.stats().bd_stat(),
             "compressed_writeback" => format!("{}\n", u8::from(self.compressed_writeback())),
             "writeback_batch_size" => format!("{}\n", self.writeback_batch_size()),
@@ -185,6 +193,26 @@ impl Device {
                 self.set_backing(Arc::new(backing))
             }
             "compressed_writeback" => self.set_compressed_writeback(kstrtobool(value)?),
+            "backing_layout" => {
+                let layout = BackingLayout::parse(strip_newline(value).trim())?;
+                self.set_backing_layout(layout)
+            }
+            "zone_size" => {
+                if self.is_initialised() {
+                    return Err(Error::busy(
+                        "zone_size cannot change once initialised: reset first",
+                    ));
+                }
+                self.set_zone_size_bytes(parse_size_bytes(value)?)
+            }
+            "gc" => {
+                let v = kstrtou64(value, 10)
+                    .map_err(|_| Error::invalid(format!("gc takes 1, not {value:?}")))?;
+                if v != 1 {
+                    return Err(Error::invalid(format!("gc takes 1, not {v}")));
+                }
+                self.gc().map(|_| ())
+            }
             "writeback" => self.writeback_str(value),
             "writeback_batch_size" => {
                 let v = kstrtou64(value, 10).map_err(|_| {

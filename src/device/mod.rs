@@ -32,7 +32,8 @@ use crate::compress::{self, Codec, CodecParams};
 use crate::error::{Error, Result};
 use crate::slot::{SlotIndex, SlotTable};
 use crate::units::{DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
-use crate::writeback::{WbLimit, WbStore, DEFAULT_WB_BATCH_SIZE};
+use crate::writeback::{BackingLayout, WbLimit, WbStore, DEFAULT_WB_BATCH_SIZE};
+use crate::zoned::{ZoneConfig, DEFAULT_ZONE_SIZE_BYTES};
 use crate::zsmalloc::{DeferredStats, PoolStats, ZsPool};
 use crate::BlockDevice;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
@@ -80,6 +81,10 @@ struct Settings {
     backing: Option<Arc<dyn Backing>>,
     /// `compressed_writeback`.
     compressed_writeback: bool,
+    /// `backing_layout`.
+    backing_layout: BackingLayout,
+    /// `zone_size`: bytes per zone with the zoned layout.
+    zone_size_bytes: u64,
 }
 
 impl Default for Settings {
@@ -89,6 +94,8 @@ impl Default for Settings {
             comp_params: CodecParams::default(),
             backing: None,
             compressed_writeback: false,
+            backing_layout: BackingLayout::Bitmap,
+            zone_size_bytes: DEFAULT_ZONE_SIZE_BYTES,
         }
     }
 }
@@ -238,11 +245,19 @@ impl Device {
         let pool = ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?;
         let slots = SlotTable::new(disksize_bytes / page)?;
         let huge_threshold_bytes = pool.huge_class_size_bytes();
-        let wb = st
-            .settings
-            .backing
-            .clone()
-            .map(|b| WbStore::new(b, st.settings.compressed_writeback, self.page_size_bytes));
+        let zones = (st.settings.backing_layout == BackingLayout::Zoned).then(|| ZoneConfig {
+            zone_size_bytes: st.settings.zone_size_bytes,
+            ..ZoneConfig::default()
+        });
+        let wb = match st.settings.backing.clone() {
+            Some(b) => Some(WbStore::new(
+                b,
+                st.settings.compressed_writeback,
+                self.page_size_bytes,
+                zones,
+            )?),
+            None => None,
+        };
         st.inner = Some(Inner {
             disksize_bytes,
             slots,
@@ -316,6 +331,61 @@ impl Device {
     /// The `compressed_writeback` setting.
     pub fn compressed_writeback(&self) -> bool {
         self.state.read().settings.compressed_writeback
+    }
+
+    /// Sets `backing_layout`: how writeback lays pages out on the backing device (the zoned
+    /// layout always stores compressed objects, whatever `compressed_writeback` says). Only
+    /// before initialisation (`EBUSY`).
+    pub fn set_backing_layout(&self, layout: BackingLayout) -> Result<()> {
+        let mut st = self.state.write();
+        if st.inner.is_some() {
+            return Err(Error::busy(
+                "backing_layout cannot change once initialised: reset first",
+            ));
+        }
+        st.settings.backing_layout = layout;
+        Ok(())
+    }
+
+    /// The `backing_layout` setting.
+    pub fn backing_layout(&self) -> BackingLayout {
+        self.state.read().settings.backing_layout
+    }
+
+    /// Sets `zone_size` for the zoned layout. Only before initialisation (`EBUSY`); `EINVAL`
+    /// unless it is a non-zero multiple of 1 MiB of at most 2 GiB and, when a backing device is
+    /// set, it holds at least 3 such zones (checked again at `disksize`, as the backing may be
+    /// set afterwards).
+    pub fn set_zone_size_bytes(&self, bytes: u64) -> Result<()> {
+        let mut st = self.state.write();
+        if st.inner.is_some() {
+            return Err(Error::busy(
+                "zone_size cannot change once initialised: reset first",
+            ));
+        }
+        if bytes == 0 || bytes % (1 << 20) != 0 || bytes > crate::zoned::MAX_ZONE_SIZE_BYTES {
+            return Err(Error::invalid(format!(
+                "zone_size {bytes}: must be a non-zero multiple of 1 MiB, at most {}",
+                crate::zoned::MAX_ZONE_SIZE_BYTES
+            )));
+        }
+        if let Some(b) = st.settings.backing.as_ref() {
+            if b.size_bytes() / bytes < 3 {
+                return Err(Error::invalid(format!(
+                    "zone_size {bytes}: the backing device ({} bytes) would hold {} zones; \
+                     zoned writeback needs at least 3",
+                    b.size_bytes(),
+                    b.size_bytes() / bytes
+                )));
+            }
+        }
+        st.settings.zone_size_bytes = bytes;
+        Ok(())
+    }
+
+    /// The `zone_size` setting in bytes.
+    pub fn zone_size_bytes(&self) -> u64 {
+        self.state.read().settings.zone_size_bytes
     }
 
     /// `writeback_limit_enable`.
@@ -423,7 +493,7 @@ impl Device {
         let units = crate::writeback::units_per_page(self.page_size_bytes);
         let (bd_count, bd_reads, bd_writes) = inner.wb.as_ref().map_or((0, 0, 0), |wb| {
             (
-                wb.bitmap.bd_count() * units,
+                wb.pages_stored() * units,
                 get(&wb.bd_reads) * units,
                 get(&wb.bd_writes) * units,
             )

@@ -20,6 +20,16 @@
 //! `EIO` and changes nothing. A partial write of a WB slot reads the block the same way, then
 //! retakes the slot lock and goes on only if the slot still points at that block (a pinned
 //! block cannot come back to the slot, so this check is exact); otherwise it starts over.
+//!
+//! With the zoned layout the slot points at a record (`ZoneLoc`); the read pins the record's
+//! *zone* under the slot lock instead ([`crate::zoned::ZonePin`]: GC does not reset a pinned
+//! zone, and zones are append-only, so the record's bytes cannot change under the read), drops
+//! the lock, reads and verifies the record (a checksum, magic, slot or length mismatch is
+//! `EIO`, never wrong data) and decompresses it with the slot's codec when its flags say it is
+//! compressed. The partial-write recheck is exact for the same reason: while the zone is
+//! pinned, no other record can appear at that location.
+//!
+//! Lock order: init lock (shared) → slot lock → zone store mutex (pin, release, commit).
 
 use super::stats::DeviceStats;
 use super::{Device, Inner};
@@ -28,6 +38,7 @@ use crate::error::{Error, Result};
 use crate::slot::{SlotFlags, SlotGuard, SlotIndex};
 use crate::units::SECTOR_SIZE_BYTES;
 use crate::writeback::{BlockIndex, BlockPin};
+use crate::zoned::{ZoneLoc, ZonePin};
 use crate::zsmalloc::Handle;
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
@@ -136,8 +147,10 @@ impl Device {
                 let target: &mut [u8] = if full { &mut *out } else { &mut *tmp };
                 let source = read_slot(&inner, &g, target);
                 drop(g);
-                if let Source::Backing(pin, st) = source? {
-                    read_backing(&inner, &pin, st, target, blk)?;
+                match source? {
+                    Source::Done => {}
+                    Source::Backing(pin, st) => read_backing(&inner, &pin, st, target, blk)?,
+                    Source::Zoned(pin, st) => read_zoned(&inner, seg.index.0, &pin, st, target)?,
                 }
                 if !full {
                     out.copy_from_slice(&tmp[seg.offset_bytes..seg.offset_bytes + seg.len_bytes]);
@@ -200,7 +213,16 @@ impl Device {
                     if g.state().wb_location() != Some(pin.block().0) {
                         continue;
                     }
-                    Some(pin)
+                    Some(Pin::Block(pin))
+                }
+                Source::Zoned(pin, st) => {
+                    drop(g);
+                    read_zoned(inner, seg.index.0, &pin, st, page)?;
+                    g = inner.slots.lock(seg.index);
+                    if g.state().wb_location() != Some(pin.loc().to_raw()) {
+                        continue;
+                    }
+                    Some(Pin::Zone(pin))
                 }
             };
             patch(&mut page[seg.offset_bytes..seg.offset_bytes + seg.len_bytes]);
@@ -296,6 +318,14 @@ enum Source<'a> {
     Done,
     /// On the backing device: read the pinned block after dropping the slot lock.
     Backing(BlockPin<'a>, crate::slot::SlotState),
+    /// A record in the zoned store: read it after dropping the slot lock.
+    Zoned(ZonePin<'a>, crate::slot::SlotState),
+}
+
+/// A pin held by a partial write until it publishes (only to keep it alive).
+enum Pin<'a> {
+    Block(#[allow(dead_code)] BlockPin<'a>),
+    Zone(#[allow(dead_code)] ZonePin<'a>),
 }
 
 /// Reads the slot's page into `out` (one page) if it is in RAM; for a WB slot pins its block
@@ -315,6 +345,9 @@ fn read_slot<'a>(inner: &'a Inner, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<
             .wb
             .as_ref()
             .expect("a WB slot implies a backing device");
+        if let Some(store) = wb.zoned.as_ref() {
+            return Ok(Source::Zoned(store.pin(ZoneLoc::from_raw(location)), st));
+        }
         return Ok(Source::Backing(wb.bitmap.pin(BlockIndex(location)), st));
     }
     let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
@@ -362,6 +395,61 @@ fn read_backing(
             .map_err(|e| Error::io(format!("written-back object does not decompress: {e}")))?;
     } else {
         wb.backing.read_at(out, offset).map_err(io_err)?;
+    }
+    crate::writeback::add(&wb.bd_reads, 1);
+    Ok(())
+}
+
+/// Reads a written-back page from its record in the zoned store into `out` (one page): the
+/// record is verified (magic, slot, length, checksum) and decompressed with the codec of its
+/// priority when it holds a compressed object. No slot lock is held; `pin` keeps the zone from
+/// being reset. Counts `bd_reads`; any failure is `EIO` and changes nothing.
+fn read_zoned(
+    inner: &Inner,
+    slot: u64,
+    pin: &ZonePin<'_>,
+    st: crate::slot::SlotState,
+    out: &mut [u8],
+) -> Result<()> {
+    let wb = inner
+        .wb
+        .as_ref()
+        .expect("a WB slot implies a backing device");
+    let store = wb
+        .zoned
+        .as_ref()
+        .expect("a zoned pin implies a zoned store");
+    let io_err = |e: Error| {
+        Error::io(format!(
+            "reading written-back page {slot} from {:?} of {}: {e}",
+            pin.loc(),
+            wb.backing.describe()
+        ))
+    };
+    let (h, payload) = store.read_record(pin.loc(), slot).map_err(io_err)?;
+    if h.is_compressed() {
+        // Only the primary codec exists (no recompression yet): priority 0 is all a record can
+        // hold; anything else would be a record this device did not write.
+        if h.prio != 0 || h.prio != st.prio() {
+            return Err(io_err(Error::io(format!(
+                "record compressed with priority {}, slot says {}",
+                h.prio,
+                st.prio()
+            ))));
+        }
+        inner
+            .codec
+            .decompress(&payload, out)
+            .map_err(|e| io_err(Error::io(format!("record does not decompress: {e}"))))?;
+    } else {
+        if payload.len() != out.len() {
+            return Err(io_err(Error::io(format!(
+                "raw record of {} bytes for a {}-byte page",
+                payload.len(),
+                out.len()
+            ))));
+        }
+        out.copy_from_slice(&payload);
     }
     crate::writeback::add(&wb.bd_reads, 1);
     Ok(())
@@ -463,7 +551,15 @@ pub(crate) fn release_slot(inner: &Inner, g: &mut SlotGuard<'_>, how: Free) {
             .wb
             .as_ref()
             .expect("a WB slot implies a backing device");
-        wb.bitmap.release(BlockIndex(location));
+        match wb.zoned.as_ref() {
+            Some(store) => {
+                // Exactly once: the slot is emptied below under the same lock.
+                store.release(ZoneLoc::from_raw(location));
+                wb.zoned_pages
+                    .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            None => wb.bitmap.release(BlockIndex(location)),
+        }
     } else {
         release_object(inner, st, how);
     }

@@ -41,7 +41,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Attributes whose store may take long: they report progress.
-pub const LONG_OPERATIONS: &[&str] = &["compact", "writeback", "recompress"];
+pub const LONG_OPERATIONS: &[&str] = &["compact", "writeback", "recompress", "gc"];
 
 /// How often a long operation reports progress: often enough that a person sees it move,
 /// rarely enough that the log of a long writeback stays readable.
@@ -307,6 +307,13 @@ fn progress_line(
             now.pages_compacted.saturating_sub(before.pages_compacted),
             now.mem_used_total_bytes
         ),
+        "gc" => {
+            let z = device.zone_stats().unwrap_or_default();
+            format!(
+                "gc: {} zones reclaimed, {} bytes relocated in all, {} zones empty ({secs} s)",
+                z.gc_runs, z.gc_bytes_relocated, z.empty
+            )
+        }
         _ => {
             // Writeback and recompression move bd_stat and mm_stat; bd_stat's third column
             // is bd_writes (4 KiB units, as zram's FOUR_K).

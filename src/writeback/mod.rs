@@ -26,6 +26,7 @@ mod batch;
 mod bitmap;
 pub(crate) mod candidates;
 mod limit;
+mod zoned;
 
 pub use bitmap::{BlockBitmap, BlockIndex, BlockPin};
 pub use candidates::ModeFilter;
@@ -38,6 +39,7 @@ use crate::backing::{Backing, MAX_QUEUE_DEPTH};
 use crate::device::attrs::kstrtou64;
 use crate::device::Device;
 use crate::error::{Error, ErrorKind, Result};
+use crate::zoned::{GcReport, ZoneConfig, ZoneStore};
 
 /// The default `writeback_batch_size`: upstream zram's (32 requests in flight).
 pub const DEFAULT_WB_BATCH_SIZE: u32 = 32;
@@ -51,12 +53,51 @@ pub(crate) fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Ordering::Relaxed);
 }
 
+/// How written-back pages are laid out on the backing device (`backing_layout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackingLayout {
+    /// One page-sized block per slot, from a bitmap (zram's layout).
+    #[default]
+    Bitmap,
+    /// Append-only zones of records with garbage collection ([`crate::zoned`]).
+    Zoned,
+}
+
+impl BackingLayout {
+    /// `bitmap` or `zoned`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackingLayout::Bitmap => "bitmap",
+            BackingLayout::Zoned => "zoned",
+        }
+    }
+
+    /// Parses [`name`](Self::name)'s output.
+    pub fn parse(s: &str) -> Result<BackingLayout> {
+        match s {
+            "bitmap" => Ok(BackingLayout::Bitmap),
+            "zoned" => Ok(BackingLayout::Zoned),
+            _ => Err(Error::invalid(format!(
+                "backing_layout {s:?}: bitmap or zoned"
+            ))),
+        }
+    }
+}
+
 /// An initialised device's backing store.
+///
+/// With the bitmap layout a WB slot's value is a [`BlockIndex`]; with the zoned layout it is a
+/// packed [`crate::zoned::ZoneLoc`] (`ZoneLoc::to_raw`). The layout is fixed for the life of
+/// an initialisation, so `zoned.is_some()` tells which one every WB slot holds.
 #[derive(Debug)]
 pub(crate) struct WbStore {
     pub(crate) backing: Arc<dyn Backing>,
-    /// One bit per page-sized block of the backing device.
+    /// One bit per page-sized block of the backing device (no blocks with the zoned layout).
     pub(crate) bitmap: BlockBitmap,
+    /// The zoned store, with the zoned layout.
+    pub(crate) zoned: Option<Arc<ZoneStore>>,
+    /// WB slots pointing into the zoned store (its `bd_count`).
+    pub(crate) zoned_pages: AtomicU64,
     /// `compressed_writeback`: blocks hold the stored object (decompressed on read) rather
     /// than the page. Fixed for the life of the initialisation.
     pub(crate) compressed: bool,
@@ -68,15 +109,35 @@ pub(crate) struct WbStore {
 }
 
 impl WbStore {
-    pub(crate) fn new(backing: Arc<dyn Backing>, compressed: bool, page: usize) -> WbStore {
-        let blocks = backing.size_bytes() / page as u64;
-        WbStore {
+    /// The store for `backing`: a bitmap of its blocks, or (with `zones`) a zoned store;
+    /// `EINVAL` for a zone configuration the backing cannot hold.
+    pub(crate) fn new(
+        backing: Arc<dyn Backing>,
+        compressed: bool,
+        page: usize,
+        zones: Option<ZoneConfig>,
+    ) -> Result<WbStore> {
+        let (blocks, zoned) = match zones {
+            None => (backing.size_bytes() / page as u64, None),
+            Some(cfg) => (0, Some(Arc::new(ZoneStore::new(backing.clone(), cfg)?))),
+        };
+        Ok(WbStore {
             backing,
             bitmap: BlockBitmap::new(blocks),
+            zoned,
+            zoned_pages: AtomicU64::new(0),
             compressed,
             page_size_bytes: page,
             bd_reads: AtomicU64::new(0),
             bd_writes: AtomicU64::new(0),
+        })
+    }
+
+    /// Pages on the backing device (zram's `bd_count`, in pages).
+    pub(crate) fn pages_stored(&self) -> u64 {
+        match self.zoned {
+            Some(_) => self.zoned_pages.load(Ordering::Relaxed),
+            None => self.bitmap.bd_count(),
         }
     }
 
@@ -292,6 +353,11 @@ pub struct WritebackReport {
     /// Why the writeback failed: `ENOSPC` (backing full), `EIO` (limit exhausted, or the most
     /// recent write error). Pages written before it stay written.
     pub error: Option<Error>,
+    /// Zoned layout: zones the GC run after the pass reclaimed.
+    pub gc_zones_reclaimed: u64,
+    /// Zoned layout: why that GC run stopped early. It does not fail the writeback (every page
+    /// it reported written is written); the space stays unreclaimed until a later GC.
+    pub gc_error: Option<Error>,
 }
 
 impl Device {
@@ -382,9 +448,94 @@ impl Device {
             ctl.scan(&inner, s.mode, s.lo, s.hi);
         }
         let batch = (self.wb_batch_size.load(Ordering::Relaxed) as usize).min(MAX_WB_BATCH_SIZE);
-        let r = batch::run(&inner, wb, &self.wb_limit, &mut ctl, batch, progress);
+        let Some(store) = wb.zoned.as_ref() else {
+            let r = batch::run(&inner, wb, &self.wb_limit, &mut ctl, batch, progress);
+            ctl.release(&inner);
+            return r;
+        };
+        let r = zoned::run(&inner, wb, &self.wb_limit, &mut ctl, batch, progress);
         ctl.release(&inner);
-        r
+        let mut report = r?;
+        if store.needs_gc() {
+            match run_gc(&inner, store) {
+                Ok(g) => report.gc_zones_reclaimed = g.zones_reclaimed,
+                Err(e) => report.gc_error = Some(e),
+            }
+        }
+        Ok(report)
+    }
+
+    /// Runs zoned-store garbage collection now, reclaiming every eligible zone (the `gc`
+    /// attribute). Synchronous; runs while reads, writes and writeback go on (one GC at a
+    /// time: a second caller waits). `ENODEV` without a zoned backing store; a backing error
+    /// (`EIO`) or a full GC zone (`ENOSPC`) stops it with nothing lost and no victim reset
+    /// early.
+    pub fn gc(&self) -> Result<GcReport> {
+        let inner = self.inner()?;
+        let store = inner
+            .wb
+            .as_ref()
+            .and_then(|wb| wb.zoned.as_ref())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NoDevice,
+                    "gc needs a zoned backing store (backing_layout=zoned and backing_dev)",
+                )
+            })?;
+        run_gc(&inner, store)
+    }
+
+    /// The zoned store's counters (`zone_stat`), with the zoned layout.
+    pub fn zone_stats(&self) -> Option<crate::zoned::ZoneStats> {
+        let inner = self.inner().ok()?;
+        let store = inner.wb.as_ref()?.zoned.as_ref()?;
+        Some(store.stats())
+    }
+
+    /// Checks the zoned store's bookkeeping (panics on a mismatch). For tests.
+    #[doc(hidden)]
+    pub fn debug_check_zones(&self) {
+        if let Ok(inner) = self.inner() {
+            if let Some(store) = inner.wb.as_ref().and_then(|wb| wb.zoned.as_ref()) {
+                store.check();
+            }
+        }
+    }
+}
+
+/// Queue depth of GC reads and writes: each op is a chunk of up to a scratch buffer (1 MiB), and
+/// the default scratch (2 x 1 MiB) never has more than a few chunks outstanding anyway.
+const GC_QUEUE_DEPTH: usize = 8;
+
+/// Runs GC over every eligible victim, with a queue of its own on the store's backing.
+fn run_gc(inner: &crate::device::Inner, store: &ZoneStore) -> Result<GcReport> {
+    let mut queue = store.backing().new_queue(GC_QUEUE_DEPTH)?;
+    store.gc(&SlotOwner { inner }, queue.as_mut(), usize::MAX)
+}
+
+/// The device as GC sees it: slots point at records through their WB value.
+struct SlotOwner<'a> {
+    inner: &'a crate::device::Inner,
+}
+
+impl crate::zoned::GcOwner for SlotOwner<'_> {
+    /// Under the slot lock: if the slot is WB at `old`, point it at `new` (size, flags,
+    /// priority and access time kept: a move is not an access) and call `moved`.
+    fn repoint(
+        &self,
+        slot: u64,
+        old: crate::zoned::ZoneLoc,
+        new: crate::zoned::ZoneLoc,
+        moved: &dyn Fn(),
+    ) -> bool {
+        let mut g = self.inner.slots.lock(crate::slot::SlotIndex(slot));
+        let st = g.state();
+        if st.wb_location() != Some(old.to_raw()) {
+            return false;
+        }
+        g.set_wb(new.to_raw(), st.size_bytes(), st.flags(), st.prio());
+        moved();
+        true
     }
 }
 

@@ -4,21 +4,27 @@
 //! 1. **Victim**: the full zone with the fewest live bytes among those with no pending records
 //!    and at least a quarter of the zone reclaimable ([`MIN_RECLAIM_DIVISOR`]: copying a
 //!    nearly all-live zone gains nothing, and every zone has some padding, so "anything dead"
-//!    would make GC chase its own tail). Ties: the lowest index.
-//! 2. **Chunks**: ranges of the victim of at most `gc_chunk_bytes` (a scratch buffer) holding
+//!    would make GC chase its own tail). Ties: the lowest index. A GC call never picks a zone
+//!    it wrote into itself: with small zones, relocated records that do not pack into whole
+//!    zones leave every GC zone under three quarters live, and GC would move them from zone
+//!    to zone forever (the model test found this with 1 MiB zones). So one call reclaims at
+//!    most the zones that were written by others, and always ends.
+//! 2. Chunks are at most an eighth of a zone, so the space a GC zone leaves unused when the
+//!    next chunk does not fit is small (it would otherwise make GC zones eligible again).
+//! 3. **Chunks**: ranges of the victim of at most `gc_chunk_bytes` (a scratch buffer) holding
 //!    live records, in offset order; a gap of more than 64 KiB of dead bytes starts a new
 //!    chunk. Records are sector aligned, so a chunk is one aligned read.
-//! 3. **Read, then reuse the op as the write**: a chunk reserves scratch pieces at the ring's
+//! 4. **Read, then reuse the op as the write**: a chunk reserves scratch pieces at the ring's
 //!    head and is queued as one asynchronous read [`IoOp`] owning them. When the read
 //!    completes, the *same op* gets the GC zone's write pointer as its offset and, as its
 //!    segments, the live records among the bytes it read (plus filler to keep writes 4 KiB
 //!    aligned), and is resubmitted as the write: no copy, no rebuilt buffer (bio_reuse). Dead
 //!    records read along with live ones are simply not named by the write.
-//! 4. **Complete**: when a write completes, each record in it is re-pointed through
+//! 5. **Complete**: when a write completes, each record in it is re-pointed through
 //!    [`GcOwner::repoint`], which succeeds only if the slot still points at the old location
 //!    (else the copy is dropped as dead); the pieces go back to the scratch (the tail moves).
 //!    A failed write leaves the records where they were.
-//! 5. **Reset**: after every chunk completed, the backing is flushed (the copies are durable)
+//! 6. **Reset**: after every chunk completed, the backing is flushed (the copies are durable)
 //!    and, if nothing failed and nothing live is left, the victim is reset to empty.
 
 use std::time::{Duration, Instant};
@@ -33,9 +39,12 @@ pub const MIN_RECLAIM_DIVISOR: u64 = 4;
 
 /// Whoever points slots at records: GC asks it to move a slot from `old` to `new`.
 pub trait GcOwner: Sync {
-    /// Re-points `slot` from `old` to `new` if it still points at `old` (under the slot's
-    /// lock) and returns whether it did.
-    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc) -> bool;
+    /// Re-points `slot` from `old` to `new` if it still points at `old` and returns whether it
+    /// did. Both the check and the store happen under the slot's lock, and so does `moved`,
+    /// which the owner calls right after storing `new` (it makes `new` live and `old` dead in
+    /// the store's books): a release of the slot, which also happens under its lock, then
+    /// always finds `new` live.
+    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc, moved: &dyn Fn()) -> bool;
 }
 
 /// What one [`ZoneStore::gc`] call did.
@@ -74,6 +83,7 @@ impl ZoneStore {
             .filter(|(_, zone)| {
                 zone.cond == ZoneCondition::Full
                     && zone.pending == 0
+                    && zone.gc_pass != z.gc_pass
                     && self.config.zone_size_bytes - zone.live_bytes >= min_gain
             })
             .min_by_key(|(i, zone)| (zone.live_bytes, *i))
@@ -92,6 +102,10 @@ impl ZoneStore {
         max_victims: usize,
     ) -> Result<GcReport> {
         let _one_at_a_time = self.gc_lock.lock();
+        {
+            let mut z = self.zones.lock();
+            z.gc_pass += 1;
+        }
         let start = Instant::now();
         let mut scratch = new_scratch(
             self.config.scratch_mode,
@@ -132,7 +146,14 @@ impl ZoneStore {
                 .copied()
                 .collect()
         };
-        let max_chunk = self.config.gc_chunk_bytes.min(scratch.max_chunk_bytes());
+        // Zones are at least 1 MiB, so an eighth (128 KiB) still holds the largest record (a
+        // raw 64 KiB page and its header): a chunk is never smaller than one record.
+        let eighth = (self.config.zone_size_bytes / 8) as usize / PIECE_BYTES * PIECE_BYTES;
+        let max_chunk = self
+            .config
+            .gc_chunk_bytes
+            .min(scratch.max_chunk_bytes())
+            .min(eighth.max(PIECE_BYTES));
         let chunks = plan_chunks(&live, max_chunk as u64);
         let mut in_flight: Vec<Option<Chunk>> = Vec::new();
         let mut first_error: Option<Error> = None;
@@ -201,9 +222,17 @@ impl ZoneStore {
         }
         // Every copy is written and re-pointed; make them durable before the originals go.
         self.backing.flush()?;
-        let mut z = self.zones.lock();
-        let zone = &mut z.zones[victim as usize];
-        if zone.live_bytes == 0 && zone.pending == 0 {
+        let z = self.zones.lock();
+        let zone = &z.zones[victim as usize];
+        let reclaimable = zone.live_bytes == 0 && zone.pending == 0;
+        drop(z);
+        if reclaimable {
+            // Readers that pinned the victim before their slot moved finish first. No new pin
+            // can come (no slot points into the victim any more) and nothing can become live
+            // in it (it is full with nothing pending), so the wait is bounded.
+            let mut z = self.wait_unpinned(victim);
+            let zone = &mut z.zones[victim as usize];
+            debug_assert!(zone.live_bytes == 0 && zone.pending == 0);
             *zone = super::Zone::empty();
             drop(z);
             report.zones_reclaimed += 1;
@@ -338,9 +367,10 @@ impl ZoneStore {
                 report.bytes_relocated += copied;
                 report.bytes_written += op.len_bytes();
                 for (slot, old, new) in chunk.moves {
-                    // The slot lock (taken by `repoint`) orders this against overwrite and
-                    // discard: either they see `new` and release it, or `repoint` fails.
-                    if owner.repoint(slot, old, new) {
+                    // The slot lock (taken by `repoint`, held across `moved`) orders this
+                    // against overwrite and discard: either they see `new`, already live, and
+                    // release it, or `repoint` fails.
+                    let moved = || {
                         let mut z = self.zones.lock();
                         let nz = &mut z.zones[new.zone as usize];
                         let r = nz.rec_mut(new);
@@ -352,6 +382,8 @@ impl ZoneStore {
                         assert_eq!(r.state, RecState::Live, "relocated {old:?} was not live");
                         r.state = RecState::Dead;
                         oz.live_bytes -= u64::from(old.span_bytes);
+                    };
+                    if owner.repoint(slot, old, new, &moved) {
                         report.records_relocated += 1;
                     } else {
                         self.abort(new);

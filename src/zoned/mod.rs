@@ -20,24 +20,35 @@
 //! being relocated by GC. Only live records count in `live_bytes`; a zone with pending records
 //! is never chosen as a GC victim, so a record cannot become live in a zone being reset.
 //!
+//! # Read pins
+//! A record's bytes stay valid until its zone is reset, and only GC resets zones. A reader
+//! that found a slot pointing at a [`ZoneLoc`] takes a [`ZonePin`] on its zone *under the slot
+//! lock* (so the record is live when pinned), drops the slot lock and reads. GC resets a victim
+//! only once its reader count is 0; after GC re-pointed every slot away from the victim no new
+//! pin on it can be taken (a pin needs a slot pointing into the zone), so the wait is short
+//! and the bytes a pinned reader reads are exactly those its slot pointed at.
+//!
 //! # Locks
-//! `zones` (one mutex) protects every zone's state, write pointer, counters and record list;
-//! it is held only for bookkeeping, never across I/O. GC is serialised by `gc_lock`. The
-//! caller's slot locks come before `zones` (the device calls `release`/`commit` under a slot
-//! lock); GC calls [`GcOwner::repoint`] (which takes a slot lock) without holding `zones`.
+//! `zones` (one mutex) protects every zone's state, write pointer, counters, reader count and
+//! record list; it is held only for bookkeeping, never across I/O. GC is serialised by
+//! `gc_lock`. The caller's slot locks come before `zones` (the device calls
+//! `release`/`commit`/`pin` under a slot lock); GC calls [`GcOwner::repoint`] (which takes a
+//! slot lock, then `zones` inside the `moved` callback) without holding `zones`.
+//! Lock order: `gc_lock` → slot lock → `zones`.
 
 pub mod gc;
 pub mod record;
 pub mod ring;
 
 pub use gc::{GcOwner, GcReport};
+pub use record::HEADER_BYTES;
 pub use record::{RecordHeader, FLAG_COMPRESSED};
 pub use ring::{ScratchMode, PIECE_BYTES};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::backing::{AlignedBuf, Backing, IoOp};
 use crate::error::{Error, Result};
@@ -152,6 +163,11 @@ struct Zone {
     wp_bytes: u64,
     live_bytes: u64,
     pending: u32,
+    /// Readers holding a [`ZonePin`] on this zone: it is not reset while non-zero.
+    readers: u32,
+    /// The GC pass ([`Zones::gc_pass`]) that last wrote into this zone: a pass never picks a
+    /// zone it wrote as a victim (it would chase its own tail forever).
+    gc_pass: u64,
     /// In offset order.
     records: Vec<Rec>,
 }
@@ -163,6 +179,8 @@ impl Zone {
             wp_bytes: 0,
             live_bytes: 0,
             pending: 0,
+            readers: 0,
+            gc_pass: 0,
             records: Vec::new(),
         }
     }
@@ -190,6 +208,8 @@ struct Zones {
     zones: Vec<Zone>,
     writer_zone: Option<u32>,
     gc_zone: Option<u32>,
+    /// Number of the running (or last) [`ZoneStore::gc`] call, from 1.
+    gc_pass: u64,
 }
 
 /// Counters shown by `zone_stat`.
@@ -259,6 +279,33 @@ pub struct ZoneStore {
     zones: Mutex<Zones>,
     counters: Counters,
     gc_lock: Mutex<()>,
+    /// Signalled when a zone's reader count drops to 0 (GC waits on it before a reset).
+    unpinned: Condvar,
+}
+
+/// A reader's pin on a zone (see the module docs): the zone is not reset until it drops.
+#[derive(Debug)]
+pub struct ZonePin<'a> {
+    store: &'a ZoneStore,
+    loc: ZoneLoc,
+}
+
+impl ZonePin<'_> {
+    /// The pinned record's location.
+    pub fn loc(&self) -> ZoneLoc {
+        self.loc
+    }
+}
+
+impl Drop for ZonePin<'_> {
+    fn drop(&mut self) {
+        let mut z = self.store.zones.lock();
+        let zone = &mut z.zones[self.loc.zone as usize];
+        zone.readers -= 1;
+        if zone.readers == 0 {
+            self.store.unpinned.notify_all();
+        }
+    }
 }
 
 impl ZoneStore {
@@ -296,10 +343,12 @@ impl ZoneStore {
                 zones: (0..nr).map(|_| Zone::empty()).collect(),
                 writer_zone: None,
                 gc_zone: None,
+                gc_pass: 0,
             }),
             config,
             counters: Counters::default(),
             gc_lock: Mutex::new(()),
+            unpinned: Condvar::new(),
         })
     }
 
@@ -372,7 +421,11 @@ impl ZoneStore {
                 i
             }
         };
+        let pass = z.gc_pass;
         let zr = &mut z.zones[zone as usize];
+        if who == Opener::Gc {
+            zr.gc_pass = pass;
+        }
         let off = zr.wp_bytes;
         let len = want.min(zs - off);
         zr.wp_bytes += len;
@@ -428,9 +481,29 @@ impl ZoneStore {
         zone.live_bytes -= u64::from(loc.span_bytes);
     }
 
+    /// Pins the zone of the live record at `loc` for a read (see the module docs). The caller
+    /// holds the lock of the slot that points at `loc`. Panics if the record is not live.
+    pub fn pin(&self, loc: ZoneLoc) -> ZonePin<'_> {
+        let mut z = self.zones.lock();
+        let zone = &mut z.zones[loc.zone as usize];
+        assert_eq!(zone.rec_mut(loc).state, RecState::Live, "pin of {loc:?}");
+        zone.readers += 1;
+        ZonePin { store: self, loc }
+    }
+
+    /// Waits until no reader pins `zone`, and returns the locked zone table.
+    fn wait_unpinned(&self, zone: u32) -> parking_lot::MutexGuard<'_, Zones> {
+        let mut z = self.zones.lock();
+        while z.zones[zone as usize].readers > 0 {
+            self.unpinned.wait(&mut z);
+        }
+        z
+    }
+
     /// Reads and verifies the record of `slot` at `loc`; returns its header and payload.
-    /// The caller keeps `slot` pointing at `loc` meanwhile (it holds the slot's lock), so GC
-    /// cannot reset the zone under the read. A bad record is `EIO`.
+    /// The caller keeps the zone from being reset meanwhile: it holds a [`ZonePin`] taken
+    /// while `slot` pointed at `loc`, or the slot's lock (GC re-points slots under it before
+    /// resetting a victim). A bad record is `EIO`.
     pub fn read_record(&self, loc: ZoneLoc, slot: u64) -> Result<(RecordHeader, Vec<u8>)> {
         let mut buf = AlignedBuf::new_zeroed(loc.span_bytes as usize)?;
         self.backing

@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
-use uzram::bench::writeback::{Layout, WritebackBenchOptions};
+use uzram::bench::writeback::{Layout, Store, WritebackBenchOptions};
 use uzram::bench::{self, free::FreeBenchOptions, store::StoreBenchOptions};
 use uzram::corpus::Corpus;
 
@@ -49,6 +49,15 @@ struct WritebackArgs {
     /// Batch sizes, comma separated (1 runs on the synchronous engine).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128")]
     batch_sizes: Vec<usize>,
+    /// Stores, comma separated: bitmap (on each layout), zoned (append-only log; the layout
+    /// does not apply). Both by default, so the JSON has `zoned_pages_per_s` beside
+    /// `bitmap_pages_per_s` and the batch-1 baseline of the fragmented layout.
+    #[arg(long, value_delimiter = ',', default_value = "bitmap,zoned")]
+    store: Vec<String>,
+    /// Zone size of the zoned store (`K`/`M`/`G`; default 256M, or a quarter of the backing
+    /// file when that is smaller).
+    #[arg(long)]
+    zone_size: Option<String>,
     /// Timing repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -250,6 +259,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 .iter()
                 .map(|l| Layout::parse(l))
                 .collect::<uzram::Result<Vec<_>>>()?;
+            let stores = a
+                .store
+                .iter()
+                .map(|s| Store::parse(s))
+                .collect::<uzram::Result<Vec<_>>>()?;
+            let zone_size_bytes = a
+                .zone_size
+                .as_deref()
+                .map(uzram::units::parse_size_bytes)
+                .transpose()?;
             let opts = WritebackBenchOptions {
                 backing: a.backing,
                 pages: a.pages,
@@ -257,6 +276,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 batch_sizes: a.batch_sizes,
                 repeats: a.repeats,
                 progress: !a.no_progress,
+                stores,
+                zone_size_bytes,
             };
             let doc = bench::writeback::run(&corpus, &opts)?;
             let path = bench::json_path(a.json.as_deref(), "writeback");
