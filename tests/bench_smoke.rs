@@ -3,11 +3,12 @@
 //! writes JSON with every key the issue names, each a finite positive figure. No timing is
 //! asserted.
 
+use std::path::Path;
 use std::process::Command;
 
 /// A corpus file of real pages: a snapshot (at most `max_pages`) of this test process, which
 /// holds a heap of mixed data built for the purpose. Returns its path inside `dir`.
-fn self_corpus(dir: &std::path::Path, max_pages: usize) -> std::path::PathBuf {
+fn self_corpus(dir: &Path, max_pages: usize) -> std::path::PathBuf {
     let heap: Vec<String> = (0..200_000)
         .map(|i| format!("entry {i} / {}", i * 31))
         .collect();
@@ -22,35 +23,48 @@ fn self_corpus(dir: &std::path::Path, max_pages: usize) -> std::path::PathBuf {
     path
 }
 
-#[test]
-fn bench_store_writes_its_table_and_json() {
-    let dir = tempfile::tempdir().unwrap();
-    let corpus_path = self_corpus(dir.path(), 512);
-
-    let json_path = dir.path().join("store.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
-        .args([
-            "bench",
-            "store",
-            "--repeats",
-            "1",
-            "--no-kernel",
-            "--corpus",
-        ])
-        .arg(&corpus_path)
-        .arg("--json")
-        .arg(&json_path)
-        .output()
-        .unwrap();
+/// Runs `uzram bench ARGS... --corpus CORPUS [--backing BACKING] --json DIR/NAME.json`,
+/// checks it succeeded and printed every string of `expect`, and returns the JSON it wrote.
+fn run_bench(
+    dir: &Path,
+    name: &str,
+    args: &[&str],
+    corpus: &Path,
+    backing: Option<&Path>,
+    expect: &[&str],
+) -> serde_json::Value {
+    let json_path = dir.join(format!("{name}.json"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_uzram"));
+    cmd.arg("bench").args(args).arg("--corpus").arg(corpus);
+    if let Some(b) = backing {
+        cmd.arg("--backing").arg(b);
+    }
+    let out = cmd.arg("--json").arg(&json_path).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("packing after compact"), "{stdout}");
-    let doc: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
+    for e in expect {
+        assert!(stdout.contains(e), "{e:?} missing from: {stdout}");
+    }
+    serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap()
+}
+
+#[test]
+fn bench_store_writes_its_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus_path = self_corpus(dir.path(), 512);
+
+    let doc = run_bench(
+        dir.path(),
+        "store",
+        &["store", "--repeats", "1", "--no-kernel"],
+        &corpus_path,
+        None,
+        &["packing after compact"],
+    );
     for key in [
         "raw_compress_mbps",
         "raw_decompress_mbps",
@@ -83,11 +97,11 @@ fn bench_writeback_writes_its_table_and_json() {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
     let corpus_path = self_corpus(dir.path(), 256);
 
-    let json_path = dir.path().join("writeback.json");
     let backing = dir.path().join("backing.img");
-    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
-        .args([
-            "bench",
+    let doc = run_bench(
+        dir.path(),
+        "writeback",
+        &[
             "writeback",
             "--pages",
             "500",
@@ -98,24 +112,11 @@ fn bench_writeback_writes_its_table_and_json() {
             "--repeats",
             "1",
             "--no-progress",
-            "--corpus",
-        ])
-        .arg(&corpus_path)
-        .arg("--backing")
-        .arg(&backing)
-        .arg("--json")
-        .arg(&json_path)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
+        &corpus_path,
+        Some(&backing),
+        &["ceiling of the same file", "zoned"],
     );
-    assert!(stdout.contains("ceiling of the same file"), "{stdout}");
-    let doc: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
     for layout in ["sequential", "fragmented"] {
         for batch in ["1", "8"] {
             let v = doc["pages_per_s"][layout][batch].as_f64().unwrap();
@@ -144,7 +145,6 @@ fn bench_writeback_writes_its_table_and_json() {
         let v = doc[key].as_f64().unwrap_or(f64::NAN);
         assert!(v.is_finite() && v > 0.0, "{key} = {v}");
     }
-    assert!(stdout.contains("zoned"), "{stdout}");
     // The backing file is removed afterwards.
     assert!(!backing.exists());
 }
@@ -154,36 +154,15 @@ fn bench_gc_writes_its_table_and_json() {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
     let corpus_path = self_corpus(dir.path(), 512);
 
-    let json_path = dir.path().join("gc.json");
     let backing = dir.path().join("gc.img");
-    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
-        .args([
-            "bench",
-            "gc",
-            "--zone-size",
-            "2M",
-            "--zones",
-            "5",
-            "--repeats",
-            "2",
-            "--corpus",
-        ])
-        .arg(&corpus_path)
-        .arg("--backing")
-        .arg(&backing)
-        .arg("--json")
-        .arg(&json_path)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let doc = run_bench(
+        dir.path(),
+        "gc",
+        &["gc", "--zone-size", "2M", "--zones", "5", "--repeats", "2"],
+        &corpus_path,
+        Some(&backing),
+        &["GC time ms"],
     );
-    assert!(stdout.contains("GC time ms"), "{stdout}");
-    let doc: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
     for key in ["gc_ms_ring", "gc_ms_bank", "gc_ratio", "seq_write_mbps"] {
         let v = doc[key].as_f64().unwrap_or_else(|| panic!("{key}: {doc}"));
         assert!(v.is_finite() && v > 0.0, "{key} = {v}");

@@ -42,28 +42,21 @@ pub(crate) fn iovecs_after<'b>(
     out
 }
 
-/// Writes all of `bufs` back to back at `offset` with `pwritev`, looping over short writes,
-/// `EINTR` and more than [`IOV_MAX`] buffers. A write that makes no progress fails with
-/// `WriteZero`.
-pub(crate) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
-    let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+/// Repeats one vectored call until `total` bytes moved from `offset` on: `call(done, pos)`
+/// transfers the bytes after the first `done` at file position `pos` and returns what the
+/// syscall returned. Retries `EINTR`, continues after short transfers, and fails with `zero`'s
+/// kind when a call moves nothing.
+fn transfer_all(
+    total: u64,
+    offset: u64,
+    zero: (io::ErrorKind, &str),
+    mut call: impl FnMut(u64, libc::off_t) -> isize,
+) -> io::Result<()> {
     let mut done: u64 = 0;
     while done < total {
-        let iovecs = iovecs_after(bufs.iter().copied(), done, IOV_MAX);
-        let pos = offset + done;
-        let pos =
-            libc::off_t::try_from(pos).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-        // SAFETY: `iovecs` points into `bufs`, which are borrowed (alive and unmodified) for
-        // the whole call; `iovecs.len()` <= IOV_MAX fits a c_int; the fd is open while `file`
-        // is borrowed.
-        let n = unsafe {
-            libc::pwritev(
-                file.as_raw_fd(),
-                iovecs.as_ptr(),
-                iovecs.len() as libc::c_int,
-                pos,
-            )
-        };
+        let pos = libc::off_t::try_from(offset + done)
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let n = call(done, pos);
         if n < 0 {
             let err = io::Error::last_os_error();
             if err.kind() == io::ErrorKind::Interrupted {
@@ -73,9 +66,10 @@ pub(crate) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
         }
         if n == 0 {
             return Err(io::Error::new(
-                io::ErrorKind::WriteZero,
+                zero.0,
                 format!(
-                    "pwritev wrote nothing at offset {pos} with {} bytes left",
+                    "{} at offset {pos} with {} bytes left",
+                    zero.1,
                     total - done
                 ),
             ));
@@ -85,13 +79,35 @@ pub(crate) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Resul
     Ok(())
 }
 
+/// Writes all of `bufs` back to back at `offset` with `pwritev`, looping over short writes,
+/// `EINTR` and more than [`IOV_MAX`] buffers. A write that makes no progress fails with
+/// `WriteZero`.
+pub(crate) fn pwritev_all(file: &File, bufs: &[&[u8]], offset: u64) -> io::Result<()> {
+    let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+    let zero = (io::ErrorKind::WriteZero, "pwritev wrote nothing");
+    transfer_all(total, offset, zero, |done, pos| {
+        let iovecs = iovecs_after(bufs.iter().copied(), done, IOV_MAX);
+        // SAFETY: `iovecs` points into `bufs`, which are borrowed (alive and unmodified) for
+        // the whole call; `iovecs.len()` <= IOV_MAX fits a c_int; the fd is open while `file`
+        // is borrowed.
+        unsafe {
+            libc::pwritev(
+                file.as_raw_fd(),
+                iovecs.as_ptr(),
+                iovecs.len() as libc::c_int,
+                pos,
+            )
+        }
+    })
+}
+
 /// Reads into all of `bufs` back to back from `offset` with `preadv`, looping over short reads,
 /// `EINTR` and more than [`IOV_MAX`] buffers. End of file before the buffers are full fails
 /// with `UnexpectedEof`.
 pub(crate) fn preadv_all(file: &File, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<()> {
     let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-    let mut done: u64 = 0;
-    while done < total {
+    let zero = (io::ErrorKind::UnexpectedEof, "preadv hit end of file");
+    transfer_all(total, offset, zero, |done, pos| {
         // Built from mutable pointers: the kernel writes through them.
         let mut iovecs = Vec::new();
         let mut skip = done;
@@ -111,39 +127,18 @@ pub(crate) fn preadv_all(file: &File, bufs: &mut [&mut [u8]], offset: u64) -> io
                 iov_len: rest.len(),
             });
         }
-        let pos = offset + done;
-        let pos =
-            libc::off_t::try_from(pos).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         // SAFETY: `iovecs` points into `bufs`, mutably borrowed (alive, and not accessed by
         // anything else) for the whole call; `iovecs.len()` <= IOV_MAX fits a c_int; the fd is
         // open while `file` is borrowed.
-        let n = unsafe {
+        unsafe {
             libc::preadv(
                 file.as_raw_fd(),
                 iovecs.as_ptr(),
                 iovecs.len() as libc::c_int,
                 pos,
             )
-        };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
         }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!(
-                    "preadv hit end of file at offset {pos} with {} bytes left",
-                    total - done
-                ),
-            ));
-        }
-        done += n as u64;
-    }
-    Ok(())
+    })
 }
 
 /// The size of the block device open as `file`, in bytes.

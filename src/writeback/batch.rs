@@ -34,7 +34,6 @@ use super::candidates::{clear_pp, PpCtl};
 use super::limit::{Charge, WbLimit};
 use super::{WbStore, WritebackProgress, WritebackReport};
 use crate::backing::{AlignedBuf, IoCompletion, IoOp, IoQueue, MAX_OP_BUFS};
-use crate::device::request::release_object;
 use crate::device::Inner;
 use crate::error::{Error, ErrorKind, Result};
 use crate::slot::{SlotFlags, SlotIndex};
@@ -176,13 +175,7 @@ pub(crate) fn run(
 
 impl Engine<'_> {
     fn progress(&self) -> WritebackProgress {
-        WritebackProgress {
-            candidates: self.report.candidates,
-            written: self.report.written,
-            changed: self.report.changed,
-            failed: self.report.failed,
-            in_flight: self.in_flight_reqs as u64,
-        }
+        self.report.progress(self.in_flight_reqs)
     }
 
     /// Prepares requests for candidates while requests are idle.
@@ -314,12 +307,7 @@ impl Engine<'_> {
     }
 
     fn note_write_error(&mut self, err: Error) {
-        if err.kind() == ErrorKind::NoSpace {
-            // The device itself says it is full: stop taking candidates, as for a full bitmap.
-            self.stop.get_or_insert(err);
-        } else {
-            self.write_error = Some(err);
-        }
+        super::note_write_error(&mut self.stop, &mut self.write_error, err);
     }
 
     /// Finishes the requests of one completed op (in this task: see the module docs).
@@ -349,19 +337,7 @@ impl Engine<'_> {
                 self.report.changed += 1;
                 continue;
             }
-            debug_assert!(st.handle_raw().is_some(), "a PP_SLOT slot holds an object");
-            release_object(inner, st, crate::device::request::Free::Sync);
-            let keep = if st.has(SlotFlags::HUGE) {
-                SlotFlags::HUGE
-            } else {
-                SlotFlags::NONE
-            };
-            let keep = if st.has(SlotFlags::INCOMPRESSIBLE) {
-                keep | SlotFlags::INCOMPRESSIBLE
-            } else {
-                keep
-            };
-            g.set_wb(m.block.0, st.size_bytes(), keep, st.prio());
+            super::set_written_back(inner, &mut g, st, m.block.0);
             self.report.written += 1;
         }
     }

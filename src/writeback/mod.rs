@@ -333,6 +333,43 @@ pub struct WritebackProgress {
     pub in_flight: u64,
 }
 
+/// Sorts a failed write's error: `ENOSPC` (the backing device says it is full) stops taking
+/// candidates; anything else is kept as the pass's error while the pass goes on.
+pub(crate) fn note_write_error(
+    stop: &mut Option<Error>,
+    write_error: &mut Option<Error>,
+    err: Error,
+) {
+    if err.kind() == crate::error::ErrorKind::NoSpace {
+        stop.get_or_insert(err);
+    } else {
+        *write_error = Some(err);
+    }
+}
+
+/// Finishes a written-back page under its slot lock (`g`, whose state is `st` and which still
+/// has PP_SLOT): frees its allocator object and points the slot at `location` (a bitmap block
+/// or a packed zone location), keeping HUGE and INCOMPRESSIBLE.
+pub(crate) fn set_written_back(
+    inner: &crate::device::Inner,
+    g: &mut crate::slot::SlotGuard<'_>,
+    st: crate::slot::SlotState,
+    location: u64,
+) {
+    debug_assert!(st.handle_raw().is_some(), "a PP_SLOT slot holds an object");
+    crate::device::request::release_object(inner, st, crate::device::request::Free::Sync);
+    let mut keep = crate::slot::SlotFlags::NONE;
+    for f in [
+        crate::slot::SlotFlags::HUGE,
+        crate::slot::SlotFlags::INCOMPRESSIBLE,
+    ] {
+        if st.has(f) {
+            keep = keep | f;
+        }
+    }
+    g.set_wb(location, st.size_bytes(), keep, st.prio());
+}
+
 /// The outcome of one writeback.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WritebackReport {
@@ -358,6 +395,19 @@ pub struct WritebackReport {
     /// Zoned layout: why that GC run stopped early. It does not fail the writeback (every page
     /// it reported written is written); the space stays unreclaimed until a later GC.
     pub gc_error: Option<Error>,
+}
+
+impl WritebackReport {
+    /// What the progress callback sees, with `in_flight` requests outstanding.
+    pub(crate) fn progress(&self, in_flight: usize) -> WritebackProgress {
+        WritebackProgress {
+            candidates: self.candidates,
+            written: self.written,
+            changed: self.changed,
+            failed: self.failed,
+            in_flight: in_flight as u64,
+        }
+    }
 }
 
 impl Device {

@@ -38,7 +38,6 @@ use super::candidates::{clear_pp, PpCtl};
 use super::limit::{Charge, WbLimit};
 use super::{WbStore, WritebackProgress, WritebackReport};
 use crate::backing::{IoCompletion, IoQueue};
-use crate::device::request::{release_object, Free};
 use crate::device::Inner;
 use crate::error::{Error, ErrorKind, Result};
 use crate::slot::{SlotFlags, SlotIndex};
@@ -137,13 +136,7 @@ pub(crate) fn run(
 
 impl ZonedEngine<'_> {
     fn progress(&self) -> WritebackProgress {
-        WritebackProgress {
-            candidates: self.report.candidates,
-            written: self.report.written,
-            changed: self.report.changed,
-            failed: self.report.failed,
-            in_flight: self.in_flight_recs as u64,
-        }
+        self.report.progress(self.in_flight_recs)
     }
 
     /// Appends the record of candidate `index` (see the module docs, steps 1-3).
@@ -256,11 +249,7 @@ impl ZonedEngine<'_> {
     }
 
     fn note_write_error(&mut self, err: Error) {
-        if err.kind() == ErrorKind::NoSpace {
-            self.stop.get_or_insert(err);
-        } else {
-            self.write_error = Some(err);
-        }
+        super::note_write_error(&mut self.stop, &mut self.write_error, err);
     }
 
     /// Waits for at least one completion and finishes it.
@@ -318,14 +307,7 @@ impl ZonedEngine<'_> {
                 self.report.changed += 1;
                 continue;
             }
-            release_object(inner, st, Free::Sync);
-            let mut keep = SlotFlags::NONE;
-            for f in [SlotFlags::HUGE, SlotFlags::INCOMPRESSIBLE] {
-                if st.has(f) {
-                    keep = keep | f;
-                }
-            }
-            g.set_wb(loc.to_raw(), st.size_bytes(), keep, st.prio());
+            super::set_written_back(inner, &mut g, st, loc.to_raw());
             self.store.commit(loc);
             super::add(&self.wb.zoned_pages, 1);
             drop(g);

@@ -155,69 +155,53 @@ impl ZoneStore {
             .min(scratch.max_chunk_bytes())
             .min(eighth.max(PIECE_BYTES));
         let chunks = plan_chunks(&live, max_chunk as u64);
-        let mut in_flight: Vec<Option<Chunk>> = Vec::new();
-        let mut first_error: Option<Error> = None;
+        let mut pass = GcPass {
+            store: self,
+            owner,
+            queue,
+            scratch,
+            victim,
+            report,
+            in_flight: Vec::new(),
+            first_error: None,
+        };
         for plan in chunks {
-            if first_error.is_some() {
+            if pass.first_error.is_some() {
                 break;
             }
             let range = (plan.end - plan.start) as usize;
             // Room in the scratch: the head advances when a read is queued, the tail when a
-            // write completes; reap until the tail frees enough.
+            // write completes; reap until the tail frees enough, and until the queue has room.
             let (span, pieces) = loop {
-                if let Some(r) = scratch.reserve(range) {
+                if let Some(r) = pass.scratch.reserve(range) {
                     break r;
                 }
-                self.reap(
-                    owner,
-                    queue,
-                    scratch,
-                    &mut in_flight,
-                    victim,
-                    report,
-                    &mut first_error,
-                )?;
+                pass.reap()?;
             };
-            while queue.in_flight() >= queue.depth() {
-                self.reap(
-                    owner,
-                    queue,
-                    scratch,
-                    &mut in_flight,
-                    victim,
-                    report,
-                    &mut first_error,
-                )?;
+            while pass.queue.in_flight() >= pass.queue.depth() {
+                pass.reap()?;
             }
             let mut op = IoOp::read(self.zone_base(victim) + plan.start, pieces, 0);
             let mut segs = Vec::new();
             add_segments(&mut segs, 0, range);
             op.segments = Some(segs);
-            op.tag = in_flight.len() as u64;
-            in_flight.push(Some(Chunk {
+            op.tag = pass.in_flight.len() as u64;
+            pass.in_flight.push(Some(Chunk {
                 span,
                 plan,
                 moves: Vec::new(),
             }));
-            if let Err((e, op)) = queue.submit(op) {
-                let chunk = in_flight[op.tag as usize].take().expect("just queued");
-                scratch.complete(chunk.span, op.bufs);
-                first_error = Some(e);
+            if let Err((e, op)) = pass.queue.submit(op) {
+                let chunk = pass.in_flight[op.tag as usize].take().expect("just queued");
+                pass.scratch.complete(chunk.span, op.bufs);
+                pass.first_error = Some(e);
             }
         }
         // Drain.
-        while queue.in_flight() > 0 {
-            self.reap(
-                owner,
-                queue,
-                scratch,
-                &mut in_flight,
-                victim,
-                report,
-                &mut first_error,
-            )?;
+        while pass.queue.in_flight() > 0 {
+            pass.reap()?;
         }
-        if let Some(e) = first_error {
+        if let Some(e) = pass.first_error {
             return Err(e);
         }
         // Every copy is written and re-pointed; make them durable before the originals go.
@@ -239,44 +223,47 @@ impl ZoneStore {
             self.counters
                 .gc_runs
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.counters
-                .zones_reset
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
     }
+}
 
+/// One victim's GC in progress: the queue and scratch it uses, its chunks in flight (indexed
+/// by their ops' tags) and the first error met (after which no new I/O starts).
+struct GcPass<'a> {
+    store: &'a ZoneStore,
+    owner: &'a dyn GcOwner,
+    queue: &'a mut dyn IoQueue,
+    scratch: &'a mut dyn Scratch,
+    victim: u32,
+    report: &'a mut GcReport,
+    in_flight: Vec<Option<Chunk>>,
+    first_error: Option<Error>,
+}
+
+impl GcPass<'_> {
     /// Reaps at least one completion. A completed read becomes its chunk's write (the same
     /// op, buffers and bytes: bio_reuse); a completed write finishes its chunk.
-    #[allow(clippy::too_many_arguments)]
-    fn reap(
-        &self,
-        owner: &dyn GcOwner,
-        queue: &mut dyn IoQueue,
-        scratch: &mut dyn Scratch,
-        in_flight: &mut [Option<Chunk>],
-        victim: u32,
-        report: &mut GcReport,
-        first_error: &mut Option<Error>,
-    ) -> Result<()> {
-        for c in queue.wait(1)? {
+    fn reap(&mut self) -> Result<()> {
+        let victim = self.victim;
+        for c in self.queue.wait(1)? {
             let tag = c.op.tag as usize;
-            let mut chunk = in_flight[tag]
+            let mut chunk = self.in_flight[tag]
                 .take()
                 .expect("a completion for a chunk in flight");
             if c.op.kind == IoKind::Write {
-                self.finish_chunk(owner, chunk, c.result, c.op, scratch, report, first_error);
+                self.finish_chunk(chunk, c.result, c.op);
                 continue;
             }
             let mut op = c.op;
             if let Err(e) = c.result {
-                scratch.complete(chunk.span, op.bufs);
-                first_error.get_or_insert(e);
+                self.scratch.complete(chunk.span, op.bufs);
+                self.first_error.get_or_insert(e);
                 continue;
             }
-            if first_error.is_some() {
+            if self.first_error.is_some() {
                 // Stopping: do not start new writes.
-                scratch.complete(chunk.span, op.bufs);
+                self.scratch.complete(chunk.span, op.bufs);
                 continue;
             }
             let live_bytes: u64 = chunk
@@ -288,21 +275,22 @@ impl ZoneStore {
             let padded = (live_bytes as usize).next_multiple_of(PIECE_BYTES);
             // Destination: the GC zone's write pointer, 4 KiB aligned.
             let dest = {
-                let mut z = self.zones.lock();
-                self.reserve(&mut z, Opener::Gc, padded as u64, padded as u64)
+                let mut z = self.store.zones.lock();
+                self.store
+                    .reserve(&mut z, Opener::Gc, padded as u64, padded as u64)
             };
             let (dzone, doff, _) = match dest {
                 Ok(d) => d,
                 Err(e) => {
-                    scratch.complete(chunk.span, op.bufs);
-                    first_error.get_or_insert(e);
+                    self.scratch.complete(chunk.span, op.bufs);
+                    self.first_error.get_or_insert(e);
                     continue;
                 }
             };
             let mut segments: Vec<Segment> = Vec::new();
             let mut at = 0u64;
             {
-                let mut z = self.zones.lock();
+                let mut z = self.store.zones.lock();
                 let dz = &mut z.zones[dzone as usize];
                 for r in &chunk.plan.recs {
                     let new = ZoneLoc {
@@ -339,39 +327,30 @@ impl ZoneStore {
             // bio_reuse: the read's op and buffers become the write; the bytes stay where the
             // read put them and the write names the live records among them (no copy).
             op.kind = IoKind::Write;
-            op.offset = self.zone_base(dzone) + doff;
+            op.offset = self.store.zone_base(dzone) + doff;
             op.segments = Some(segments);
-            in_flight[tag] = Some(chunk);
-            if let Err((e, op)) = queue.submit(op) {
-                let chunk = in_flight[tag].take().expect("just queued");
-                self.finish_chunk(owner, chunk, Err(e), op, scratch, report, first_error);
+            self.in_flight[tag] = Some(chunk);
+            if let Err((e, op)) = self.queue.submit(op) {
+                let chunk = self.in_flight[tag].take().expect("just queued");
+                self.finish_chunk(chunk, Err(e), op);
             }
         }
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn finish_chunk(
-        &self,
-        owner: &dyn GcOwner,
-        chunk: Chunk,
-        result: Result<()>,
-        op: IoOp,
-        scratch: &mut dyn Scratch,
-        report: &mut GcReport,
-        first_error: &mut Option<Error>,
-    ) {
+    fn finish_chunk(&mut self, chunk: Chunk, result: Result<()>, op: IoOp) {
+        let store = self.store;
         match result {
             Ok(()) => {
                 let copied: u64 = chunk.moves.iter().map(|m| u64::from(m.1.span_bytes)).sum();
-                report.bytes_relocated += copied;
-                report.bytes_written += op.len_bytes();
+                self.report.bytes_relocated += copied;
+                self.report.bytes_written += op.len_bytes();
                 for (slot, old, new) in chunk.moves {
                     // The slot lock (taken by `repoint`, held across `moved`) orders this
                     // against overwrite and discard: either they see `new`, already live, and
                     // release it, or `repoint` fails.
                     let moved = || {
-                        let mut z = self.zones.lock();
+                        let mut z = store.zones.lock();
                         let nz = &mut z.zones[new.zone as usize];
                         let r = nz.rec_mut(new);
                         r.state = RecState::Live;
@@ -383,28 +362,30 @@ impl ZoneStore {
                         r.state = RecState::Dead;
                         oz.live_bytes -= u64::from(old.span_bytes);
                     };
-                    if owner.repoint(slot, old, new, &moved) {
-                        report.records_relocated += 1;
+                    if self.owner.repoint(slot, old, new, &moved) {
+                        self.report.records_relocated += 1;
                     } else {
-                        self.abort(new);
-                        report.records_dropped += 1;
+                        store.abort(new);
+                        self.report.records_dropped += 1;
                     }
                 }
-                self.counters
+                store
+                    .counters
                     .gc_bytes_relocated
                     .fetch_add(copied, std::sync::atomic::Ordering::Relaxed);
-                self.counters
+                store
+                    .counters
                     .gc_bytes_written
                     .fetch_add(op.len_bytes(), std::sync::atomic::Ordering::Relaxed);
             }
             Err(e) => {
                 for (_, _, new) in chunk.moves {
-                    self.abort(new);
+                    store.abort(new);
                 }
-                first_error.get_or_insert(e);
+                self.first_error.get_or_insert(e);
             }
         }
-        scratch.complete(chunk.span, op.bufs);
+        self.scratch.complete(chunk.span, op.bufs);
     }
 }
 

@@ -216,10 +216,10 @@ struct Zones {
 #[derive(Debug, Default)]
 struct Counters {
     writeback_bytes: AtomicU64,
+    /// Victim zones GC reset.
     gc_runs: AtomicU64,
     gc_bytes_relocated: AtomicU64,
     gc_bytes_written: AtomicU64,
-    zones_reset: AtomicU64,
 }
 
 /// A snapshot for `zone_stat`.

@@ -833,19 +833,7 @@ pub(crate) mod tests {
         }
         pool.check();
         assert_eq!(pool.total_pages(), 0);
-        let cached = pool.frames().cached_pages() * pool.page_size_bytes();
-        assert!(cached <= page_alloc::FRAME_CACHE_BYTES);
-        assert_eq!(
-            pool.frames().resident_bytes(),
-            cached,
-            "only the frame cache stays"
-        );
-        pool.compact();
-        assert_eq!(
-            pool.frames().resident_bytes(),
-            0,
-            "compaction trims the frame cache"
-        );
+        assert_only_the_frame_cache_stays(&pool);
     }
 
     #[test]
@@ -1078,14 +1066,26 @@ pub(crate) mod tests {
         }
         pool.check();
         assert_eq!(pool.total_pages(), 0);
-        let cached = pool.frames().cached_pages() * 4096;
+        assert_only_the_frame_cache_stays(&pool);
+    }
+
+    /// With every object freed, only the frame cache (at most `FRAME_CACHE_BYTES`) is still
+    /// resident, and compaction gives that back too.
+    fn assert_only_the_frame_cache_stays(pool: &ZsPool) {
+        assert_eq!(pool.total_pages(), 0);
+        let cached = pool.frames().cached_pages() * pool.page_size_bytes();
+        assert!(cached <= page_alloc::FRAME_CACHE_BYTES);
         assert_eq!(
             pool.frames().resident_bytes(),
             cached,
             "only the frame cache stays"
         );
         pool.compact();
-        assert_eq!(pool.frames().resident_bytes(), 0);
+        assert_eq!(
+            pool.frames().resident_bytes(),
+            0,
+            "compaction trims the frame cache"
+        );
     }
 
     /// The process's resident set, from `/proc/self/smaps_rollup`.
@@ -1157,19 +1157,7 @@ pub(crate) mod tests {
             pool.free(h);
         }
         assert_eq!(pool.total_pages(), 0);
-        let cached = pool.frames().cached_pages() * 4096;
-        assert!(cached <= page_alloc::FRAME_CACHE_BYTES);
-        assert_eq!(
-            pool.frames().resident_bytes(),
-            cached,
-            "only the frame cache stays"
-        );
-        pool.compact();
-        assert_eq!(
-            pool.frames().resident_bytes(),
-            0,
-            "compaction trims the frame cache"
-        );
+        assert_only_the_frame_cache_stays(&pool);
         let after = rss_bytes();
         eprintln!("rss: {before} before, {full} with 64 MiB of objects, {after} after free");
         assert!(
