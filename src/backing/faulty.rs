@@ -332,6 +332,22 @@ impl<B: Backing> Backing for FaultyBacking<B> {
         self.inner.describe()
     }
 
+    fn zone_geometry(&self) -> Option<&super::ZoneGeometry> {
+        self.inner.zone_geometry()
+    }
+
+    fn report_zones(&self) -> Result<Vec<super::ZoneInfo>> {
+        self.inner.report_zones()
+    }
+
+    fn reset_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
+        self.inner.reset_zone(start_bytes, len_bytes)
+    }
+
+    fn finish_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
+        self.inner.finish_zone(start_bytes, len_bytes)
+    }
+
     fn new_queue(&self, depth: usize) -> Result<Box<dyn IoQueue + '_>> {
         Ok(Box::new(FaultyQueue {
             faulty: self,

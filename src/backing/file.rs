@@ -23,6 +23,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use super::blkzoned::{self, ZoneGeometry, ZoneInfo, ZonePlugQueue};
 use super::sync::SyncQueue;
 use super::uring::UringQueue;
 use super::{
@@ -77,6 +78,9 @@ pub struct FileBacking {
     is_block_device: bool,
     /// How I/O is done, for people: "O_DIRECT" or "buffered (reason)".
     io_mode: String,
+    /// The zones of a zoned block device (then `direct` is always open: a sequential zone
+    /// takes no writes through the page cache).
+    zones: Option<ZoneGeometry>,
 }
 
 impl FileBacking {
@@ -114,12 +118,34 @@ impl FileBacking {
             )));
         }
 
-        let (direct, dio_align_bytes, io_mode) = match options.direct_io {
+        let zone_size_bytes = if is_block_device {
+            blkzoned::zone_size_bytes(&buffered).map_err(|e| with_context(e, &what()))?
+        } else {
+            None
+        };
+        let zones = match zone_size_bytes {
+            Some(zs) => {
+                if options.direct_io == DirectIo::Off {
+                    return Err(Error::invalid(format!(
+                        "{} is a zoned block device: it needs direct I/O",
+                        what()
+                    )));
+                }
+                Some(blkzoned::geometry(&buffered, zs).map_err(|e| with_context(e, &what()))?)
+            }
+            None => None,
+        };
+        let direct_io = if zones.is_some() {
+            DirectIo::Required
+        } else {
+            options.direct_io
+        };
+        let (direct, dio_align_bytes, io_mode) = match direct_io {
             DirectIo::Off => (None, 1, "buffered (direct I/O off)".to_string()),
             DirectIo::Auto | DirectIo::Required => {
                 match open_direct(path, &buffered, is_block_device) {
                     Ok((file, align)) => (Some(file), align, "O_DIRECT".to_string()),
-                    Err(reason) if options.direct_io == DirectIo::Auto => {
+                    Err(reason) if direct_io == DirectIo::Auto => {
                         (None, 1, format!("buffered ({reason})"))
                     }
                     Err(reason) => {
@@ -131,6 +157,18 @@ impl FileBacking {
                 }
             }
         };
+        if zones.is_some() && dio_align_bytes != SECTOR_BYTES {
+            // Records and GC's segments are 512-byte aligned; on a 4Kn device they would fall
+            // back to the page cache, which a sequential zone does not take.
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{} is a zoned block device with {dio_align_bytes}-byte logical blocks; \
+                     zoned writeback supports 512-byte logical blocks only",
+                    what()
+                ),
+            ));
+        }
         Ok(FileBacking {
             path: path.to_path_buf(),
             buffered,
@@ -140,6 +178,7 @@ impl FileBacking {
             engine: options.engine,
             is_block_device,
             io_mode,
+            zones,
         })
     }
 
@@ -198,9 +237,14 @@ impl FileBacking {
     /// both on one file).
     pub fn new_queue_with(&self, engine: Engine, depth: usize) -> Result<Box<dyn IoQueue + '_>> {
         check_depth(depth)?;
-        Ok(match engine {
+        let queue: Box<dyn IoQueue + '_> = match engine {
             Engine::Uring => Box::new(UringQueue::new(self, depth)?),
             Engine::Sync => Box::new(SyncQueue::new(self, depth)?),
+        };
+        Ok(match &self.zones {
+            // Writes to a zone must reach it in write-pointer order.
+            Some(g) => Box::new(ZonePlugQueue::new(queue, g.zone_size_bytes)),
+            None => queue,
         })
     }
 
@@ -354,6 +398,38 @@ impl Backing for FileBacking {
 
     fn new_queue(&self, depth: usize) -> Result<Box<dyn IoQueue + '_>> {
         self.new_queue_with(self.engine, depth)
+    }
+
+    fn zone_geometry(&self) -> Option<&ZoneGeometry> {
+        self.zones.as_ref()
+    }
+
+    fn report_zones(&self) -> Result<Vec<ZoneInfo>> {
+        match &self.zones {
+            Some(g) => blkzoned::report(&self.buffered, 0, g.nr_zones as usize).map_err(|e| {
+                with_context(
+                    e,
+                    &format!("reporting the zones of {}", self.path.display()),
+                )
+            }),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn reset_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
+        if self.zones.is_none() {
+            return Ok(());
+        }
+        blkzoned::reset(&self.buffered, start_bytes, len_bytes)
+            .map_err(|e| io_error(e, "zone reset", start_bytes, len_bytes))
+    }
+
+    fn finish_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
+        if self.zones.is_none() {
+            return Ok(());
+        }
+        blkzoned::finish(&self.buffered, start_bytes, len_bytes)
+            .map_err(|e| io_error(e, "zone finish", start_bytes, len_bytes))
     }
 }
 

@@ -40,6 +40,7 @@
 //!   anything unknown is `Io`.
 
 mod aligned_buf;
+pub mod blkzoned;
 pub mod ceiling;
 mod faulty;
 mod file;
@@ -52,6 +53,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 pub use aligned_buf::{AlignedBuf, BUF_ALIGN_BYTES, SECTOR_BYTES};
+pub use blkzoned::{ZoneGeometry, ZoneInfo, ZoneKind, ZonePlugQueue};
 pub use faulty::{FaultCounts, FaultKind, FaultPlan, FaultyBacking};
 pub use file::{DirectIo, FileBacking, FileOptions};
 pub use mem::MemBacking;
@@ -133,6 +135,27 @@ pub trait Backing: Send + Sync + Debug {
     /// A queue for asynchronous writes with up to `depth` ops in flight (1..=
     /// [`MAX_QUEUE_DEPTH`]), owned by one task. The queue borrows the backing.
     fn new_queue(&self, depth: usize) -> Result<Box<dyn IoQueue + '_>>;
+    /// The zone layout when this is a zoned block device (see [`blkzoned`]); `None` for
+    /// everything else, where the zoned store emulates zones.
+    fn zone_geometry(&self) -> Option<&ZoneGeometry> {
+        None
+    }
+    /// The device's zones at setup (a zoned block device only; empty otherwise).
+    fn report_zones(&self) -> Result<Vec<ZoneInfo>> {
+        Ok(Vec::new())
+    }
+    /// Moves the write pointer of the zone at `start_bytes` (of `len_bytes`) back to its
+    /// start. Nothing to do where zones are emulated.
+    fn reset_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
+        let _ = (start_bytes, len_bytes);
+        Ok(())
+    }
+    /// Makes the zone at `start_bytes` full, so it stops counting as open on the device.
+    /// Nothing to do where zones are emulated.
+    fn finish_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
+        let _ = (start_bytes, len_bytes);
+        Ok(())
+    }
 }
 
 /// A vectored write of all `bufs` (or of the `segments` of them), back to back, at `offset`.

@@ -29,7 +29,7 @@ pub use stats::StatsSnapshot;
 
 use crate::backing::{Backing, BLOCK_SIZE_BYTES};
 use crate::compress::{self, Codec, CodecParams};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::slot::{SlotIndex, SlotTable};
 use crate::units::{DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
 use crate::writeback::{BackingLayout, WbLimit, WbStore, DEFAULT_WB_BATCH_SIZE};
@@ -301,8 +301,37 @@ impl Device {
                 backing.size_bytes()
             )));
         }
+        if let Some(g) = backing.zone_geometry() {
+            // A zoned block device is written through its own zones: the zoned layout with
+            // the device's zone size (changing either afterwards is EINVAL).
+            if g.zone_size_bytes % (1 << 20) != 0
+                || g.zone_size_bytes > crate::zoned::MAX_ZONE_SIZE_BYTES
+            {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "backing device {} has zones of {} bytes; zoned writeback supports \
+                         multiples of 1 MiB up to {}",
+                        backing.describe(),
+                        g.zone_size_bytes,
+                        crate::zoned::MAX_ZONE_SIZE_BYTES
+                    ),
+                ));
+            }
+            st.settings.backing_layout = BackingLayout::Zoned;
+            st.settings.zone_size_bytes = g.zone_size_bytes;
+        }
         st.settings.backing = Some(backing);
         Ok(())
+    }
+
+    /// Whether the backing device is a zoned block device (its zones are used as they are).
+    fn backing_is_zoned(st: &State) -> Option<u64> {
+        st.settings
+            .backing
+            .as_ref()
+            .and_then(|b| b.zone_geometry())
+            .map(|g| g.zone_size_bytes)
     }
 
     /// What `backing_dev` shows: the backing's path, or `none`.
@@ -343,6 +372,11 @@ impl Device {
                 "backing_layout cannot change once initialised: reset first",
             ));
         }
+        if layout != BackingLayout::Zoned && Self::backing_is_zoned(&st).is_some() {
+            return Err(Error::invalid(
+                "the backing device is a zoned block device: it takes only backing_layout=zoned",
+            ));
+        }
         st.settings.backing_layout = layout;
         Ok(())
     }
@@ -368,6 +402,14 @@ impl Device {
                 "zone_size {bytes}: must be a non-zero multiple of 1 MiB, at most {}",
                 crate::zoned::MAX_ZONE_SIZE_BYTES
             )));
+        }
+        if let Some(zs) = Self::backing_is_zoned(&st) {
+            if bytes != zs {
+                return Err(Error::invalid(format!(
+                    "zone_size {bytes}: the backing device is a zoned block device with zones \
+                     of {zs} bytes"
+                )));
+            }
         }
         if let Some(b) = st.settings.backing.as_ref() {
             if b.size_bytes() / bytes < 3 {

@@ -235,7 +235,12 @@ impl ZonedEngine<'_> {
     }
 
     /// Undoes records whose write did not happen: aborted, charge refunded, PP_SLOT cleared.
+    /// The zone takes no more appends: on a zoned device its write pointer is not where the
+    /// next stage would go.
     fn fail_stage(&mut self, records: Vec<(u64, ZoneLoc)>) {
+        if let Some((_, loc)) = records.first() {
+            self.store.write_failed(loc.zone);
+        }
         for (_, loc) in records {
             let m = self
                 .pending

@@ -75,7 +75,8 @@ struct Chunk {
 impl ZoneStore {
     /// Picks the victim; see the module docs.
     fn pick_victim(&self) -> Option<u32> {
-        let min_gain = self.config.zone_size_bytes / MIN_RECLAIM_DIVISOR;
+        let capacity = self.zone_capacity_bytes();
+        let min_gain = capacity / MIN_RECLAIM_DIVISOR;
         let z = self.zones.lock();
         z.zones
             .iter()
@@ -84,7 +85,7 @@ impl ZoneStore {
                 zone.cond == ZoneCondition::Full
                     && zone.pending == 0
                     && zone.gc_pass != z.gc_pass
-                    && self.config.zone_size_bytes - zone.live_bytes >= min_gain
+                    && capacity - zone.live_bytes >= min_gain
             })
             .min_by_key(|(i, zone)| (zone.live_bytes, *i))
             .map(|(i, _)| i as u32)
@@ -215,9 +216,15 @@ impl ZoneStore {
             // can come (no slot points into the victim any more) and nothing can become live
             // in it (it is full with nothing pending), so the wait is bounded.
             let mut z = self.wait_unpinned(victim);
-            let zone = &mut z.zones[victim as usize];
-            debug_assert!(zone.live_bytes == 0 && zone.pending == 0);
-            *zone = super::Zone::empty();
+            debug_assert!({
+                let zone = &z.zones[victim as usize];
+                zone.live_bytes == 0 && zone.pending == 0
+            });
+            // On a zoned device the write pointer goes back first; if that fails the victim
+            // stays full with nothing live, and a later GC tries again.
+            self.backing
+                .reset_zone(self.zone_base(victim), self.config.zone_size_bytes)?;
+            z.zones[victim as usize] = super::Zone::empty();
             drop(z);
             report.zones_reclaimed += 1;
             self.counters
@@ -379,6 +386,11 @@ impl GcPass<'_> {
                     .fetch_add(op.len_bytes(), std::sync::atomic::Ordering::Relaxed);
             }
             Err(e) => {
+                // The GC zone takes no more appends (on a zoned device its write pointer is
+                // not where the next chunk would go).
+                if let Some((_, _, new)) = chunk.moves.first() {
+                    store.write_failed(new.zone);
+                }
                 for (_, _, new) in chunk.moves {
                     store.abort(new);
                 }

@@ -9,8 +9,14 @@
 //! live bytes, relocates its live records through a scratch [ring](ring) into the GC zone, and
 //! resets the victim once every live record is durable and re-pointed.
 //!
-//! Zones here are emulated over a regular file or block device (a zone is a fixed range of
-//! it, written only sequentially); the layout is in `docs/format.md`.
+//! Over a regular file or an ordinary block device the zones are emulated (a zone is a fixed
+//! range of it, written only sequentially). Over a zoned block device (host-managed SMR, ZNS,
+//! zoned `null_blk`: see [`crate::backing::blkzoned`]) they are the device's own zones: the
+//! zone size is the device's, a zone holds its *capacity*, non-empty zones are reset when the
+//! store is set up, a zone GC emptied is reset on the device (`BLKRESETZONE`) before it is
+//! written again, and a zone the store stops writing before it is full is finished
+//! (`BLKFINISHZONE`) once its last write completed, so it stops counting against the device's
+//! open and active zone limits. The layout is in `docs/format.md`.
 //!
 //! # Record states
 //! A record is *pending* from [`ZoneWriter::append`] (or a GC reservation) until its write
@@ -170,6 +176,9 @@ struct Zone {
     gc_pass: u64,
     /// In offset order.
     records: Vec<Rec>,
+    /// A zone the store stopped writing below its capacity, on a zoned device: it is finished
+    /// once `pending` is 0 (no write into it is in flight any more).
+    finish_due: bool,
 }
 
 impl Zone {
@@ -182,6 +191,7 @@ impl Zone {
             readers: 0,
             gc_pass: 0,
             records: Vec::new(),
+            finish_due: false,
         }
     }
 
@@ -276,6 +286,12 @@ impl ZoneStats {
 pub struct ZoneStore {
     backing: Arc<dyn Backing>,
     config: ZoneConfig,
+    /// Bytes written into a zone at most: the zone size, or a zoned device's zone capacity
+    /// (rounded down to 4 KiB).
+    capacity_bytes: u64,
+    /// On a zoned block device: per zone, whether it has a write pointer to reset and finish
+    /// (conventional zones have none). `None` when zones are emulated.
+    device_seq: Option<Vec<bool>>,
     zones: Mutex<Zones>,
     counters: Counters,
     gc_lock: Mutex<()>,
@@ -311,7 +327,10 @@ impl Drop for ZonePin<'_> {
 impl ZoneStore {
     /// A store over `backing` cut into zones of `config.zone_size_bytes` (a trailing partial
     /// zone is not used). `EINVAL` for a bad zone size or fewer than 3 zones (one for
-    /// writeback, one for GC, one to reclaim).
+    /// writeback, one for GC, one to reclaim). On a zoned block device the zone size must be
+    /// the device's, every zone must be usable (not read-only or offline), and the non-empty
+    /// sequential zones are reset (whatever they held is discarded, as zram discards what a
+    /// backing device held before).
     pub fn new(backing: Arc<dyn Backing>, config: ZoneConfig) -> Result<ZoneStore> {
         let zs = config.zone_size_bytes;
         if zs == 0 || zs % (1 << 20) != 0 || zs > MAX_ZONE_SIZE_BYTES {
@@ -337,7 +356,54 @@ impl ZoneStore {
             config.gc_buffers,
             config.gc_buffer_bytes,
         )?;
+        let (capacity_bytes, device_seq) = match backing.zone_geometry() {
+            None => (zs, None),
+            Some(g) => {
+                if g.zone_size_bytes != zs {
+                    return Err(Error::invalid(format!(
+                        "zone_size {zs}: the zoned backing device {} has zones of {} bytes",
+                        backing.describe(),
+                        g.zone_size_bytes
+                    )));
+                }
+                let capacity = g.zone_capacity_bytes / PIECE_BYTES as u64 * PIECE_BYTES as u64;
+                // The largest record (a raw 64 KiB page and its header) must fit in a zone,
+                // and GC's chunk bound (an eighth of the zone) must hold it too.
+                if capacity < zs / 2 {
+                    return Err(Error::invalid(format!(
+                        "the zoned backing device {} has zones of {zs} bytes holding only \
+                         {capacity}: at least half a zone must be writable",
+                        backing.describe()
+                    )));
+                }
+                let report = backing.report_zones()?;
+                let mut seq = Vec::with_capacity(nr as usize);
+                for (i, info) in report.iter().take(nr as usize).enumerate() {
+                    if info.unusable {
+                        return Err(Error::new(
+                            crate::error::ErrorKind::Unsupported,
+                            format!("zone {i} of {} is read-only or offline", backing.describe()),
+                        ));
+                    }
+                    let has_wp = info.kind != crate::backing::ZoneKind::Conventional;
+                    if has_wp && !info.empty {
+                        backing.reset_zone(info.start_bytes, info.len_bytes)?;
+                    }
+                    seq.push(has_wp);
+                }
+                if seq.len() < nr as usize {
+                    return Err(Error::invalid(format!(
+                        "{} reported {} zones, expected {nr}",
+                        backing.describe(),
+                        seq.len()
+                    )));
+                }
+                (capacity, Some(seq))
+            }
+        };
         Ok(ZoneStore {
+            capacity_bytes,
+            device_seq,
             backing,
             zones: Mutex::new(Zones {
                 zones: (0..nr).map(|_| Zone::empty()).collect(),
@@ -371,6 +437,64 @@ impl ZoneStore {
         u64::from(zone) * self.config.zone_size_bytes
     }
 
+    /// Bytes a zone takes at most (its capacity on a zoned device, else its size).
+    pub fn zone_capacity_bytes(&self) -> u64 {
+        self.capacity_bytes
+    }
+
+    /// Whether the zones are a zoned block device's own.
+    pub fn is_device_zoned(&self) -> bool {
+        self.device_seq.is_some()
+    }
+
+    fn has_device_wp(&self, zone: u32) -> bool {
+        self.device_seq
+            .as_ref()
+            .is_some_and(|seq| seq[zone as usize])
+    }
+
+    /// Stops appending to `zone` (it becomes full). On a zoned device a zone left below its
+    /// capacity is finished, at once when no write into it is in flight, else by the last
+    /// [`commit`](Self::commit) or [`abort`](Self::abort). Called under `zones`.
+    fn mark_full(&self, z: &mut Zones, zone: u32) {
+        if z.writer_zone == Some(zone) {
+            z.writer_zone = None;
+        }
+        if z.gc_zone == Some(zone) {
+            z.gc_zone = None;
+        }
+        let zr = &mut z.zones[zone as usize];
+        if zr.cond != ZoneCondition::Open {
+            return;
+        }
+        zr.cond = ZoneCondition::Full;
+        if self.has_device_wp(zone) && zr.wp_bytes < self.capacity_bytes {
+            zr.finish_due = true;
+        }
+        self.finish_if_due(z, zone);
+    }
+
+    /// Finishes `zone` on the device if that is due and nothing is in flight into it. A
+    /// failure is ignored: the zone stays open on the device until GC resets it (the device
+    /// may then refuse to open another when its limit is low). Called under `zones`: the
+    /// ioctl is a metadata command, and this happens once per zone.
+    fn finish_if_due(&self, z: &mut Zones, zone: u32) {
+        let zr = &mut z.zones[zone as usize];
+        if zr.finish_due && zr.pending == 0 {
+            zr.finish_due = false;
+            let _ = self
+                .backing
+                .finish_zone(self.zone_base(zone), self.config.zone_size_bytes);
+        }
+    }
+
+    /// A write into `zone` failed: nothing more is appended to it (on a zoned device its
+    /// write pointer is no longer where the store would write next).
+    pub fn write_failed(&self, zone: u32) {
+        let mut z = self.zones.lock();
+        self.mark_full(&mut z, zone);
+    }
+
     /// Opens an empty zone for `who`. The writer may not take the last empty zone: it is
     /// GC's, so GC can always make progress.
     fn open_zone(&self, z: &mut Zones, who: Opener) -> Result<u32> {
@@ -401,7 +525,7 @@ impl ZoneStore {
     /// pointer of `who`'s open zone, opening another zone when this one has less than `min`
     /// left (the old one becomes full). Returns the zone, the offset in it and the length.
     fn reserve(&self, z: &mut Zones, who: Opener, want: u64, min: u64) -> Result<(u32, u64, u64)> {
-        let zs = self.config.zone_size_bytes;
+        let zs = self.capacity_bytes;
         assert!(min <= want && want <= zs && min > 0);
         let cur = match who {
             Opener::Writer => z.writer_zone,
@@ -412,7 +536,7 @@ impl ZoneStore {
             _ => {
                 let i = self.open_zone(z, who)?;
                 if let Some(old) = cur {
-                    z.zones[old as usize].cond = ZoneCondition::Full;
+                    self.mark_full(z, old);
                 }
                 match who {
                     Opener::Writer => z.writer_zone = Some(i),
@@ -442,7 +566,7 @@ impl ZoneStore {
         }
         Ok(ZoneWriter {
             store: Arc::clone(self),
-            stage_bytes: stage_bytes.min(self.config.zone_size_bytes as usize),
+            stage_bytes: stage_bytes.min(self.capacity_bytes as usize),
             stage: None,
             ready: std::collections::VecDeque::new(),
             spare: Vec::new(),
@@ -458,6 +582,7 @@ impl ZoneStore {
         r.state = RecState::Live;
         zone.pending -= 1;
         zone.live_bytes += u64::from(loc.span_bytes);
+        self.finish_if_due(&mut z, loc.zone);
     }
 
     /// Marks the pending record at `loc` dead (its write failed or its slot moved on).
@@ -468,6 +593,7 @@ impl ZoneStore {
         assert_eq!(r.state, RecState::Pending, "abort of {loc:?}");
         r.state = RecState::Dead;
         zone.pending -= 1;
+        self.finish_if_due(&mut z, loc.zone);
     }
 
     /// Releases the live record at `loc` (its slot was overwritten, discarded or reset).
