@@ -42,6 +42,65 @@ pub struct GcBenchOptions {
     pub depth: usize,
     /// Largest GC chunk.
     pub chunk_bytes: usize,
+    /// Bytes per scratch buffer (two buffers in either design).
+    pub buffer_bytes: usize,
+    /// How half the space is freed.
+    pub holes: Holes,
+}
+
+/// How the benchmark frees half the space before GC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holes {
+    /// Alternating runs of kept and discarded slots, each uniform in `1..2 * mean_pages`
+    /// pages: holes punched in the zones, as the seed's benchmark punches holes in files, so
+    /// the live data left is extents of varying length.
+    Punch {
+        /// Mean run length in pages.
+        mean_pages: u64,
+    },
+    /// Each slot discarded with probability 1/2: live records scattered one or two at a time.
+    Scatter,
+}
+
+impl Holes {
+    /// From the command line's `--holes` and `--hole-pages`.
+    pub fn parse(name: &str, mean_pages: u64) -> Result<Holes> {
+        match name {
+            "punch" if mean_pages > 0 => Ok(Holes::Punch { mean_pages }),
+            "punch" => Err(Error::invalid("--hole-pages must be at least 1")),
+            "scatter" => Ok(Holes::Scatter),
+            other => Err(Error::invalid(format!(
+                "--holes {other}: expected punch or scatter"
+            ))),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Holes::Punch { mean_pages } => {
+                format!("holes punched (runs of 1..{} pages)", 2 * mean_pages - 1)
+            }
+            Holes::Scatter => "random half of the slots discarded".into(),
+        }
+    }
+
+    /// Which slots of `n` to discard.
+    fn discards(&self, n: usize, rng: &mut impl Rng) -> Vec<bool> {
+        match *self {
+            Holes::Scatter => (0..n).map(|_| rng.gen_bool(0.5)).collect(),
+            Holes::Punch { mean_pages } => {
+                let mut out = Vec::with_capacity(n);
+                let mut discard = rng.gen_bool(0.5);
+                while out.len() < n {
+                    let run = rng.gen_range(1..2 * mean_pages) as usize;
+                    let run = run.min(n - out.len());
+                    out.extend(std::iter::repeat_n(discard, run));
+                    discard = !discard;
+                }
+                out
+            }
+        }
+    }
 }
 
 impl Default for GcBenchOptions {
@@ -53,8 +112,10 @@ impl Default for GcBenchOptions {
             repeats: 4,
             codec: "lz4".into(),
             seed: 1,
-            depth: 8,
+            depth: crate::writeback::GC_QUEUE_DEPTH,
             chunk_bytes: crate::zoned::DEFAULT_GC_CHUNK_BYTES,
+            buffer_bytes: crate::zoned::DEFAULT_GC_BUFFER_BYTES,
+            holes: Holes::Punch { mean_pages: 64 },
         }
     }
 }
@@ -253,15 +314,17 @@ pub fn run(corpus: &Corpus, opts: &GcBenchOptions) -> Result<serde_json::Value> 
         String::new(),
     ]);
     println!(
-        "{} zones of {} MiB on {} ({io_mode}), {} filled from {} objects ({}), half discarded; \
-         GC scratch 2 x 1 MiB, chunks up to {} KiB, queue depth {}; median of {} runs each",
+        "{} zones of {} MiB on {} ({io_mode}), {} filled from {} objects ({}), {}; \
+         GC scratch 2 x {} KiB, chunks up to {} KiB, queue depth {}; median of {} runs each",
         opts.zones,
         opts.zone_size_bytes >> 20,
         opts.backing.display(),
         opts.zones - 2,
         objects.len(),
         opts.codec,
-        opts.chunk_bytes >> 10,
+        opts.holes.describe(),
+        opts.buffer_bytes >> 10,
+        opts.chunk_bytes.min(opts.buffer_bytes) >> 10,
         opts.depth,
         opts.repeats
     );
@@ -277,8 +340,10 @@ pub fn run(corpus: &Corpus, opts: &GcBenchOptions) -> Result<serde_json::Value> 
         "zones": opts.zones,
         "repeats": opts.repeats,
         "codec": opts.codec,
-        "chunk_bytes": opts.chunk_bytes,
+        "chunk_bytes": opts.chunk_bytes.min(opts.buffer_bytes),
+        "buffer_bytes": opts.buffer_bytes,
         "depth": opts.depth,
+        "holes": opts.holes.describe(),
         "io_mode": io_mode,
         "gc_ms_ring": gc_ms_ring,
         "gc_ms_bank": gc_ms_bank,
@@ -329,19 +394,17 @@ fn run_on(
                     zone_size_bytes: opts.zone_size_bytes,
                     scratch_mode: mode,
                     gc_chunk_bytes: opts.chunk_bytes,
+                    gc_buffer_bytes: opts.buffer_bytes,
                     ..ZoneConfig::default()
                 },
             )?);
             let owner = fill(&store, objects, 32)?;
             let mut rng = rand::rngs::SmallRng::seed_from_u64(opts.seed + rep as u64);
-            for (slot, loc) in owner.locs.iter().enumerate() {
-                if rng.gen_bool(0.5) {
-                    let raw = loc.swap(NO_LOC, Ordering::AcqRel);
-                    if raw != NO_LOC {
-                        store.release(ZoneLoc::from_raw(raw));
-                    }
-                } else {
-                    let _ = slot;
+            let discards = opts.holes.discards(owner.locs.len(), &mut rng);
+            for (loc, _) in owner.locs.iter().zip(discards).filter(|(_, d)| *d) {
+                let raw = loc.swap(NO_LOC, Ordering::AcqRel);
+                if raw != NO_LOC {
+                    store.release(ZoneLoc::from_raw(raw));
                 }
             }
             let mut queue = backing.new_queue(opts.depth)?;

@@ -553,9 +553,10 @@ impl Device {
     }
 }
 
-/// Queue depth of GC reads and writes: each op is a chunk of up to a scratch buffer (1 MiB), and
-/// the default scratch (2 x 1 MiB) never has more than a few chunks outstanding anyway.
-const GC_QUEUE_DEPTH: usize = 8;
+/// Queue depth of GC reads and writes: deep enough that the scratch space, not the queue,
+/// bounds the I/O in flight (chunks are cut to the space the scratch has, down to one record,
+/// so 2 MiB of scratch may hold many small chunks).
+pub const GC_QUEUE_DEPTH: usize = 64;
 
 /// Runs GC over every eligible victim, with a queue of its own on the store's backing.
 fn run_gc(inner: &crate::device::Inner, store: &ZoneStore) -> Result<GcReport> {

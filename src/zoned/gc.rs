@@ -11,9 +11,14 @@
 //!    most the zones that were written by others, and always ends.
 //! 2. Chunks are at most an eighth of a zone, so the space a GC zone leaves unused when the
 //!    next chunk does not fit is small (it would otherwise make GC zones eligible again).
-//! 3. **Chunks**: ranges of the victim of at most `gc_chunk_bytes` (a scratch buffer) holding
-//!    live records, in offset order; a gap of more than 64 KiB of dead bytes starts a new
-//!    chunk. Records are sector aligned, so a chunk is one aligned read.
+//! 3. **Chunks**: ranges of the victim holding live records, in offset order, of at most
+//!    `gc_chunk_bytes` (a scratch buffer); a gap of more than 64 KiB of dead bytes starts a new
+//!    chunk, so a chunk is an extent of live data, as in XFS. A chunk waits until the scratch
+//!    can hold it whole ([`Scratch::grantable_bytes`]): in the ring, until enough of it is
+//!    free; with bank switching, until it fits in what is left of the current bank or the
+//!    other bank is completely written. (Cutting chunks down to whatever is free instead made
+//!    the ring issue ever smaller I/Os: a chunk can only be as large as the space the last
+//!    completion freed.) Records are sector aligned, so a chunk is one aligned read.
 //! 4. **Read, then reuse the op as the write**: a chunk reserves scratch pieces at the ring's
 //!    head and is queued as one asynchronous read [`IoOp`] owning them. When the read
 //!    completes, the *same op* gets the GC zone's write pointer as its offset and, as its
@@ -155,7 +160,6 @@ impl ZoneStore {
             .gc_chunk_bytes
             .min(scratch.max_chunk_bytes())
             .min(eighth.max(PIECE_BYTES));
-        let chunks = plan_chunks(&live, max_chunk as u64);
         let mut pass = GcPass {
             store: self,
             owner,
@@ -166,22 +170,33 @@ impl ZoneStore {
             in_flight: Vec::new(),
             first_error: None,
         };
-        for plan in chunks {
-            if pass.first_error.is_some() {
+        let mut next = 0;
+        while next < live.len() && pass.first_error.is_none() {
+            // Room in the scratch for the next chunk: the head advances when a read is queued,
+            // the tail when a write completes; reap until the tail frees enough, and until the
+            // queue has room.
+            let need = (live[next].span_bytes as usize).next_multiple_of(PIECE_BYTES);
+            if need > pass.scratch.max_chunk_bytes() {
+                pass.first_error = Some(Error::invalid(format!(
+                    "a {need}-byte record does not fit in the GC scratch ({} bytes per chunk)",
+                    pass.scratch.max_chunk_bytes()
+                )));
                 break;
             }
+            // A record larger than the chunk bound still moves, alone.
+            let (plan, taken) = next_chunk(&live[next..], max_chunk.max(need) as u64);
             let range = (plan.end - plan.start) as usize;
-            // Room in the scratch: the head advances when a read is queued, the tail when a
-            // write completes; reap until the tail frees enough, and until the queue has room.
-            let (span, pieces) = loop {
-                if let Some(r) = pass.scratch.reserve(range) {
-                    break r;
-                }
-                pass.reap()?;
-            };
-            while pass.queue.in_flight() >= pass.queue.depth() {
+            let pieces_bytes = range.next_multiple_of(PIECE_BYTES);
+            while pass.scratch.grantable_bytes(pieces_bytes) < pieces_bytes
+                || pass.queue.in_flight() >= pass.queue.depth()
+            {
                 pass.reap()?;
             }
+            next += taken;
+            let (span, pieces) = pass
+                .scratch
+                .reserve(range)
+                .expect("the scratch grants what it offered");
             let mut op = IoOp::read(self.zone_base(victim) + plan.start, pieces, 0);
             let mut segs = Vec::new();
             add_segments(&mut segs, 0, range);
@@ -413,25 +428,28 @@ struct ChunkPlan {
 /// chunk (reading it would cost more than another read).
 const MAX_GAP_BYTES: u64 = 64 << 10;
 
-/// Groups `live` (in offset order) into chunks: ranges of at most `max_chunk` bytes of the
-/// victim holding live records, with gaps of dead bytes below [`MAX_GAP_BYTES`].
-fn plan_chunks(live: &[Rec], max_chunk: u64) -> Vec<ChunkPlan> {
-    let mut out: Vec<ChunkPlan> = Vec::new();
-    for r in live {
+/// The next chunk from `live` (in offset order, not empty): the first record and those after
+/// it while the range stays within `max_chunk` bytes (rounded up to pieces) and no gap of dead
+/// bytes exceeds [`MAX_GAP_BYTES`]. Returns it and how many records it took. The first record
+/// is always taken (the caller made room for it).
+fn next_chunk(live: &[Rec], max_chunk: u64) -> (ChunkPlan, usize) {
+    let first = live[0];
+    let mut c = ChunkPlan {
+        start: first.offset_bytes,
+        end: first.offset_bytes + u64::from(first.span_bytes),
+        recs: vec![first],
+    };
+    for r in &live[1..] {
         let end = r.offset_bytes + u64::from(r.span_bytes);
-        match out.last_mut() {
-            Some(c) if end - c.start <= max_chunk && r.offset_bytes - c.end <= MAX_GAP_BYTES => {
-                c.end = end;
-                c.recs.push(*r);
-            }
-            _ => out.push(ChunkPlan {
-                start: r.offset_bytes,
-                end,
-                recs: vec![*r],
-            }),
+        let range = (end - c.start).next_multiple_of(PIECE_BYTES as u64);
+        if range > max_chunk || r.offset_bytes - c.end > MAX_GAP_BYTES {
+            break;
         }
+        c.end = end;
+        c.recs.push(*r);
     }
-    out
+    let n = c.recs.len();
+    (c, n)
 }
 
 /// Appends segments naming bytes `pos..pos + len` of 4 KiB pieces, split at piece boundaries
@@ -467,6 +485,18 @@ mod unit {
             slot: off,
             state: RecState::Live,
         }
+    }
+
+    /// Cuts all of `live` into chunks of at most `max_chunk` bytes.
+    fn plan_chunks(live: &[Rec], max_chunk: u64) -> Vec<ChunkPlan> {
+        let mut out = Vec::new();
+        let mut next = 0;
+        while next < live.len() {
+            let (c, n) = next_chunk(&live[next..], max_chunk);
+            next += n;
+            out.push(c);
+        }
+        out
     }
 
     #[test]

@@ -57,6 +57,11 @@ pub trait Scratch: Send {
     fn complete(&mut self, span: Span, pieces: Vec<AlignedBuf>);
     /// Bytes free for new reservations right now.
     fn free_bytes(&self) -> usize;
+    /// The largest chunk of at least `min_bytes` that [`reserve`](Scratch::reserve) would
+    /// grant now (a multiple of [`PIECE_BYTES`]), or 0 when none would: GC sizes its next
+    /// chunk to it, so each design fills the space it has (XFS clamps a GC chunk to the
+    /// scratch space available the same way).
+    fn grantable_bytes(&self, min_bytes: usize) -> usize;
 }
 
 /// Builds the scratch space of `mode`.
@@ -188,6 +193,16 @@ impl Scratch for ScratchRing {
     fn free_bytes(&self) -> usize {
         self.free * PIECE_BYTES
     }
+
+    fn grantable_bytes(&self, min_bytes: usize) -> usize {
+        // Any free pieces will do: a chunk may span buffers and wrap.
+        let free = self.free_bytes();
+        if free >= min_bytes {
+            free
+        } else {
+            0
+        }
+    }
 }
 
 /// Bank switching between two buffers; see the module docs.
@@ -271,6 +286,21 @@ impl Scratch for ScratchBank {
         };
         cur.max(other_free) * PIECE_BYTES
     }
+
+    fn grantable_bytes(&self, min_bytes: usize) -> usize {
+        // What is left of the current bank first (the old XFS code filled a bank exactly),
+        // then the other bank if it is completely written.
+        let cur = (self.pieces_per_bank - self.offset[self.current]) * PIECE_BYTES;
+        let other = 1 - self.current;
+        let bank = self.pieces_per_bank * PIECE_BYTES;
+        if cur >= min_bytes {
+            cur
+        } else if self.freed[other] == self.offset[other] && bank >= min_bytes {
+            bank
+        } else {
+            0
+        }
+    }
 }
 
 #[cfg(test)]
@@ -353,6 +383,33 @@ mod tests {
         s.complete(c, pc);
         s.complete(d, pd);
         assert_eq!(s.free_bytes(), 4 * PIECE_BYTES);
+    }
+
+    #[test]
+    fn grantable_fills_what_each_design_has() {
+        let mut s = ScratchBank::new(4 * PIECE_BYTES).unwrap();
+        let (a, pa) = s.reserve(3 * PIECE_BYTES).unwrap();
+        // The bank's last piece first; a larger chunk needs the other bank.
+        assert_eq!(s.grantable_bytes(PIECE_BYTES), PIECE_BYTES);
+        assert_eq!(s.grantable_bytes(2 * PIECE_BYTES), 4 * PIECE_BYTES);
+        let (b, pb) = s.reserve(4 * PIECE_BYTES).unwrap();
+        assert_eq!(b.start, 4);
+        // Bank 1 full, bank 0 not written yet: nothing.
+        assert_eq!(s.grantable_bytes(PIECE_BYTES), 0);
+        s.complete(a, pa);
+        assert_eq!(s.grantable_bytes(PIECE_BYTES), 4 * PIECE_BYTES);
+        assert_eq!(s.grantable_bytes(5 * PIECE_BYTES), 0);
+        s.complete(b, pb);
+
+        let mut r = ScratchRing::new(2, 2 * PIECE_BYTES).unwrap();
+        let (a, pa) = r.reserve(3 * PIECE_BYTES).unwrap();
+        let (b, pb) = r.reserve(PIECE_BYTES).unwrap();
+        assert_eq!(r.grantable_bytes(PIECE_BYTES), 0);
+        r.complete(a, pa);
+        // a's three pieces are free at once, though b is still out (a bank would wait for b).
+        assert_eq!(r.grantable_bytes(PIECE_BYTES), 3 * PIECE_BYTES);
+        assert_eq!(r.grantable_bytes(4 * PIECE_BYTES), 0);
+        r.complete(b, pb);
     }
 
     #[test]

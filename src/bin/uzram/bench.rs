@@ -89,12 +89,23 @@ struct GcArgs {
     /// Algorithm of the written-back objects.
     #[arg(long, default_value = "lz4")]
     codec: String,
-    /// Largest GC chunk (K/M suffixes; at most the 1 MiB scratch buffer).
+    /// Largest GC chunk (K/M suffixes; at most a scratch buffer).
     #[arg(long, default_value = "1M")]
     chunk: String,
-    /// Queue depth of GC reads and writes.
-    #[arg(long, default_value_t = 8)]
+    /// Bytes per scratch buffer (K/M suffixes; two buffers in either design, as in the seed).
+    #[arg(long, default_value = "1M")]
+    buffer_size: String,
+    /// Queue depth of GC reads and writes (the device's GC uses 64).
+    #[arg(long, default_value_t = 64)]
     depth: usize,
+    /// How half the space is freed: `punch` (holes: runs of discarded slots between runs of
+    /// kept ones, as the seed's benchmark punches holes in files) or `scatter` (each slot
+    /// discarded with probability 1/2).
+    #[arg(long, default_value = "punch")]
+    holes: String,
+    /// Mean length in pages of a punched hole and of a kept run (each uniform in 1..2N).
+    #[arg(long, default_value_t = 64)]
+    hole_pages: u64,
     /// Where to write the JSON (default: bench/results/gc-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -191,7 +202,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 repeats: a.repeats,
                 codec: a.codec,
                 chunk_bytes: uzram::units::parse_size_bytes(&a.chunk)? as usize,
+                buffer_bytes: uzram::units::parse_size_bytes(&a.buffer_size)? as usize,
                 depth: a.depth,
+                holes: bench::gc::Holes::parse(&a.holes, a.hole_pages)?,
                 ..Default::default()
             };
             let doc = bench::gc::run(&corpus, &opts)?;
