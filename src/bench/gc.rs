@@ -94,7 +94,7 @@ impl Holes {
                 while out.len() < n {
                     let run = rng.gen_range(1..2 * mean_pages) as usize;
                     let run = run.min(n - out.len());
-                    out.extend(std::iter::repeat_n(discard, run));
+                    out.resize(out.len() + run, discard);
                     discard = !discard;
                 }
                 out
