@@ -72,6 +72,7 @@ const BLK_ZONE_TYPE_SEQWRITE_REQ: u8 = 2;
 const BLK_ZONE_TYPE_SEQWRITE_PREF: u8 = 3;
 const BLK_ZONE_COND_EMPTY: u8 = 1;
 const BLK_ZONE_COND_READONLY: u8 = 0xd;
+const BLK_ZONE_COND_FULL: u8 = 0xe;
 const BLK_ZONE_COND_OFFLINE: u8 = 0xf;
 /// `blk_zone_report.flags`: the zones' `capacity` is valid.
 const BLK_ZONE_REP_CAPACITY: u32 = 1;
@@ -105,6 +106,8 @@ pub struct ZoneInfo {
     pub kind: ZoneKind,
     /// Empty (write pointer at the start).
     pub empty: bool,
+    /// Full (written to its capacity, or finished).
+    pub full: bool,
     /// Read-only or offline: unusable.
     pub unusable: bool,
 }
@@ -251,6 +254,7 @@ pub(crate) fn report(file: &File, from_bytes: u64, count: usize) -> io::Result<V
                 wp_bytes: z.wp.saturating_sub(z.start) * s,
                 kind,
                 empty: z.cond == BLK_ZONE_COND_EMPTY,
+                full: z.cond == BLK_ZONE_COND_FULL,
                 unusable: matches!(z.cond, BLK_ZONE_COND_READONLY | BLK_ZONE_COND_OFFLINE),
             });
             sector = z.start + z.len;

@@ -678,9 +678,36 @@ impl ZoneStore {
     }
 
     /// Checks the bookkeeping (live and pending counts agree with the record lists, records
-    /// lie below the write pointer without overlapping). For tests.
+    /// lie below the write pointer without overlapping) and, on a zoned block device, that
+    /// the device agrees: an empty zone is empty there, an open one with nothing in flight has
+    /// the same write pointer, a full one is full. For tests.
     pub fn check(&self) {
+        let device = if self.device_seq.is_some() {
+            Some(self.backing.report_zones().expect("reporting zones"))
+        } else {
+            None
+        };
         let z = self.zones.lock();
+        if let Some(report) = &device {
+            for (i, zone) in z.zones.iter().enumerate() {
+                if !self.has_device_wp(i as u32) || zone.pending > 0 {
+                    continue;
+                }
+                let d = &report[i];
+                match zone.cond {
+                    ZoneCondition::Empty => assert!(d.empty, "zone {i}: empty here, {d:?}"),
+                    ZoneCondition::Open => assert_eq!(
+                        d.wp_bytes, zone.wp_bytes,
+                        "zone {i}: write pointer here and on the device ({d:?})"
+                    ),
+                    ZoneCondition::Full => assert!(
+                        d.full || zone.finish_due,
+                        "zone {i}: full here (wp {}), {d:?}",
+                        zone.wp_bytes
+                    ),
+                }
+            }
+        }
         for (i, zone) in z.zones.iter().enumerate() {
             let live: u64 = zone
                 .records

@@ -1,0 +1,44 @@
+//! Tests on a real kernel zoned block device (`mod vm_support;`).
+//!
+//! The kernel this suite runs on may have no zoned block device support (the CI machines'
+//! has none), so a test that needs one boots a small VM (`scripts/zoned-vm`: a Debian kernel
+//! under QEMU, a host-managed zoned `null_blk` in it) and runs *itself* inside: the same test
+//! binary, filtered to the one test, with `UZRAM_ZONED_DEV` naming the device. Inside the VM
+//! [`zoned_device_or_boot`] returns that device and the test body runs; outside it boots the
+//! VM, passes its output through, and fails the test unless the inner run passed.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// Inside the VM: the zoned device to test. Outside: boots the VM with `vm_args` (see
+/// `scripts/zoned-vm --help`), runs test `name` of this binary in it, asserts that it passed,
+/// and returns `None` (the caller's test is then done).
+pub fn zoned_device_or_boot(name: &str, vm_args: &[&str]) -> Option<PathBuf> {
+    if let Some(dev) = std::env::var_os("UZRAM_ZONED_DEV") {
+        return Some(PathBuf::from(dev));
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/zoned-vm");
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new(&script)
+        .args(vm_args)
+        .arg("--")
+        .arg(&exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("--- {name} in the VM: stdout ---\n{stdout}");
+    eprintln!("--- {name} in the VM: stderr ---\n{stderr}");
+    assert!(
+        out.status.success(),
+        "{name} failed in the zoned VM ({}); its output is above",
+        out.status
+    );
+    // The filter must have matched: exactly this test ran, and passed.
+    assert!(
+        stdout.contains("test result: ok. 1 passed"),
+        "{name} did not run in the VM; its output is above"
+    );
+    None
+}
