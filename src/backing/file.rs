@@ -454,6 +454,7 @@ impl fmt::Debug for FileBacking {
             .field("io_mode", &self.io_mode)
             .field("dio_align_bytes", &self.dio_align_bytes)
             .field("is_block_device", &self.is_block_device)
+            .field("zones", &self.zones)
             .finish()
     }
 }

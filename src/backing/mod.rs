@@ -436,6 +436,21 @@ macro_rules! forward_backing {
             fn new_queue(&self, depth: usize) -> Result<Box<dyn IoQueue + '_>> {
                 (**self).new_queue(depth)
             }
+            fn readv_at(&self, bufs: &mut [&mut [u8]], offset: u64) -> Result<()> {
+                (**self).readv_at(bufs, offset)
+            }
+            fn zone_geometry(&self) -> Option<&ZoneGeometry> {
+                (**self).zone_geometry()
+            }
+            fn report_zones(&self) -> Result<Vec<ZoneInfo>> {
+                (**self).report_zones()
+            }
+            fn reset_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
+                (**self).reset_zone(start_bytes, len_bytes)
+            }
+            fn finish_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
+                (**self).finish_zone(start_bytes, len_bytes)
+            }
         }
     };
 }

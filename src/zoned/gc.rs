@@ -237,8 +237,10 @@ impl ZoneStore {
             });
             // On a zoned device the write pointer goes back first; if that fails the victim
             // stays full with nothing live, and a later GC tries again.
-            self.backing
-                .reset_zone(self.zone_base(victim), self.config.zone_size_bytes)?;
+            if self.has_device_wp(victim) {
+                self.backing
+                    .reset_zone(self.zone_base(victim), self.config.zone_size_bytes)?;
+            }
             z.zones[victim as usize] = super::Zone::empty();
             drop(z);
             report.zones_reclaimed += 1;
