@@ -67,6 +67,8 @@ pub struct GcReport {
     pub bytes_written: u64,
     /// Wall time.
     pub elapsed: Duration,
+    /// Part of `elapsed` spent flushing the backing before resetting victims.
+    pub flush: Duration,
 }
 
 /// One chunk in flight: being read (`moves` empty), then being written.
@@ -221,7 +223,9 @@ impl ZoneStore {
             return Err(e);
         }
         // Every copy is written and re-pointed; make them durable before the originals go.
+        let flush_start = Instant::now();
         self.backing.flush()?;
+        report.flush += flush_start.elapsed();
         let z = self.zones.lock();
         let zone = &z.zones[victim as usize];
         let reclaimable = zone.live_bytes == 0 && zone.pending == 0;
