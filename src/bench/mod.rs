@@ -72,11 +72,13 @@ pub fn mbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e6
 }
 
-/// A table printed with aligned columns.
+/// A table printed with aligned columns: the first and those named by
+/// [`left_align`](Table::left_align) to the left, the rest (numbers) to the right.
 #[derive(Debug, Default)]
 pub struct Table {
     header: Vec<String>,
     rows: Vec<Vec<String>>,
+    left: Vec<usize>,
 }
 
 impl Table {
@@ -85,7 +87,13 @@ impl Table {
         Table {
             header: header.iter().map(|s| s.to_string()).collect(),
             rows: Vec::new(),
+            left: vec![0],
         }
+    }
+    /// Aligns these columns (by index) to the left too, as `zramctl` does its text columns.
+    pub fn left_align(mut self, columns: &[usize]) -> Table {
+        self.left.extend_from_slice(columns);
+        self
     }
     /// Adds a row.
     pub fn row(&mut self, cells: Vec<String>) {
@@ -111,13 +119,18 @@ impl Table {
         }
         let mut out = String::new();
         let line = |r: &Vec<String>, out: &mut String| {
+            let mut cells = String::new();
             for (i, c) in r.iter().enumerate().take(ncol) {
-                if i == 0 {
-                    out.push_str(&format!("{c:<w$}", w = width[i]));
+                if i > 0 {
+                    cells.push_str("  ");
+                }
+                if self.left.contains(&i) {
+                    cells.push_str(&format!("{c:<w$}", w = width[i]));
                 } else {
-                    out.push_str(&format!("  {c:>w$}", w = width[i]));
+                    cells.push_str(&format!("{c:>w$}", w = width[i]));
                 }
             }
+            out.push_str(cells.trim_end());
             out.push('\n');
         };
         line(&self.header, &mut out);

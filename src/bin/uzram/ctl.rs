@@ -241,7 +241,8 @@ pub fn run_status(args: StatusArgs) -> Result<()> {
         "TOTAL",
         "BACKING-DEV",
         "BD-USED",
-    ]);
+    ])
+    .left_align(&[1, 6]);
     for r in rows {
         t.row(vec![
             r.name,
