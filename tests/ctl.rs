@@ -316,7 +316,11 @@ socket = "{d}/zram1.sock"
     assert_eq!(lines[1].find("zstd"), Some(algo), "{s}");
     assert_eq!(lines[2].find("lz4"), Some(algo), "{s}");
     let disksize_end = lines[0].find("DISKSIZE").unwrap() + "DISKSIZE".len();
-    assert_eq!(lines[1].find("64M").map(|i| i + 3), Some(disksize_end), "{s}");
+    assert_eq!(
+        lines[1].find("64M").map(|i| i + 3),
+        Some(disksize_end),
+        "{s}"
+    );
     let z1 = cols(lines[2]);
     assert_eq!(z1[..4], ["zram1", "lz4", "16M", "4M"], "{s}");
     let b = r.status(&["--bytes"]);

@@ -554,8 +554,8 @@ impl Device {
 }
 
 /// Queue depth of GC reads and writes: deep enough that the scratch space, not the queue,
-/// bounds the I/O in flight (chunks are cut to the space the scratch has, down to one record,
-/// so 2 MiB of scratch may hold many small chunks).
+/// bounds the I/O in flight (chunks are extents of live records, down to one record, so 2 MiB
+/// of scratch may hold many small ones).
 pub const GC_QUEUE_DEPTH: usize = 64;
 
 /// Runs GC over every eligible victim, with a queue of its own on the store's backing.

@@ -367,8 +367,8 @@ impl ZoneStore {
                     )));
                 }
                 let capacity = g.zone_capacity_bytes / PIECE_BYTES as u64 * PIECE_BYTES as u64;
-                // The largest record (a raw 64 KiB page and its header) must fit in a zone,
-                // and GC's chunk bound (an eighth of the zone) must hold it too.
+                // GC's chunk bound (an eighth of a zone) and victim policy (a quarter of it
+                // reclaimable) are fractions of the zone size: most of a zone must be usable.
                 if capacity < zs / 2 {
                     return Err(Error::invalid(format!(
                         "the zoned backing device {} has zones of {zs} bytes holding only \
