@@ -99,10 +99,12 @@ fn exercise(path: &Path) {
     dev.attr_store("zone_size", &zone.to_string()).unwrap();
     drop(dev);
 
-    // About half a zone's worth of records per full writeback (the pages average a little
-    // over 2 KiB compressed); rounds of rewrites leave zones mostly dead for GC. Small: under
-    // emulation (TCG) the VM runs some ten times slower than the host.
-    let n = (g.zone_capacity_bytes / 4600).max(200);
+    // A quarter of the device's capacity rewritten per round (two thirds of the pages, a
+    // little over 2 KiB each compressed): six rounds write the device over one and a half
+    // times, so zones fill, GC reclaims them, and zones are left short of their capacity
+    // (finished on the device). Pages live: under a third of the device.
+    let usable = g.zone_capacity_bytes * report.len() as u64;
+    let n = usable / 6000;
     let dev = Arc::new(setup(&backing, n));
     for &i in &seq[..2] {
         assert!(
@@ -228,7 +230,8 @@ fn zoned_null_blk_small_zones() {
 }
 
 /// 4 MiB zones that hold only 3 MiB (ZNS-style capacity), two conventional zones first, and
-/// at most three zones open at a time.
+/// at most three zones open and three active (open or closed) at a time: a zone left below
+/// its capacity must be finished, or the device refuses to open the next.
 #[test]
 fn zoned_null_blk_capacity_conventional_and_open_limit() {
     if let Some(dev) = zoned_device_or_boot(
@@ -239,10 +242,12 @@ fn zoned_null_blk_capacity_conventional_and_open_limit() {
             "--zone-capacity-mb",
             "3",
             "--zones",
-            "10",
+            "6",
             "--conv-zones",
             "2",
             "--max-open",
+            "3",
+            "--max-active",
             "3",
             "--block-size",
             "512",
@@ -252,8 +257,38 @@ fn zoned_null_blk_capacity_conventional_and_open_limit() {
         let g = backing.zone_geometry().cloned().unwrap();
         assert_eq!(g.zone_capacity_bytes, 3 << 20, "{g:?}");
         assert_eq!(g.max_open_zones, 3, "{g:?}");
+        assert_eq!(g.max_active_zones, 3, "{g:?}");
         drop(backing);
         exercise(&dev);
+    }
+}
+
+/// A zoned device that allows only two active zones is refused at `disksize` with
+/// `EOPNOTSUPP` (writeback's zone, GC's and one being closed may be active at once), and the
+/// device is left as it was.
+#[test]
+fn zoned_null_blk_two_active_zones_are_refused() {
+    if let Some(dev) = zoned_device_or_boot(
+        "zoned_null_blk_two_active_zones_are_refused",
+        &[
+            "--zone-size-mb",
+            "1",
+            "--zones",
+            "4",
+            "--block-size",
+            "512",
+            "--max-active",
+            "2",
+        ],
+    ) {
+        let backing = open(&dev);
+        assert_eq!(backing.zone_geometry().unwrap().max_active_zones, 2);
+        let dev = Device::new_uninit(PAGE).unwrap();
+        dev.set_backing(backing.clone()).unwrap();
+        let e = dev.attr_store("disksize", "1M").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains("active zones"), "{e}");
+        assert_eq!(dev.attr_show("disksize").unwrap(), "0\n");
     }
 }
 

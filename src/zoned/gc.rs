@@ -389,6 +389,8 @@ impl GcPass<'_> {
                         assert_eq!(r.state, RecState::Live, "relocated {old:?} was not live");
                         r.state = RecState::Dead;
                         oz.live_bytes -= u64::from(old.span_bytes);
+                        // The GC zone's last pending record: finish it if it was left short.
+                        store.finish_if_due(&mut z, new.zone);
                     };
                     if self.owner.repoint(slot, old, new, &moved) {
                         self.report.records_relocated += 1;

@@ -376,6 +376,19 @@ impl ZoneStore {
                         backing.describe()
                     )));
                 }
+                // Writeback's zone, GC's zone, and a zone just closed whose last writes are
+                // still in flight (it is finished when they complete) may all be active.
+                if (1..3).contains(&g.max_active_zones) {
+                    return Err(Error::new(
+                        crate::error::ErrorKind::Unsupported,
+                        format!(
+                            "the zoned backing device {} allows {} active zones; zoned \
+                             writeback needs 3",
+                            backing.describe(),
+                            g.max_active_zones
+                        ),
+                    ));
+                }
                 let report = backing.report_zones()?;
                 let mut seq = Vec::with_capacity(nr as usize);
                 for (i, info) in report.iter().take(nr as usize).enumerate() {
@@ -700,8 +713,9 @@ impl ZoneStore {
                         d.wp_bytes, zone.wp_bytes,
                         "zone {i}: write pointer here and on the device ({d:?})"
                     ),
+                    // Nothing in flight: a zone left below its capacity has been finished.
                     ZoneCondition::Full => assert!(
-                        d.full || zone.finish_due,
+                        d.full && !zone.finish_due,
                         "zone {i}: full here (wp {}), {d:?}",
                         zone.wp_bytes
                     ),
