@@ -376,9 +376,18 @@ impl IoQueue for ZonePlugQueue<'_> {
 
     fn wait(&mut self, min_complete: usize) -> Result<Vec<IoCompletion>> {
         let mut out = std::mem::take(&mut self.failed);
-        while out.len() < min_complete && self.inner.in_flight() > 0 {
-            let want = min_complete - out.len();
-            for c in self.inner.wait(want)? {
+        loop {
+            let want = min_complete.saturating_sub(out.len());
+            if (want == 0 && min_complete > 0) || self.inner.in_flight() == 0 {
+                break;
+            }
+            let done = match self.inner.wait(want) {
+                Ok(done) => done,
+                // What was reaped before the error is returned; the rest stays in flight.
+                Err(e) if out.is_empty() => return Err(e),
+                Err(_) => break,
+            };
+            for c in done {
                 if c.op.kind == IoKind::Write {
                     let zone = self.zone_of(&c.op);
                     self.unplug(zone);
@@ -386,16 +395,9 @@ impl IoQueue for ZonePlugQueue<'_> {
                 out.push(c);
             }
             out.append(&mut self.failed);
-        }
-        if min_complete == 0 {
-            for c in self.inner.wait(0)? {
-                if c.op.kind == IoKind::Write {
-                    let zone = self.zone_of(&c.op);
-                    self.unplug(zone);
-                }
-                out.push(c);
+            if min_complete == 0 {
+                break; // one non-blocking pass
             }
-            out.append(&mut self.failed);
         }
         Ok(out)
     }
