@@ -965,21 +965,10 @@ fn model_4k_lz4_zoned_blkdev() {
     if vm_support::zoned_device_or_boot(
         "model_4k_lz4_zoned_blkdev",
         &[
-            "--zone-size-mb",
-            "1",
-            "--zones",
-            "4",
-            "--block-size",
-            "512",
-            "--scheduler",
-            "none",
-            "--nullb-attr",
-            "hw_queue_depth=4",
-            "--nullb-attr",
-            "irqmode=2",
-            "--nullb-attr",
-            "completion_nsec=100000",
-        ],
+            &["--zone-size-mb", "1", "--zones", "4", "--block-size", "512"],
+            vm_support::REORDERING_DEVICE,
+        ]
+        .concat(),
     )
     .is_some()
     {

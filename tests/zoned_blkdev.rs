@@ -209,21 +209,10 @@ fn zoned_null_blk_small_zones() {
     if let Some(dev) = zoned_device_or_boot(
         "zoned_null_blk_small_zones",
         &[
-            "--zone-size-mb",
-            "1",
-            "--zones",
-            "8",
-            "--block-size",
-            "512",
-            "--scheduler",
-            "none",
-            "--nullb-attr",
-            "hw_queue_depth=4",
-            "--nullb-attr",
-            "irqmode=2",
-            "--nullb-attr",
-            "completion_nsec=100000",
-        ],
+            &["--zone-size-mb", "1", "--zones", "8", "--block-size", "512"],
+            vm_support::REORDERING_DEVICE,
+        ]
+        .concat(),
     ) {
         exercise(&dev);
     }

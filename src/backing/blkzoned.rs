@@ -410,6 +410,11 @@ impl IoQueue for ZonePlugQueue<'_> {
 #[cfg(test)]
 mod unit {
     use super::*;
+    use crate::backing::{AlignedBuf, Backing, Engine, FileBacking, FileOptions};
+    use parking_lot::Mutex;
+    use std::sync::Arc;
+
+    const ZONE: u64 = 64 << 10;
 
     #[test]
     fn ioctl_numbers_match_the_kernel_headers() {
@@ -423,14 +428,30 @@ mod unit {
         assert_eq!(std::mem::size_of::<BlkZoneReportHeader>(), 16);
     }
 
-    /// Passes ops to a real queue and records, per submitted write, its offset and how many
-    /// writes of its zone were in flight when it was submitted.
+    /// A file of four [`ZONE`]s written through io_uring (it has no zones itself: the plug
+    /// only needs the zone size).
+    fn four_zones() -> (tempfile::TempDir, FileBacking) {
+        let dir = tempfile::tempdir().unwrap();
+        let file = FileBacking::create(
+            dir.path().join("b"),
+            4 * ZONE,
+            &FileOptions::with_engine(Engine::Uring),
+        )
+        .unwrap();
+        (dir, file)
+    }
+
+    fn block(v: u8) -> AlignedBuf {
+        AlignedBuf::from_slice(&[v; 4096]).unwrap()
+    }
+
+    /// Passes ops to a real queue and logs, per write submitted to it, its offset and how
+    /// many writes of its zone were already in flight.
     #[derive(Debug)]
     struct Recorder<'a> {
         inner: Box<dyn IoQueue + 'a>,
-        zone_size_bytes: u64,
         in_flight_by_zone: HashMap<u64, usize>,
-        log: Vec<(u64, usize)>,
+        log: Arc<Mutex<Vec<(u64, usize)>>>,
     }
 
     impl IoQueue for Recorder<'_> {
@@ -438,9 +459,8 @@ mod unit {
             self.inner.depth()
         }
         fn submit(&mut self, op: IoOp) -> SubmitResult {
-            let zone = op.offset / self.zone_size_bytes;
-            let n = self.in_flight_by_zone.entry(zone).or_default();
-            self.log.push((op.offset, *n));
+            let n = self.in_flight_by_zone.entry(op.offset / ZONE).or_default();
+            self.log.lock().push((op.offset, *n));
             *n += 1;
             self.inner.submit(op)
         }
@@ -449,7 +469,7 @@ mod unit {
             for c in &done {
                 *self
                     .in_flight_by_zone
-                    .get_mut(&(c.op.offset / self.zone_size_bytes))
+                    .get_mut(&(c.op.offset / ZONE))
                     .unwrap() -= 1;
             }
             Ok(done)
@@ -461,30 +481,21 @@ mod unit {
 
     #[test]
     fn plug_keeps_one_write_per_zone_in_flight_in_order() {
-        use crate::backing::{AlignedBuf, Backing, Engine, FileBacking, FileOptions};
-        let dir = tempfile::tempdir().unwrap();
-        let zone = 64 << 10;
-        let file = FileBacking::create(
-            dir.path().join("b"),
-            4 * zone,
-            &FileOptions::with_engine(Engine::Uring),
-        )
-        .unwrap();
-        let mut q = ZonePlugQueue::new(file.new_queue(8).unwrap(), zone);
-        let block = |v: u8| AlignedBuf::from_slice(&[v; 4096]).unwrap();
+        let (_dir, file) = four_zones();
+        let mut q = ZonePlugQueue::new(file.new_queue(8).unwrap(), ZONE);
         // Four writes into zone 0 and two into zone 2, interleaved, plus a read of zone 1.
         let plan = [
             (0, 1u8),
-            (2 * zone, 2),
+            (2 * ZONE, 2),
             (4096, 3),
             (8192, 4),
-            (2 * zone + 4096, 5),
+            (2 * ZONE + 4096, 5),
             (12288, 6),
         ];
         for (i, &(off, v)) in plan.iter().enumerate() {
             q.submit(IoOp::new(off, vec![block(v)], i as u64)).unwrap();
         }
-        q.submit(IoOp::read(zone, vec![block(0)], 99)).unwrap();
+        q.submit(IoOp::read(ZONE, vec![block(0)], 99)).unwrap();
         // Held writes count as in flight.
         assert_eq!(q.in_flight(), 7);
         let mut done = Vec::new();
@@ -496,7 +507,7 @@ mod unit {
         // Completion order within a zone is submission order.
         let zone0: Vec<u64> = done
             .iter()
-            .filter(|c| c.op.kind == IoKind::Write && c.op.offset < zone)
+            .filter(|c| c.op.kind == IoKind::Write && c.op.offset < ZONE)
             .map(|c| c.op.tag)
             .collect();
         assert_eq!(zone0, vec![0, 2, 3, 5]);
@@ -505,8 +516,8 @@ mod unit {
             file.read_at(&mut b, off).unwrap();
             assert_eq!(b, [v; 4096], "block at {off}");
         }
-        // The queue full check counts held writes.
-        let mut q = ZonePlugQueue::new(file.new_queue(2).unwrap(), zone);
+        // The queue-full check counts held writes.
+        let mut q = ZonePlugQueue::new(file.new_queue(2).unwrap(), ZONE);
         q.submit(IoOp::new(0, vec![block(7)], 0)).unwrap();
         q.submit(IoOp::new(4096, vec![block(8)], 1)).unwrap();
         let (e, _) = q.submit(IoOp::new(8192, vec![block(9)], 2)).unwrap_err();
@@ -516,61 +527,26 @@ mod unit {
 
     #[test]
     fn plug_never_has_two_writes_of_a_zone_at_the_device() {
-        use crate::backing::{AlignedBuf, Backing, Engine, FileBacking, FileOptions};
-        let dir = tempfile::tempdir().unwrap();
-        let zone = 64 << 10;
-        let file = FileBacking::create(
-            dir.path().join("b"),
-            4 * zone,
-            &FileOptions::with_engine(Engine::Uring),
-        )
-        .unwrap();
-        let log = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-        #[derive(Debug)]
-        struct Shared<'a>(
-            Recorder<'a>,
-            std::sync::Arc<parking_lot::Mutex<Vec<(u64, usize)>>>,
-        );
-        impl IoQueue for Shared<'_> {
-            fn depth(&self) -> usize {
-                self.0.depth()
-            }
-            fn submit(&mut self, op: IoOp) -> SubmitResult {
-                let r = self.0.submit(op);
-                *self.1.lock() = self.0.log.clone();
-                r
-            }
-            fn wait(&mut self, n: usize) -> Result<Vec<IoCompletion>> {
-                self.0.wait(n)
-            }
-            fn in_flight(&self) -> usize {
-                self.0.in_flight()
-            }
-        }
+        let (_dir, file) = four_zones();
+        let log = Arc::new(Mutex::new(Vec::new()));
         let recorder = Recorder {
             inner: file.new_queue(16).unwrap(),
-            zone_size_bytes: zone,
             in_flight_by_zone: HashMap::new(),
-            log: Vec::new(),
+            log: log.clone(),
         };
-        let mut q = ZonePlugQueue::new(Box::new(Shared(recorder, log.clone())), zone);
+        let mut q = ZonePlugQueue::new(Box::new(recorder), ZONE);
         let mut next = [0u64; 4];
         for i in 0..64u64 {
             let z = (i * 7 % 4) as usize;
-            if next[z] == zone {
+            if next[z] == ZONE {
                 continue;
             }
-            let off = z as u64 * zone + next[z];
+            let off = z as u64 * ZONE + next[z];
             next[z] += 4096;
             while q.in_flight() >= q.depth() {
                 q.wait(1).unwrap();
             }
-            q.submit(IoOp::new(
-                off,
-                vec![AlignedBuf::new_zeroed(4096).unwrap()],
-                i,
-            ))
-            .unwrap();
+            q.submit(IoOp::new(off, vec![block(0)], i)).unwrap();
         }
         q.wait(usize::MAX).unwrap();
         let log = log.lock().clone();
@@ -584,7 +560,7 @@ mod unit {
             let offs: Vec<u64> = log
                 .iter()
                 .map(|&(o, _)| o)
-                .filter(|o| o / zone == z)
+                .filter(|o| o / ZONE == z)
                 .collect();
             assert!(offs.windows(2).all(|w| w[0] < w[1]), "zone {z}: {offs:?}");
         }

@@ -10,6 +10,20 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+/// `scripts/zoned-vm` options for a device that completes I/O after 100 us from a timer, with
+/// 4 request slots and no I/O scheduler: there Linux 6.1 reorders several writes in flight to
+/// one zone, so only a writer that keeps one write per zone at the device gets through.
+pub const REORDERING_DEVICE: &[&str] = &[
+    "--scheduler",
+    "none",
+    "--nullb-attr",
+    "hw_queue_depth=4",
+    "--nullb-attr",
+    "irqmode=2",
+    "--nullb-attr",
+    "completion_nsec=100000",
+];
+
 /// Inside the VM: the zoned device to test. Outside: boots the VM with `vm_args` (see
 /// `scripts/zoned-vm --help`), runs test `name` of this binary in it, asserts that it passed,
 /// and returns `None` (the caller's test is then done).
