@@ -135,13 +135,7 @@ fn bench_writeback_writes_its_table_and_json() {
         }
     }
     // The zoned store ran too (the default `--store bitmap,zoned`), with the comparison keys.
-    for key in [
-        "zoned_pages_per_s",
-        "bitmap_pages_per_s",
-        "batch1_sync_pages_per_s",
-        "zoned_vs_batch1",
-        "zoned_vs_bitmap",
-    ] {
+    for key in uzram::bench::writeback::COMPARISON_KEYS {
         let v = doc[key].as_f64().unwrap_or(f64::NAN);
         assert!(v.is_finite() && v > 0.0, "{key} = {v}");
     }

@@ -14,7 +14,7 @@ use uzram::ErrorKind;
 
 mod page_support;
 
-use page_support::{page, PAGE};
+use page_support::{bd, check_all, fill, page, PAGE};
 
 fn new_device(pages: u64, backing: Arc<dyn Backing>, compressed: bool) -> Device {
     let dev = Device::new_uninit(PAGE).unwrap();
@@ -23,27 +23,6 @@ fn new_device(pages: u64, backing: Arc<dyn Backing>, compressed: bool) -> Device
     dev.attr_store("disksize", &(pages * PAGE as u64).to_string())
         .unwrap();
     dev
-}
-
-fn fill(dev: &Device, pages: u64, version: u64) {
-    for i in 0..pages {
-        dev.write_at(&page(i, version), i * PAGE as u64).unwrap();
-    }
-}
-
-fn check_all(dev: &Device, pages: u64, version: u64) {
-    for i in 0..pages {
-        let mut buf = vec![0u8; PAGE];
-        dev.read_at(&mut buf, i * PAGE as u64).unwrap();
-        assert!(buf == page(i, version), "page {i} differs");
-    }
-}
-
-/// `bd_stat` as numbers.
-fn bd(dev: &Device) -> [u64; 3] {
-    let s = dev.attr_show("bd_stat").unwrap();
-    let v: Vec<u64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();
-    [v[0], v[1], v[2]]
 }
 
 fn mem(blocks: u64) -> Arc<MemBacking> {
@@ -357,14 +336,20 @@ impl IoQueue for HookQueue<'_> {
     }
 }
 
-#[test]
-fn slot_changed_while_in_flight_keeps_new_data_and_releases_the_block() {
+/// A device of 8 pages (version 1 written) over a [`HookBacking`] of 64 blocks.
+fn hooked_device() -> (Arc<HookBacking>, Arc<Device>) {
     let backing = Arc::new(HookBacking {
         inner: MemBacking::new(64 * PAGE as u64).unwrap(),
         hook: Mutex::new(None),
     });
     let dev = Arc::new(new_device(8, backing.clone(), false));
     fill(&dev, 8, 1);
+    (backing, dev)
+}
+
+#[test]
+fn slot_changed_while_in_flight_keeps_new_data_and_releases_the_block() {
+    let (backing, dev) = hooked_device();
     dev.set_writeback_batch_size(1).unwrap();
     dev.set_writeback_limit_enable(true);
     dev.set_writeback_limit(100);
@@ -572,12 +557,7 @@ fn sixteen_k_pages_write_back_and_count_in_4k_units() {
 
 #[test]
 fn block_reserved_for_a_skipped_candidate_is_released_at_the_end() {
-    let backing = Arc::new(HookBacking {
-        inner: MemBacking::new(64 * PAGE as u64).unwrap(),
-        hook: Mutex::new(None),
-    });
-    let dev = Arc::new(new_device(8, backing.clone(), false));
-    fill(&dev, 8, 1);
+    let (backing, dev) = hooked_device();
     dev.set_writeback_batch_size(1).unwrap();
     // Pages 2 and 6 are both HUGE (same bucket, scan order). While page 2's write is in
     // flight, page 6 is overwritten: when its turn comes it is skipped, and the block the loop

@@ -15,7 +15,7 @@ use uzram::ErrorKind;
 
 mod page_support;
 
-use page_support::{page, PAGE};
+use page_support::{bd, check, check_all, fill, page, PAGE};
 
 const ZONE: u64 = 1 << 20;
 
@@ -32,30 +32,6 @@ fn zoned_device(pages: u64, backing: Arc<dyn Backing>) -> Device {
     dev.attr_store("disksize", &(pages * PAGE as u64).to_string())
         .unwrap();
     dev
-}
-
-fn fill(dev: &Device, pages: u64, version: u64) {
-    for i in 0..pages {
-        dev.write_at(&page(i, version), i * PAGE as u64).unwrap();
-    }
-}
-
-fn check(dev: &Device, i: u64, version: u64) {
-    let mut buf = vec![0u8; PAGE];
-    dev.read_at(&mut buf, i * PAGE as u64).unwrap();
-    assert!(buf == page(i, version), "page {i} differs");
-}
-
-fn check_all(dev: &Device, pages: u64, version: u64) {
-    for i in 0..pages {
-        check(dev, i, version);
-    }
-}
-
-fn bd(dev: &Device) -> [u64; 3] {
-    let s = dev.attr_show("bd_stat").unwrap();
-    let v: Vec<u64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();
-    [v[0], v[1], v[2]]
 }
 
 /// `zone_stat` as numbers: empty open full live_bytes writeback_bytes gc_runs

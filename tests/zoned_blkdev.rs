@@ -18,7 +18,7 @@ use uzram::ErrorKind;
 mod page_support;
 mod vm_support;
 
-use page_support::{page, PAGE};
+use page_support::{check, fill, page, PAGE};
 use vm_support::zoned_device_or_boot;
 
 fn open(path: &Path) -> Arc<FileBacking> {
@@ -31,15 +31,6 @@ fn zone_stat(dev: &Device) -> Vec<u64> {
         .take(8)
         .map(|x| x.parse().unwrap())
         .collect()
-}
-
-fn check(dev: &Device, i: u64, version: u64) {
-    let mut buf = vec![0u8; PAGE];
-    dev.read_at(&mut buf, i * PAGE as u64).unwrap();
-    assert!(
-        buf == page(i, version),
-        "page {i} (version {version}) differs"
-    );
 }
 
 /// Version of page `i` after `rounds` of [`churn`].
@@ -112,9 +103,7 @@ fn exercise(path: &Path) {
             "zone {i} was reset at setup"
         );
     }
-    for i in 0..n {
-        dev.write_at(&page(i, 1), i * PAGE as u64).unwrap();
-    }
+    fill(&dev, n, 1);
     let r = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
     assert_eq!(r.error, None, "{r:?}");
     assert!(r.written > n / 2, "{r:?}");
@@ -190,9 +179,7 @@ fn exercise(path: &Path) {
             report[i]
         );
     }
-    for i in 0..n {
-        dev.write_at(&page(i, 9), i * PAGE as u64).unwrap();
-    }
+    fill(&dev, n, 9);
     dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
     dev.debug_check_zones();
     for i in 0..n {

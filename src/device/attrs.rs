@@ -245,10 +245,7 @@ impl Device {
                 if !compress::algorithms().contains(&algo) {
                     return Err(Error::invalid(format!("unknown algorithm {algo:?}")));
                 }
-                let mut st = self.state.write();
-                if st.inner.is_some() {
-                    return Err(Error::busy("comp_algorithm cannot change once initialised"));
-                }
+                let mut st = self.settings_for("comp_algorithm")?;
                 if st.settings.comp_algorithm != algo {
                     st.settings.comp_algorithm = algo.to_string();
                     st.settings.comp_params = CodecParams::default();

@@ -36,7 +36,7 @@ use crate::writeback::{BackingLayout, WbLimit, WbStore, DEFAULT_WB_BATCH_SIZE};
 use crate::zoned::{ZoneConfig, DEFAULT_ZONE_SIZE_BYTES};
 use crate::zsmalloc::{DeferredStats, PoolStats, ZsPool};
 use crate::BlockDevice;
-use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use stats::DeviceStats;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -212,6 +212,18 @@ impl Device {
         self.state.read().inner.is_some()
     }
 
+    /// The state, locked for a change of setting `attr`, which only an uninitialised device
+    /// takes: `EBUSY` otherwise, as zram answers.
+    fn settings_for(&self, attr: &str) -> Result<RwLockWriteGuard<'_, State>> {
+        let st = self.state.write();
+        if st.inner.is_some() {
+            return Err(Error::busy(format!(
+                "{attr} cannot change once initialised: reset first"
+            )));
+        }
+        Ok(st)
+    }
+
     /// The device size in bytes (0 when uninitialised).
     pub fn disksize_bytes(&self) -> u64 {
         self.state
@@ -287,12 +299,7 @@ impl Device {
     /// Attaches a backing device for writeback (what writing `backing_dev` does with a path).
     /// Only before initialisation (`EBUSY`); the backing must hold at least one page.
     pub fn set_backing(&self, backing: Arc<dyn Backing>) -> Result<()> {
-        let mut st = self.state.write();
-        if st.inner.is_some() {
-            return Err(Error::busy(
-                "backing_dev cannot change once initialised: reset first",
-            ));
-        }
+        let mut st = self.settings_for("backing_dev")?;
         let page = self.page_size_bytes as u64;
         if backing.size_bytes() < page || backing.block_size_bytes() != BLOCK_SIZE_BYTES {
             return Err(Error::invalid(format!(
@@ -347,12 +354,7 @@ impl Device {
     /// Sets `compressed_writeback`: written-back pages are stored as their compressed object and
     /// decompressed when read. Only before initialisation (`EBUSY`).
     pub fn set_compressed_writeback(&self, on: bool) -> Result<()> {
-        let mut st = self.state.write();
-        if st.inner.is_some() {
-            return Err(Error::busy(
-                "compressed_writeback cannot change once initialised",
-            ));
-        }
+        let mut st = self.settings_for("compressed_writeback")?;
         st.settings.compressed_writeback = on;
         Ok(())
     }
@@ -366,12 +368,7 @@ impl Device {
     /// layout always stores compressed objects, whatever `compressed_writeback` says). Only
     /// before initialisation (`EBUSY`).
     pub fn set_backing_layout(&self, layout: BackingLayout) -> Result<()> {
-        let mut st = self.state.write();
-        if st.inner.is_some() {
-            return Err(Error::busy(
-                "backing_layout cannot change once initialised: reset first",
-            ));
-        }
+        let mut st = self.settings_for("backing_layout")?;
         if layout != BackingLayout::Zoned && Self::backing_is_zoned(&st).is_some() {
             return Err(Error::invalid(
                 "the backing device is a zoned block device: it takes only backing_layout=zoned",
@@ -391,12 +388,7 @@ impl Device {
     /// set, it holds at least 3 such zones (checked again at `disksize`, as the backing may be
     /// set afterwards).
     pub fn set_zone_size_bytes(&self, bytes: u64) -> Result<()> {
-        let mut st = self.state.write();
-        if st.inner.is_some() {
-            return Err(Error::busy(
-                "zone_size cannot change once initialised: reset first",
-            ));
-        }
+        let mut st = self.settings_for("zone_size")?;
         if bytes == 0 || bytes % (1 << 20) != 0 || bytes > crate::zoned::MAX_ZONE_SIZE_BYTES {
             return Err(Error::invalid(format!(
                 "zone_size {bytes}: must be a non-zero multiple of 1 MiB, at most {}",
