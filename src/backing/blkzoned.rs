@@ -297,15 +297,15 @@ pub(crate) fn finish(file: &File, start_bytes: u64, len_bytes: u64) -> io::Resul
 /// A queue in front of another that keeps at most one write per zone in flight, holding the
 /// zone's later writes back in submission order until it completes. Reads pass through.
 ///
-/// Invariant: for every zone, the writes held in `plugged` were submitted after the one in
-/// flight (if any) and go out in the order they were submitted. `in_flight` counts both.
+/// Invariant: a zone is a key of `plugged` exactly while one of its writes is in the queue
+/// below; the writes held under it were submitted after that one and go out in submission
+/// order. `in_flight` counts the held writes too.
 #[derive(Debug)]
 pub struct ZonePlugQueue<'a> {
     inner: Box<dyn IoQueue + 'a>,
     zone_size_bytes: u64,
     /// Per zone with a write in flight: the writes waiting behind it.
     plugged: HashMap<u64, VecDeque<IoOp>>,
-    held: usize,
     /// Completions of held writes whose submission failed, returned by the next `wait`.
     failed: Vec<IoCompletion>,
 }
@@ -317,7 +317,6 @@ impl<'a> ZonePlugQueue<'a> {
             inner,
             zone_size_bytes,
             plugged: HashMap::new(),
-            held: 0,
             failed: Vec::new(),
         }
     }
@@ -336,7 +335,6 @@ impl<'a> ZonePlugQueue<'a> {
                 self.plugged.remove(&zone);
                 return;
             };
-            self.held -= 1;
             match self.inner.submit(op) {
                 Ok(()) => return,
                 Err((e, op)) => {
@@ -364,7 +362,6 @@ impl IoQueue for ZonePlugQueue<'_> {
             let zone = self.zone_of(&op);
             if let Some(queue) = self.plugged.get_mut(&zone) {
                 queue.push_back(op);
-                self.held += 1;
                 return Ok(());
             }
             self.inner.submit(op)?;
@@ -403,7 +400,8 @@ impl IoQueue for ZonePlugQueue<'_> {
     }
 
     fn in_flight(&self) -> usize {
-        self.inner.in_flight() + self.held + self.failed.len()
+        let held: usize = self.plugged.values().map(VecDeque::len).sum();
+        self.inner.in_flight() + held + self.failed.len()
     }
 }
 

@@ -332,8 +332,9 @@ impl Device {
         Ok(())
     }
 
-    /// Whether the backing device is a zoned block device (its zones are used as they are).
-    fn backing_is_zoned(st: &State) -> Option<u64> {
+    /// The zone size of the backing device when it is a zoned block device (its zones are
+    /// used as they are).
+    fn backing_zone_size_bytes(st: &State) -> Option<u64> {
         st.settings
             .backing
             .as_ref()
@@ -369,7 +370,7 @@ impl Device {
     /// before initialisation (`EBUSY`).
     pub fn set_backing_layout(&self, layout: BackingLayout) -> Result<()> {
         let mut st = self.settings_for("backing_layout")?;
-        if layout != BackingLayout::Zoned && Self::backing_is_zoned(&st).is_some() {
+        if layout != BackingLayout::Zoned && Self::backing_zone_size_bytes(&st).is_some() {
             return Err(Error::invalid(
                 "the backing device is a zoned block device: it takes only backing_layout=zoned",
             ));
@@ -395,7 +396,7 @@ impl Device {
                 crate::zoned::MAX_ZONE_SIZE_BYTES
             )));
         }
-        if let Some(zs) = Self::backing_is_zoned(&st) {
+        if let Some(zs) = Self::backing_zone_size_bytes(&st) {
             if bytes != zs {
                 return Err(Error::invalid(format!(
                     "zone_size {bytes}: the backing device is a zoned block device with zones \

@@ -455,11 +455,6 @@ impl ZoneStore {
         self.capacity_bytes
     }
 
-    /// Whether the zones are a zoned block device's own.
-    pub fn is_device_zoned(&self) -> bool {
-        self.device_seq.is_some()
-    }
-
     fn has_device_wp(&self, zone: u32) -> bool {
         self.device_seq
             .as_ref()
