@@ -1099,7 +1099,7 @@ pub(crate) mod tests {
     /// Runs the test `name` alone in a child process (the test binary re-executed with
     /// `--exact`), so process-wide measurements are not disturbed by concurrent tests. Returns
     /// true in the child, which should then do the work.
-    fn isolated(name: &str) -> bool {
+    pub(crate) fn isolated(name: &str) -> bool {
         const CHILD: &str = "UZRAM_ZSMALLOC_ISOLATED_CHILD";
         if std::env::var_os(CHILD).is_some() {
             return true;

@@ -17,9 +17,31 @@
 //!
 //! [`FrameAllocator::alloc`] pops a free frame or carves the next one from the newest chunk
 //! (mapping a new chunk when it is used up). [`FrameAllocator::release`] consumes the [`Frame`]
-//! token, `madvise(MADV_DONTNEED)`s the pages the zspage used, so the resident set really
-//! shrinks (the next touch faults in a zero page), and puts the frame on the free list. Chunks
-//! are unmapped only when the allocator drops.
+//! token and keeps the frame resident in a small cache, or drops the pages the zspage used from
+//! the resident set (the next touch faults in a zero page) and puts the frame on the free list.
+//! Chunks are unmapped only when the allocator drops.
+//!
+//! # Locked memory
+//!
+//! A server backing swap locks its memory (`uzram serve --swap`: `mlockall(MCL_FUTURE |
+//! MCL_ONFAULT)`, see `frontend::swap`), so every chunk mapped afterwards is locked, page by page
+//! as it is touched. `MADV_DONTNEED` refuses locked ranges (`EINVAL`): the pages of freed
+//! zspages would stay resident, and locked, for the life of the process. So pages are dropped
+//! with the first of these the kernel accepts ([`Dropping`]; the choice is remembered):
+//!
+//! 1. `MADV_DONTNEED_LOCKED` (Linux 5.18): drops the pages whether or not the range is locked,
+//!    and leaves the lock in place: with `MCL_ONFAULT` the range stays "locked on fault", so the
+//!    frame's next zspage is locked as its pages are faulted in again. No VMA changes. On an
+//!    unlocked range it is `MADV_DONTNEED`.
+//! 2. `MADV_DONTNEED` (older kernels): enough while nothing is locked. The first `EINVAL` means
+//!    the range is locked, and we go to 3.
+//! 3. `munlock` the frame, then `MADV_DONTNEED` its pages; the frame waits on a list of its own
+//!    (`FrameState::unlocked`) and is locked again (`mlock2(MLOCK_ONFAULT)`) before it is handed
+//!    out. Unlocking splits the chunk's VMA around the frame (relocking merges it back), so up
+//!    to two VMAs per unlocked frame: if the kernel refuses the split (`vm.max_map_count`), the
+//!    frame stays locked and resident on the free list (memory is kept, never lost); if it
+//!    refuses to relock, the frame stays unlocked on its list and a fresh frame is carved (a new
+//!    chunk is locked by `MCL_FUTURE`).
 //!
 //! # Ownership
 //!
@@ -32,7 +54,7 @@
 #![allow(unsafe_code)]
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use parking_lot::Mutex;
 
@@ -128,8 +150,11 @@ unsafe impl Send for Chunk {}
 #[derive(Debug, Default)]
 struct FrameState {
     chunks: Vec<Chunk>,
-    /// Frames released and not yet reused (their pages were `MADV_DONTNEED`ed).
+    /// Frames released and not yet reused (their pages were dropped, or, if the kernel
+    /// refused, kept: see [`FrameAllocator::discard`]).
     free: Vec<Frame>,
+    /// Frames released by [`Dropping::Unlock`]: unlocked, pages dropped; relocked on reuse.
+    unlocked: Vec<Frame>,
     /// Released frames kept resident for reuse, by the number of pages their zspage used (the
     /// only pages of the frame that can be resident): `cached[k]` holds frames with `k` pages.
     cached: [Vec<Frame>; MAX_PAGES_PER_ZSPAGE + 1],
@@ -152,6 +177,9 @@ pub(crate) struct FrameAllocator {
     state: Mutex<FrameState>,
     /// Whether the kernel accepts `MADV_POPULATE_WRITE` (cleared on the first `EINVAL`).
     populate: AtomicBool,
+    /// How freed frames' pages are dropped: a [`Dropping`], only ever moving down the list of
+    /// the module docs ("Locked memory") as the kernel refuses one.
+    dropping: AtomicU8,
     /// Most pages the frame cache keeps resident ([`FRAME_CACHE_BYTES`] worth).
     cache_limit_pages: usize,
 }
@@ -167,6 +195,30 @@ pub(crate) const FRAME_CACHE_BYTES: usize = 2 << 20;
 
 /// `MADV_POPULATE_WRITE` (Linux 5.14, include/uapi/asm-generic/mman-common.h).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
+/// `MADV_DONTNEED_LOCKED` (Linux 5.18, include/uapi/asm-generic/mman-common.h).
+const MADV_DONTNEED_LOCKED: libc::c_int = 24;
+
+/// How a freed frame's pages leave the resident set; see the module docs ("Locked memory").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Dropping {
+    /// `madvise(MADV_DONTNEED_LOCKED)`: locked or not, the range keeps its lock.
+    DontneedLocked = 0,
+    /// `madvise(MADV_DONTNEED)`: kernels before 5.18, while nothing is locked.
+    Dontneed = 1,
+    /// `munlock` then `MADV_DONTNEED`; relocked with `mlock2(MLOCK_ONFAULT)` on reuse.
+    Unlock = 2,
+}
+
+impl Dropping {
+    fn from_u8(v: u8) -> Dropping {
+        match v {
+            0 => Dropping::DontneedLocked,
+            1 => Dropping::Dontneed,
+            _ => Dropping::Unlock,
+        }
+    }
+}
 
 fn sys_page_bytes() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.
@@ -191,8 +243,20 @@ impl FrameAllocator {
             sys_page_bytes,
             state: Mutex::new(FrameState::default()),
             populate: AtomicBool::new(true),
+            dropping: AtomicU8::new(Dropping::DontneedLocked as u8),
             cache_limit_pages: cache_bytes / page_size_bytes,
         }
+    }
+
+    /// How freed frames' pages are dropped now.
+    pub(crate) fn dropping(&self) -> Dropping {
+        Dropping::from_u8(self.dropping.load(Ordering::Relaxed))
+    }
+
+    /// Starts dropping pages the way `how` does (tests of the older kernels' ways).
+    #[cfg(test)]
+    pub(crate) fn set_dropping(&self, how: Dropping) {
+        self.dropping.store(how as u8, Ordering::Relaxed);
     }
 
     /// Bytes of address space per frame.
@@ -207,6 +271,25 @@ impl FrameAllocator {
         let mut st = self.state.lock();
         if let Some(frame) = st.free.pop() {
             return Ok(frame);
+        }
+        if let Some(frame) = st.unlocked.pop() {
+            drop(st);
+            // SAFETY: the range is exactly the frame, inside a live mapping we own, and nobody
+            // references it (we hold the token). Locking changes no byte of it.
+            let rc = unsafe {
+                libc::mlock2(
+                    frame.base.as_ptr().cast(),
+                    frame.len_bytes,
+                    libc::MLOCK_ONFAULT,
+                )
+            };
+            if rc == 0 {
+                return Ok(frame);
+            }
+            // Cannot relock (the VMA limit): keep it unlocked for later and carve a fresh,
+            // locked frame instead.
+            st = self.state.lock();
+            st.unlocked.push(frame);
         }
         if st.chunks.is_empty() || st.carved_in_last == self.frames_per_chunk {
             let len_bytes = self.frames_per_chunk * self.frame_bytes;
@@ -318,18 +401,60 @@ impl FrameAllocator {
         self.state.lock().cached_pages
     }
 
-    /// `MADV_DONTNEED`s the first `pages` pages of `frame` and puts it on the free list.
+    /// Drops the first `pages` pages of `frame` from the resident set (the first way the kernel
+    /// accepts: see the module docs, "Locked memory") and puts it on the free list (or, unlocked,
+    /// on the unlocked list).
     fn discard(&self, frame: Frame, pages: usize) {
         let len_bytes = (pages * self.page_size_bytes)
             .next_multiple_of(self.sys_page_bytes)
             .min(frame.len_bytes);
-        // SAFETY: the range lies inside the frame (clamped to its length, and frames are
-        // system-page aligned), which nobody references any more: we own the token and every
-        // slice into it borrowed the token. MADV_DONTNEED on private anonymous memory only
-        // replaces its contents with zeroes.
-        let rc =
-            unsafe { libc::madvise(frame.base.as_ptr().cast(), len_bytes, libc::MADV_DONTNEED) };
-        debug_assert_eq!(rc, 0, "madvise: {}", std::io::Error::last_os_error());
+        let madvise = |advice| {
+            // SAFETY: the range lies inside the frame (clamped to its length, and frames are
+            // system-page aligned), which nobody references any more: we own the token and
+            // every slice into it borrowed the token. Dropping the pages of private anonymous
+            // memory only replaces its contents with zeroes.
+            let rc = unsafe { libc::madvise(frame.base.as_ptr().cast(), len_bytes, advice) };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        };
+        let mut how = self.dropping();
+        loop {
+            let r = match how {
+                Dropping::DontneedLocked => madvise(MADV_DONTNEED_LOCKED),
+                Dropping::Dontneed => madvise(libc::MADV_DONTNEED),
+                Dropping::Unlock => {
+                    // SAFETY: the range is exactly the frame, inside a live mapping we own;
+                    // unlocking changes no byte of it.
+                    let rc = unsafe { libc::munlock(frame.base.as_ptr().cast(), frame.len_bytes) };
+                    if rc != 0 {
+                        // The VMA split was refused: the pages stay, locked, for the next
+                        // zspage (kept, never lost; the module docs say when this happens).
+                        self.state.lock().free.push(frame);
+                        return;
+                    }
+                    let r = madvise(libc::MADV_DONTNEED);
+                    debug_assert!(r.is_ok(), "madvise after munlock: {r:?}");
+                    self.state.lock().unlocked.push(frame);
+                    return;
+                }
+            };
+            match r {
+                Ok(()) => break,
+                // Unknown advice, or a locked range refused (both: before 5.18): remember, and
+                // go down the list (`Unlock` returned above, so `how` is not the last).
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    how = Dropping::from_u8(how as u8 + 1);
+                    self.dropping.fetch_max(how as u8, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    debug_assert!(false, "madvise: {e}");
+                    break;
+                }
+            }
+        }
         self.state.lock().free.push(frame);
     }
 
@@ -457,5 +582,148 @@ mod tests {
         a.trim();
         assert_eq!(a.cached_pages(), 0);
         assert_eq!(a.resident_bytes(), 0);
+    }
+
+    /// Pages of `[addr, addr + len)` that are present and mlocked, from `/proc/self/pagemap`
+    /// (the frame number, bits 0–54, needs root) and `/proc/kpageflags` (`KPF_MLOCKED`, bit 33).
+    fn mlocked_pages(addr: usize, len: usize) -> usize {
+        use std::os::unix::fs::FileExt;
+        let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+        let kpageflags = std::fs::File::open("/proc/kpageflags").unwrap();
+        let page = sys_page_bytes();
+        let mut locked = 0;
+        for p in (addr..addr + len).step_by(page) {
+            let mut entry = [0u8; 8];
+            pagemap
+                .read_exact_at(&mut entry, (p / page * 8) as u64)
+                .unwrap();
+            let entry = u64::from_le_bytes(entry);
+            if entry >> 63 == 0 {
+                continue; // not present
+            }
+            let pfn = entry & ((1 << 55) - 1);
+            assert_ne!(pfn, 0, "pagemap hides frame numbers: run as root");
+            let mut flags = [0u8; 8];
+            kpageflags.read_exact_at(&mut flags, pfn * 8).unwrap();
+            locked += usize::from(u64::from_le_bytes(flags) >> 33 & 1 == 1);
+        }
+        locked
+    }
+
+    /// VMAs of this process overlapping `[addr, addr + len)`, from `/proc/self/maps`.
+    fn vmas_over(addr: usize, len: usize) -> usize {
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .filter(|l| {
+                let range = l.split_whitespace().next().unwrap();
+                let (start, end) = range.split_once('-').unwrap();
+                let start = usize::from_str_radix(start, 16).unwrap();
+                let end = usize::from_str_radix(end, 16).unwrap();
+                start < addr + len && addr < end
+            })
+            .count()
+    }
+
+    /// What `uzram serve --swap` relies on: in a process locked as the server locks itself
+    /// (`mlockall(MCL_FUTURE | MCL_ONFAULT)`), a frame's pages are locked as they are faulted
+    /// in, leave the process when the frame is released, and are locked again when it is
+    /// reused; by each way of dropping pages (the kernel's choice, and the `munlock` fallback
+    /// of kernels before 5.18). Also that `MADV_DONTNEED`'s refusal of locked pages moves the
+    /// allocator to that fallback. In a child process: locking changes the whole process.
+    #[test]
+    fn locked_frames_leave_the_process_and_are_locked_again() {
+        if !super::super::tests::isolated(
+            "zsmalloc::page_alloc::tests::locked_frames_leave_the_process_and_are_locked_again",
+        ) {
+            return;
+        }
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        assert_eq!(uid, 0, "needs root (CI runs as root)");
+        // SAFETY: mlockall takes flags only.
+        let rc = unsafe { libc::mlockall(libc::MCL_FUTURE | libc::MCL_ONFAULT) };
+        assert_eq!(rc, 0, "mlockall: {}", std::io::Error::last_os_error());
+        const FRAMES: usize = 256;
+        const PAGES: usize = 3;
+        let page = 4096;
+        for how in [
+            Dropping::DontneedLocked,
+            Dropping::Dontneed,
+            Dropping::Unlock,
+        ] {
+            let a = FrameAllocator::with_cache_bytes(page, 0);
+            a.set_dropping(how);
+            let mut frames: Vec<Frame> = (0..FRAMES)
+                .map(|_| a.alloc_populated(PAGES).unwrap())
+                .collect();
+            for f in &mut frames {
+                f.bytes_mut(0, PAGES * page).fill(0x5a);
+            }
+            let chunk = a.state.lock().chunks[0].base.as_ptr() as usize;
+            let span = FRAMES * a.frame_bytes();
+            let vmas = vmas_over(chunk, span);
+            assert_eq!(a.resident_bytes(), FRAMES * PAGES * page, "{how:?}");
+            assert_eq!(
+                mlocked_pages(chunk, span),
+                FRAMES * PAGES,
+                "{how:?}: locked on fault"
+            );
+
+            // Every other frame, then the rest: nothing of them stays resident.
+            let (odd, even): (Vec<_>, Vec<_>) = frames
+                .into_iter()
+                .enumerate()
+                .partition(|(i, _)| i % 2 == 1);
+            for (_, f) in odd {
+                a.release(f, PAGES);
+            }
+            assert_eq!(a.resident_bytes(), FRAMES / 2 * PAGES * page, "{how:?}");
+            assert_eq!(mlocked_pages(chunk, span), FRAMES / 2 * PAGES, "{how:?}");
+            // Only unlocking splits the chunk's VMA (around each unlocked frame).
+            let split = vmas_over(chunk, span);
+            if how == Dropping::DontneedLocked {
+                assert_eq!(split, vmas, "{how:?}");
+            } else {
+                assert!(
+                    split >= vmas + FRAMES / 2,
+                    "{how:?}: {vmas} -> {split} VMAs"
+                );
+            }
+            for (_, f) in even {
+                a.release(f, PAGES);
+            }
+            assert_eq!(
+                a.resident_bytes(),
+                0,
+                "{how:?}: released frames stay resident"
+            );
+            // MADV_DONTNEED refuses locked pages: the allocator moved on to unlocking.
+            let expected = if how == Dropping::DontneedLocked {
+                Dropping::DontneedLocked
+            } else {
+                Dropping::Unlock
+            };
+            assert_eq!(a.dropping(), expected);
+
+            // Reused: zeroes, faulted in and locked again; the chunk's VMAs merged back.
+            let frames: Vec<Frame> = (0..FRAMES)
+                .map(|_| a.alloc_populated(PAGES).unwrap())
+                .collect();
+            assert!(frames
+                .iter()
+                .all(|f| f.bytes(0, PAGES * page).iter().all(|&b| b == 0)));
+            assert_eq!(a.resident_bytes(), FRAMES * PAGES * page, "{how:?}");
+            assert_eq!(
+                mlocked_pages(chunk, span),
+                FRAMES * PAGES,
+                "{how:?}: relocked"
+            );
+            assert_eq!(vmas_over(chunk, span), vmas, "{how:?}: VMAs left split");
+            for f in frames {
+                a.release(f, PAGES);
+            }
+            assert_eq!(a.resident_bytes(), 0, "{how:?}");
+        }
     }
 }
