@@ -4,18 +4,40 @@
 //! itself wait on that pressure: if its pages are swapped out (to itself) or its allocations
 //! wait for reclaim that needs its own I/O, the machine deadlocks. So, before any thread starts:
 //!
-//! 1. `mlockall(MCL_CURRENT | MCL_FUTURE)`: every page the process has and will map stays in
-//!    RAM. Only done when the process may lock without limit (`CAP_IPC_LOCK`, or
+//! 1. Lock memory, so none of the server's pages is ever swapped out (possibly to itself):
+//!    `mlockall(MCL_CURRENT)`, then `mlockall(MCL_FUTURE | MCL_ONFAULT)`. The mappings present
+//!    at start (the program's code and static data, the main stack: a few MiB) are faulted in
+//!    and locked whole, so no code path first run under memory pressure has to be read back
+//!    from disk then; every later mapping (heap, thread stacks, zsmalloc's chunks, buffers) is
+//!    locked page by page as it is touched (`MCL_ONFAULT`, Linux 4.4), so address space that
+//!    is reserved but never touched costs nothing. (`MCL_FUTURE` alone populates and locks each
+//!    new mapping whole: zsmalloc's 128 MiB chunks, 2 MiB thread stacks, malloc's 64 MiB arena
+//!    heaps.) Only done when the process may lock without limit (`CAP_IPC_LOCK`, or
 //!    `RLIMIT_MEMLOCK` unlimited): under a finite limit `MCL_FUTURE` turns the first mapping
 //!    past it into an allocation failure, which would take the server down mid-request.
+//!
+//!    Memory given back must still leave the process, and `MADV_DONTNEED` refuses locked
+//!    pages (`EINVAL`). zsmalloc drops freed zspages with `MADV_DONTNEED_LOCKED` (see
+//!    `zsmalloc::page_alloc`, "Locked memory"). glibc's malloc trims its per-thread arenas
+//!    with `MADV_DONTNEED` and ignores the error, so what an arena once held stays resident:
+//!    its mmap threshold is fixed at [`MMAP_THRESHOLD_BYTES`] (`mallopt(M_MMAP_THRESHOLD)`),
+//!    so every block from 128 KiB up (request and read buffers, the connection's read buffer)
+//!    is a mapping of its own, unmapped when freed; only smaller blocks live in arenas. Left
+//!    alone, glibc raises the threshold to the size of each mapped block freed (up to 32 MiB),
+//!    moving exactly those buffers into the arenas.
 //! 2. `prctl(PR_SET_IO_FLUSHER)` (Linux 5.6, needs `CAP_SYS_RESOURCE`): the kernel treats the
 //!    process as part of the I/O path (as it does loop and nbd's own threads): its allocations
 //!    never start I/O to reclaim memory (`PF_MEMALLOC_NOIO`) and it is not throttled for
 //!    dirty pages it does not own (`PF_LOCAL_THROTTLE`). Threads created afterwards inherit
 //!    it, which is why this runs first.
-//! 3. The NBD server preallocates request buffers per connection and recycles them
-//!    ([`ServerConfig::preallocate`](super::nbd::ServerConfig)), so the request path takes
-//!    no fresh memory from the kernel in the steady state.
+//! 3. The NBD server preallocates request buffers per connection (faulted in, hence locked)
+//!    and recycles them ([`ServerConfig::preallocate`](super::nbd::ServerConfig)), so the
+//!    request path of a swap client takes no fresh memory from the kernel in the steady state.
+//!
+//! Thread stacks keep their default size (2 MiB of address space): locked on fault, a stack
+//! costs the pages its thread has touched (8–12 KiB measured for a connection's threads under
+//! nbdcopy), so a smaller reservation would save nothing resident and risk an overflow on a
+//! deep path (a codec, a panic's backtrace).
 //!
 //! What could not be done is reported, never fatal: a server that is not locked is still a
 //! working server, and its log says why.
@@ -52,6 +74,89 @@ fn memlock_limit_bytes() -> Option<u64> {
     Some(lim.rlim_cur)
 }
 
+/// The mmap threshold under locked memory: glibc's own initial value (`DEFAULT_MMAP_THRESHOLD_MIN`,
+/// 128 KiB), fixed. Smaller would turn the 4–64 KiB request buffers of swap traffic (recycled
+/// by each connection's pool, so allocated rarely) into a system call pair each and a mapping
+/// each; larger would put the 128 KiB buffers of typical swap requests back in the arenas.
+pub const MMAP_THRESHOLD_BYTES: usize = 128 << 10;
+
+/// `mlockall(flags)`, as an `io::Result`.
+fn mlockall(flags: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: mlockall takes flags only and touches no memory of ours.
+    if unsafe { libc::mlockall(flags) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Step 1 of the module docs: what is mapped now whole, what is mapped later as it is touched,
+/// and malloc's large blocks mapped on their own. Returns the log lines.
+fn lock_memory() -> Vec<String> {
+    let locked = lock_mappings();
+    let mut report = vec![locked.clone()];
+    if locked.starts_with("memory locked") {
+        report.push(fix_mmap_threshold());
+    }
+    report
+}
+
+/// `mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)` (see the module docs). Returns the log line.
+#[cfg(target_env = "gnu")]
+fn fix_mmap_threshold() -> String {
+    // SAFETY: mallopt takes integers only; called before any thread exists (it is thread-safe
+    // anyway: it takes the main arena's lock).
+    let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES as libc::c_int) };
+    if ok == 1 {
+        format!(
+            "malloc maps blocks of {} KiB and more on their own (M_MMAP_THRESHOLD), so freed \
+             buffers leave the locked process",
+            MMAP_THRESHOLD_BYTES >> 10
+        )
+    } else {
+        "malloc's mmap threshold NOT fixed (mallopt refused): freed buffers may stay resident"
+            .into()
+    }
+}
+
+/// Other C libraries: nothing to fix that we know of; said in the log.
+#[cfg(not(target_env = "gnu"))]
+fn fix_mmap_threshold() -> String {
+    "not glibc: malloc's mmap threshold left as it is".into()
+}
+
+/// `mlockall` as step 1 of the module docs says. Returns the log line.
+fn lock_mappings() -> String {
+    // First the mappings of now (code, static data, the main stack): populated and locked
+    // whole, so no code path (an error path first run under memory pressure, say) has to be
+    // read back from the filesystem then. A call without MCL_FUTURE clears the process's
+    // future-lock setting, so this one comes first.
+    if let Err(e) = mlockall(libc::MCL_CURRENT) {
+        return format!("memory NOT locked: mlockall(MCL_CURRENT): {e}");
+    }
+    // Then every later mapping, page by page as it is touched (MCL_ONFAULT, Linux 4.4). Without
+    // MCL_CURRENT in this call the current mappings keep their whole lock.
+    match mlockall(libc::MCL_FUTURE | libc::MCL_ONFAULT) {
+        Ok(()) => "memory locked (mlockall: MCL_CURRENT, then MCL_FUTURE|MCL_ONFAULT: later \
+                   mappings are locked as they are touched)"
+            .into(),
+        // A kernel without MCL_ONFAULT: lock later mappings whole, as before.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            match mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) {
+                Ok(()) => "memory locked (mlockall MCL_CURRENT|MCL_FUTURE: this kernel lacks \
+                           MCL_ONFAULT, so every later mapping is locked whole)"
+                    .into(),
+                Err(e) => {
+                    format!("memory locked only as mapped at start: mlockall(MCL_FUTURE): {e}")
+                }
+            }
+        }
+        Err(e) => {
+            format!("memory locked only as mapped at start: mlockall(MCL_FUTURE|MCL_ONFAULT): {e}")
+        }
+    }
+}
+
 /// Locks memory and marks the process an I/O flusher where permitted. Call before any thread
 /// is created. Returns one line per step saying what was done or why not, for the log.
 pub fn prepare() -> Vec<String> {
@@ -63,18 +168,7 @@ pub fn prepare() -> Vec<String> {
              CAP_IPC_LOCK (run as root, or raise the limit: `ulimit -l unlimited`, systemd \
              LimitMEMLOCK=infinity); its pages may be swapped out"
         )),
-        _ => {
-            // SAFETY: mlockall takes flags only and touches no memory of ours.
-            let rc = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) };
-            if rc == 0 {
-                report.push("memory locked (mlockall MCL_CURRENT|MCL_FUTURE)".into());
-            } else {
-                report.push(format!(
-                    "memory NOT locked: mlockall: {}",
-                    std::io::Error::last_os_error()
-                ));
-            }
-        }
+        _ => report.extend(lock_memory()),
     }
     // SAFETY: prctl with PR_SET_IO_FLUSHER takes integer arguments only.
     let rc = unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0, 0, 0) };
@@ -92,10 +186,12 @@ pub fn prepare() -> Vec<String> {
              on reclaim that needs this server's own I/O"
         ));
     }
-    report.push(
-        "request buffers preallocated per connection and recycled; the device's compressed \
-         pages are still allocated on writes, as in zram"
-            .into(),
-    );
+    use super::nbd::server::{PREALLOCATED_BUFFERS, PREALLOCATED_BUFFER_BYTES};
+    report.push(format!(
+        "request buffers preallocated per connection ({} of {} KiB) and recycled; the \
+         device's compressed pages are still allocated on writes, as in zram",
+        PREALLOCATED_BUFFERS,
+        PREALLOCATED_BUFFER_BYTES >> 10
+    ));
     report
 }

@@ -71,13 +71,21 @@ pub struct ServerConfig {
     pub preallocate: bool,
 }
 
-/// Buffers preallocated per connection with [`ServerConfig::preallocate`]: half the in-flight
-/// request limit, which a swap client's queue (the kernel's nbd driver: 128 tags by default;
-/// qemu: 16) rarely fills with large requests.
-pub const PREALLOCATED_BUFFERS: usize = 64;
+/// Buffers preallocated per connection with [`ServerConfig::preallocate`]: what qemu's NBD
+/// client (a guest's swap disk) can have in flight (`MAX_NBD_REQUESTS`, 16). 2 MiB per
+/// connection, locked under `--swap`; a deeper queue (the kernel's nbd driver has 128 tags)
+/// takes more buffers as it goes, kept up to [`POOL_RETAINED_BYTES`].
+pub const PREALLOCATED_BUFFERS: usize = 16;
 /// Their data size: 128 KiB (the kernel's default `max_sectors_kb` for most devices, so the
 /// usual largest swap request); each also has room for a reply header.
 pub const PREALLOCATED_BUFFER_BYTES: usize = 128 << 10;
+/// What a connection's buffer pool keeps between requests: 4 MiB, twice the preallocation,
+/// i.e. 32 buffers of 128 KiB or 16 of nbdcopy's 256 KiB. Buffers beyond it are freed when their
+/// request is answered (and, being at least malloc's mmap threshold under `--swap`, unmapped),
+/// so an idle connection holds at most this much whatever burst it served: the memory a server
+/// with N connections holds beyond its devices is N times this, not N times the 64 MiB
+/// in-flight budget (docs/nbd.md, "Memory").
+pub const POOL_RETAINED_BYTES: usize = 4 << 20;
 
 impl Default for ServerConfig {
     fn default() -> ServerConfig {
@@ -595,6 +603,8 @@ fn serve_connection(
 /// Room for a reply header in front of read data, so a pooled buffer of a class holds a
 /// reply of that class's data size.
 const POOL_HEADROOM_BYTES: usize = 64;
+/// What preallocated buffers are filled with: anything but zero (see [`BufPool::new`]).
+const POOL_PREFILL_BYTE: u8 = 0xa5;
 /// Size classes: 4 KiB << k of data (plus headroom) for k = 0..=13, up to the 32 MiB maximum
 /// payload.
 const POOL_CLASSES: usize = 14;
@@ -614,7 +624,7 @@ fn pool_class_capacity(class: usize) -> usize {
 /// A connection's request buffers (write payloads, read replies), recycled: a buffer returns
 /// here when its request is answered and a later request it can hold reuses it, so the steady
 /// state allocates nothing. Buffers are kept in power-of-two size classes (a lookup is a few
-/// vector pops, not a search) and the pool holds at most [`MAX_INFLIGHT_BYTES`].
+/// vector pops, not a search) and the pool holds at most [`POOL_RETAINED_BYTES`].
 struct BufPool {
     inner: Mutex<PoolInner>,
 }
@@ -635,14 +645,11 @@ impl BufPool {
         };
         for _ in 0..prefill {
             let class = pool_class_of_len(PREALLOCATED_BUFFER_BYTES);
-            // Written, not `vec![0; n]`: calloc would map zero pages lazily, and the point is
-            // to have every page mapped (and, under mlockall, locked) up front.
-            #[allow(clippy::slow_vector_initialization)]
-            let b = {
-                let mut b = Vec::with_capacity(pool_class_capacity(class));
-                b.resize(b.capacity(), 0);
-                b
-            };
+            // Filled with a nonzero byte: zeroes would let the compiler turn allocation and
+            // fill into calloc (it does), whose fresh mapping stays unpopulated, and the point
+            // is to have every page faulted in (and, under mlockall, locked) up front. `take`
+            // zeroes what it hands out.
+            let b = vec![POOL_PREFILL_BYTE; pool_class_capacity(class)];
             pool.give(b);
         }
         pool
@@ -678,7 +685,7 @@ impl BufPool {
         // The largest class whose capacity it has.
         let class = (((cap - POOL_HEADROOM_BYTES) / 4096).ilog2() as usize).min(POOL_CLASSES - 1);
         let mut p = lock(&self.inner);
-        if (p.held_bytes + cap) as u64 <= MAX_INFLIGHT_BYTES {
+        if p.held_bytes + cap <= POOL_RETAINED_BYTES {
             p.held_bytes += cap;
             p.classes[class].push(buf);
         }
@@ -1041,13 +1048,21 @@ mod tests {
         assert_eq!(b.as_ptr(), ptr, "the same buffer, reused");
         assert_eq!(b[0], 0, "and zeroed again");
         pool.give(b);
-        // Never more than the in-flight budget is kept.
+        // A burst is given back down to what the pool retains: a maximum-size buffer is
+        // never kept, and of 64 buffers of 128 KiB only as many as fit in the retained bytes.
         let big: Vec<_> = (0..5)
             .map(|_| pool.take(MAX_PAYLOAD_BYTES as usize))
             .collect();
         for b in big {
             pool.give(b);
         }
-        assert!(held(&pool) as u64 <= MAX_INFLIGHT_BYTES);
+        assert_eq!(held(&pool), 2 * pool_class_capacity(5));
+        let burst: Vec<_> = (0..64).map(|_| pool.take(128 << 10)).collect();
+        for b in burst {
+            pool.give(b);
+        }
+        let kept = POOL_RETAINED_BYTES / pool_class_capacity(5);
+        assert_eq!(held(&pool), kept * pool_class_capacity(5));
+        assert_eq!(lock(&pool.inner).classes[5].len(), kept);
     }
 }
