@@ -691,6 +691,8 @@ impl Harness {
                 _ => {
                     let _ = self.dev.attr_show("mm_stat").unwrap();
                     let _ = self.dev.attr_show("deferred_stat").unwrap();
+                    // Takes every class lock in turn, while the other threads work.
+                    let _ = self.dev.attr_show("meta_stat").unwrap();
                 }
             }
             std::thread::sleep(std::time::Duration::from_micros(rng.gen_range(0..500)));

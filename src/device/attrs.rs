@@ -43,6 +43,7 @@ pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
     ("io_stat", AttrMode::ReadOnly),
     ("mem_limit", AttrMode::WriteOnly),
     ("mem_used_max", AttrMode::WriteOnly),
+    ("meta_stat", AttrMode::ReadOnly),
     ("mm_stat", AttrMode::ReadOnly),
     ("reset", AttrMode::WriteOnly),
     ("writeback", AttrMode::WriteOnly),
@@ -167,6 +168,7 @@ impl Device {
             "initstate" => format!("{}\n", u8::from(self.is_initialised())),
             "io_stat" => self.stats().io_stat(),
             "mm_stat" => self.stats().mm_stat(),
+            "meta_stat" => self.meta_stats().meta_stat(),
             _ => unreachable!("every readable attribute is listed"),
         })
     }
@@ -391,6 +393,70 @@ mod tests {
             deferred_stat(&s),
             "   40000        3        7        2    39990       10        2    32768\n"
         );
+    }
+
+    /// `meta_stat` follows the device's bookkeeping: the slot table from `disksize`, the
+    /// allocator's tables as objects come, its zspage slot tables and frame cache as they go.
+    #[test]
+    fn meta_stat_follows_the_device() {
+        let cols = |dev: &Device| -> Vec<u64> {
+            let text = dev.attr_show("meta_stat").unwrap();
+            assert!(text.ends_with('\n'));
+            text.split_whitespace()
+                .map(|c| c.parse().unwrap())
+                .collect()
+        };
+        let dev = Device::new_uninit(4096).unwrap();
+        assert_eq!(cols(&dev), [0; 5], "uninitialised");
+        dev.attr_store("disksize", "16M").unwrap();
+        let empty = cols(&dev);
+        assert_eq!(empty[0], (16 << 20) / 4096 * 16, "slot table");
+        assert_eq!(empty[1..4], [0, 0, 0], "{empty:?}");
+        assert_eq!(
+            empty[4],
+            2 * (crate::zsmalloc::DEFERRED_FREE_BUDGET_BYTES / 4096) as u64 * 8,
+            "the deferred-free queue: two buffers of 32768 entries of 8 bytes"
+        );
+        // 2000 pages of mixed compressibility: many zspages in several classes.
+        let mut page = vec![0u8; 4096];
+        for i in 0..2000u64 {
+            let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            for (j, b) in page.iter_mut().enumerate() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                *b = if j % 4096 < (i as usize % 7 + 1) * 500 {
+                    x as u8
+                } else {
+                    b'a'
+                };
+            }
+            crate::BlockDevice::write_at(&dev, &page, i * 4096).unwrap();
+        }
+        let full = cols(&dev);
+        assert_eq!(full[0], empty[0]);
+        assert!(full[1] >= 2000 * 8, "handle table {full:?}");
+        // Counted: the zspages' slot tables, 4 bytes per object slot.
+        let slots: u64 = dev
+            .pool_stats()
+            .unwrap()
+            .classes
+            .iter()
+            .map(|c| c.objs_allocated)
+            .sum();
+        assert!(
+            slots >= 2000 && full[2] >= slots * 4,
+            "{slots} slots: {full:?}"
+        );
+        // Everything freed: the zspages' slot tables go, the tables that never shrink stay.
+        crate::BlockDevice::discard(&dev, 0, 16 << 20).unwrap();
+        dev.attr_store("compact", "1").unwrap();
+        assert_eq!(dev.stats().mem_used_total_bytes, 0);
+        let after = cols(&dev);
+        assert_eq!(after[1], full[1], "the handle table never shrinks");
+        assert_eq!(after[3], 0, "compaction empties the frame cache");
+        dev.attr_store("reset", "1").unwrap();
+        assert_eq!(cols(&dev), [0; 5], "reset");
     }
 
     #[test]

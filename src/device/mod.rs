@@ -25,7 +25,7 @@ pub mod request;
 pub mod stats;
 
 pub use idle::IdleCutoff;
-pub use stats::StatsSnapshot;
+pub use stats::{MetaStats, StatsSnapshot};
 
 use crate::backing::{Backing, BLOCK_SIZE_BYTES};
 use crate::compress::{self, Codec, CodecParams};
@@ -487,6 +487,23 @@ impl Device {
         match self.inner() {
             Ok(inner) => inner.pool.deferred_stats(),
             Err(_) => DeferredStats::default(),
+        }
+    }
+
+    /// The device's memory besides `mem_used_total` (`meta_stat`); all 0 when uninitialised.
+    pub fn meta_stats(&self) -> MetaStats {
+        match self.inner() {
+            Ok(inner) => {
+                let pool = inner.pool.meta();
+                MetaStats {
+                    slot_table_bytes: inner.slots.size_bytes(),
+                    handle_table_bytes: pool.handle_table_bytes,
+                    zspage_meta_bytes: pool.zspage_meta_bytes,
+                    frame_cache_bytes: pool.frame_cache_bytes,
+                    deferred_queue_bytes: pool.deferred_queue_bytes,
+                }
+            }
+            Err(_) => MetaStats::default(),
         }
     }
 

@@ -133,6 +133,46 @@ impl StatsSnapshot {
     }
 }
 
+/// What `meta_stat` shows: the device's memory besides `mem_used_total` (the pool's zspages), in
+/// bytes. uzram's own; see `docs/attributes.md`. All 0 when uninitialised.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MetaStats {
+    /// The slot table: 16 bytes per page of `disksize`, fixed while initialised.
+    pub slot_table_bytes: u64,
+    /// The allocator's handle table ([`PoolMeta::handle_table_bytes`](crate::zsmalloc::PoolMeta)).
+    pub handle_table_bytes: u64,
+    /// The allocator's zspage bookkeeping ([`PoolMeta::zspage_meta_bytes`](crate::zsmalloc::PoolMeta)).
+    pub zspage_meta_bytes: u64,
+    /// Freed zspages' frames kept resident for reuse (at most 2 MiB; `compact` empties it).
+    pub frame_cache_bytes: u64,
+    /// The deferred-free queue's buffers when full.
+    pub deferred_queue_bytes: u64,
+}
+
+impl MetaStats {
+    /// The sum of the columns.
+    pub fn total_bytes(&self) -> u64 {
+        self.slot_table_bytes
+            + self.handle_table_bytes
+            + self.zspage_meta_bytes
+            + self.frame_cache_bytes
+            + self.deferred_queue_bytes
+    }
+
+    /// `meta_stat`: `slot_table handle_table zspage_meta frame_cache deferred_queue`, bytes,
+    /// `%8llu` each as `mm_stat`.
+    pub fn meta_stat(&self) -> String {
+        format!(
+            "{:8} {:8} {:8} {:8} {:8}\n",
+            self.slot_table_bytes,
+            self.handle_table_bytes,
+            self.zspage_meta_bytes,
+            self.frame_cache_bytes,
+            self.deferred_queue_bytes
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,6 +201,29 @@ mod tests {
         assert_eq!(
             s.mm_stat(),
             " 2449408  1553423  2543616        0  2543616        1        0       14       14\n"
+        );
+    }
+
+    #[test]
+    fn meta_stat_format() {
+        assert_eq!(
+            MetaStats::default().meta_stat(),
+            "       0        0        0        0        0\n"
+        );
+        let m = MetaStats {
+            slot_table_bytes: 8388608,
+            handle_table_bytes: 1048576,
+            zspage_meta_bytes: 123456,
+            frame_cache_bytes: 2097152,
+            deferred_queue_bytes: 524288,
+        };
+        assert_eq!(
+            m.meta_stat(),
+            " 8388608  1048576   123456  2097152   524288\n"
+        );
+        assert_eq!(
+            m.total_bytes(),
+            8388608 + 1048576 + 123456 + 2097152 + 524288
         );
     }
 }

@@ -109,6 +109,13 @@ impl SlotTable {
         SlotGuard::lock(self.entry(index), index)
     }
 
+    /// Bytes of the table: 16 per slot, reserved when the device is initialised and held until
+    /// reset (fixed overhead, as zram's `vzalloc`ed table; pages of it never touched are not
+    /// resident).
+    pub fn size_bytes(&self) -> u64 {
+        (self.len * std::mem::size_of::<SlotEntry>()) as u64
+    }
+
     /// Bytes of slot metadata per page: the size of one entry.
     pub const fn metadata_bytes_per_page() -> usize {
         std::mem::size_of::<SlotEntry>()

@@ -75,6 +75,17 @@ impl<T: Default, const BASE_SHIFT: u32> SegArray<T, BASE_SHIFT> {
         self.segments[segment].get().map(|s| &s[offset])
     }
 
+    /// Bytes of element storage in the segments allocated so far (what the array holds on the
+    /// heap; never shrinks).
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        self.segments
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.get().is_some())
+            .map(|(k, _)| Self::segment_len(k) * std::mem::size_of::<T>())
+            .sum()
+    }
+
     /// The element at `index`, allocating its segment (default elements) if needed.
     ///
     /// Panics if `index >= CAPACITY` (callers bound their counters far below it).

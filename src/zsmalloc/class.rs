@@ -68,6 +68,18 @@ pub(crate) struct ClassState {
     pub(crate) objs_inuse: u64,
 }
 
+impl ClassState {
+    /// Heap bytes of the class's bookkeeping: zspage metadata and slot tables, fullness lists,
+    /// unused ids, free handle indices (capacities, as allocated). Not the descriptors.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        let u32_bytes = std::mem::size_of::<u32>();
+        self.metas.capacity() * std::mem::size_of::<ZspageMeta>()
+            + self.metas.iter().map(ZspageMeta::heap_bytes).sum::<usize>()
+            + self.fullness.heap_bytes()
+            + (self.free_ids.capacity() + self.free_handles.capacity()) * u32_bytes
+    }
+}
+
 impl SizeClass {
     pub(crate) fn new(info: ClassInfo) -> SizeClass {
         SizeClass {

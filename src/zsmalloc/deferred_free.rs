@@ -236,6 +236,13 @@ impl<T> DeferredQueue<T> {
         n
     }
 
+    /// Heap bytes the queue's two buffers (the queue and the batch being freed) take when
+    /// full: the most it holds (a buffer never grows past `capacity` items, as an enqueue into
+    /// a full queue is refused). Not measured, so reading it never contends with enqueuers.
+    pub(crate) fn max_heap_bytes(&self) -> usize {
+        2 * self.capacity.next_power_of_two() * std::mem::size_of::<T>()
+    }
+
     /// The counters. Exact when no queue operation is in flight.
     pub(crate) fn stats(&self) -> DeferredStats {
         let queued = self.queued.load(Ordering::Relaxed);

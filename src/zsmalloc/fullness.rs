@@ -48,6 +48,13 @@ impl FullnessLists {
         }
     }
 
+    /// Heap bytes of the lists (their capacities).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        let lists: usize = self.lists.iter().map(Vec::capacity).sum();
+        lists * std::mem::size_of::<u32>()
+            + self.place.capacity() * std::mem::size_of::<(u8, u32)>()
+    }
+
     /// Links `id` (not linked now) into `group`.
     pub(crate) fn insert(&mut self, id: u32, group: usize) {
         assert!(self.group(id).is_none(), "zspage {id} linked twice");

@@ -111,6 +111,11 @@ impl HandleTable {
         HandleTable::default()
     }
 
+    /// Heap bytes of the table's segments.
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        self.words.allocated_bytes()
+    }
+
     /// A never-used index (its word is 0). Callers first try their class's free list.
     pub(crate) fn grow(&self) -> Result<u32> {
         let index = self.next_index.fetch_add(1, Ordering::Relaxed);

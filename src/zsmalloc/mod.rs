@@ -414,6 +414,20 @@ impl PoolCore {
         }
     }
 
+    /// The pool's memory besides its zspages; see [`PoolMeta`].
+    pub fn meta(&self) -> PoolMeta {
+        let mut zspage_meta_bytes = 0;
+        for class in self.classes.iter() {
+            zspage_meta_bytes += class.descs.allocated_bytes() + class.state.lock().heap_bytes();
+        }
+        PoolMeta {
+            handle_table_bytes: self.handles.allocated_bytes() as u64,
+            zspage_meta_bytes: zspage_meta_bytes as u64,
+            frame_cache_bytes: (self.frames.cached_pages() * self.page_size_bytes()) as u64,
+            deferred_queue_bytes: self.deferred.max_heap_bytes() as u64,
+        }
+    }
+
     /// Checks every class's invariants (expensive; tests).
     #[cfg(test)]
     fn check(&self) {
@@ -581,6 +595,12 @@ impl ZsPool {
         self.core.stats()
     }
 
+    /// The pool's memory besides its zspages (which [`total_pages`](Self::total_pages)
+    /// counts). Each class is read under its lock, one at a time.
+    pub fn meta(&self) -> PoolMeta {
+        self.core.meta()
+    }
+
     /// Benchmark-only switch: when `on`, `free` returns an emptied zspage's pages while still
     /// holding the class lock, as zsmalloc did before the short critical section. The baseline
     /// of `uzram bench free`; never turn it on otherwise.
@@ -615,6 +635,24 @@ impl Drop for ZsPool {
         }
         self.core.flush();
     }
+}
+
+/// The memory a pool holds besides its zspages (`total_pages`, the device's `mem_used_total`),
+/// in bytes: its bookkeeping, which the kernel's zsmalloc keeps in slab caches that
+/// `mem_used_total` does not count either, and the frame cache. See `docs/zsmalloc.md`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolMeta {
+    /// The handle table: 8 bytes per handle index ever used, in segments that double (so up
+    /// to twice that); never shrinks (the kernel: its `zs_handle` slab).
+    pub handle_table_bytes: u64,
+    /// Zspage descriptors (never shrink), slot tables of live zspages (4 bytes per object slot),
+    /// fullness lists, free ids and handle indices (the kernel: its `zspage` slab).
+    pub zspage_meta_bytes: u64,
+    /// Frames of freed zspages kept resident for reuse (at most 2 MiB; emptied by compaction).
+    pub frame_cache_bytes: u64,
+    /// The deferred-free queue's two buffers when full (8 bytes per entry; at most this much,
+    /// touched only as far as the queue has ever filled).
+    pub deferred_queue_bytes: u64,
 }
 
 /// Counters of one merged class (a row of the kernel's

@@ -396,7 +396,6 @@ impl FrameAllocator {
     }
 
     /// Pages held resident by the frame cache.
-    #[cfg(test)]
     pub(crate) fn cached_pages(&self) -> usize {
         self.state.lock().cached_pages
     }

@@ -142,6 +142,11 @@ impl ZspageMeta {
         std::mem::take(&mut self.owners)
     }
 
+    /// Heap bytes of the slot table (0 while the id is unused).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        std::mem::size_of_val(&*self.owners)
+    }
+
     /// Whether the zspage id is in use.
     #[cfg(test)]
     pub(crate) fn is_attached(&self) -> bool {

@@ -143,6 +143,8 @@ struct Row {
     data: u64,
     compr: u64,
     total: u64,
+    /// The sum of `meta_stat`'s columns.
+    meta: u64,
     backing: Option<String>,
     bd_used: Option<u64>,
 }
@@ -165,6 +167,10 @@ fn query(client: &mut ControlClient, name: &str) -> Result<Row> {
     if mm.len() < 3 {
         bail!("mm_stat has {} columns", mm.len());
     }
+    let meta = text(show("meta_stat")?, "meta_stat")?
+        .split_whitespace()
+        .map(str::parse::<u64>)
+        .sum::<std::result::Result<u64, _>>()?;
     // Devices without writeback attributes have no backing device (ENOENT); "none" is
     // zram's text for none configured.
     let backing = match show("backing_dev")? {
@@ -192,6 +198,7 @@ fn query(client: &mut ControlClient, name: &str) -> Result<Row> {
         data: mm[0],
         compr: mm[1],
         total: mm[2],
+        meta,
         backing,
         bd_used,
     })
@@ -239,10 +246,11 @@ pub fn run_status(args: StatusArgs) -> Result<()> {
         "DATA",
         "COMPR",
         "TOTAL",
+        "META",
         "BACKING-DEV",
         "BD-USED",
     ])
-    .left_align(&[1, 6]);
+    .left_align(&[1, 7]);
     for r in rows {
         t.row(vec![
             r.name,
@@ -251,6 +259,7 @@ pub fn run_status(args: StatusArgs) -> Result<()> {
             size(r.data),
             size(r.compr),
             size(r.total),
+            size(r.meta),
             r.backing.unwrap_or_else(|| "-".into()),
             r.bd_used.map_or_else(|| "-".into(), size),
         ]);
