@@ -277,11 +277,12 @@ fn memory_follows_the_pool(swap: bool) {
     // What a connection adds: the growth of RSS beyond the growth of the device's figures
     // (but the slot table's, which is fixed: the few slot-table pages the held connections'
     // writes touched, 16 bytes per 4 KiB page written, count as theirs), per connection.
-    let per_conn = |s: Snapshot| {
+    let per_conn_bytes = |s: Snapshot| {
         let device = |s: &Snapshot| s.mem_used_total_bytes + s.meta_bytes - s.slot_table_bytes;
         let grown = s.rss_bytes.saturating_sub(idle.rss_bytes);
-        mib(grown.saturating_sub(device(&s) - device(&idle)) / HELD_CONNECTIONS as u64)
+        grown.saturating_sub(device(&s) - device(&idle)) / HELD_CONNECTIONS as u64
     };
+    let per_conn = |s: Snapshot| mib(per_conn_bytes(s));
     eprintln!(
         "uzram serve {mode}, {} device, {} of corpus pages by nbdcopy --connections=4, \
          {HELD_CONNECTIONS} more connections held open:\n\
@@ -304,6 +305,20 @@ fn memory_follows_the_pool(swap: bool) {
         mib(empty.anon_bytes),
         mib(empty.locked_bytes),
     );
+
+    // Under --swap each connection's preallocated buffers are really there (resident, so
+    // locked) from its first request on.
+    use uzram::frontend::nbd::server::{PREALLOCATED_BUFFERS, PREALLOCATED_BUFFER_BYTES};
+    if swap {
+        let preallocated = (PREALLOCATED_BUFFERS * PREALLOCATED_BUFFER_BYTES) as u64;
+        assert!(
+            per_conn_bytes(connected) >= preallocated,
+            "{mode}: a connection holds {} after its first request, less than its {} of \
+             preallocated buffers",
+            per_conn(connected),
+            mib(preallocated)
+        );
+    }
 
     // The issue's targets.
     let full_limit = full.mem_used_total_bytes * 105 / 100 + FULL_SLACK_BYTES;
