@@ -335,7 +335,7 @@ socket = "{d}/zram1.sock"
     assert!(compr_b > 0 && compr_b < data_b, "{b}");
     assert!(total_b >= compr_b, "{b}");
     // META is the sum of meta_stat's columns, the first of which is the slot table: 16 bytes
-    // per page of the 16 MiB device.
+    // per page of the 16 MiB device of 16 KiB pages.
     let meta_b: u64 = z1b[6].parse().unwrap();
     let meta_stat = stdout(&r.ctl(&["--dev", "zram1", "meta_stat"]));
     let meta_cols: Vec<u64> = meta_stat
@@ -343,7 +343,7 @@ socket = "{d}/zram1.sock"
         .map(|c| c.parse().unwrap())
         .collect();
     assert_eq!(meta_cols.len(), 5, "{meta_stat}");
-    assert_eq!(meta_cols[0], (16 << 20) / 4096 * 16, "{meta_stat}");
+    assert_eq!(meta_cols[0], (16 << 20) / 16384 * 16, "{meta_stat}");
     assert_eq!(meta_b, meta_cols.iter().sum::<u64>(), "{b}\n{meta_stat}");
     assert_eq!(&z1b[7..], ["-", "-"]);
     r.stop();

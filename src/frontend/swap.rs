@@ -93,9 +93,9 @@ fn mlockall(flags: libc::c_int) -> std::io::Result<()> {
 /// Step 1 of the module docs: what is mapped now whole, what is mapped later as it is touched,
 /// and malloc's large blocks mapped on their own. Returns the log lines.
 fn lock_memory() -> Vec<String> {
-    let locked = lock_mappings();
-    let mut report = vec![locked.clone()];
-    if locked.starts_with("memory locked") {
+    let (future_locked, line) = lock_mappings();
+    let mut report = vec![line];
+    if future_locked {
         report.push(fix_mmap_threshold());
     }
     report
@@ -125,35 +125,50 @@ fn fix_mmap_threshold() -> String {
     "not glibc: malloc's mmap threshold left as it is".into()
 }
 
-/// `mlockall` as step 1 of the module docs says. Returns the log line.
-fn lock_mappings() -> String {
+/// `mlockall` as step 1 of the module docs says. Returns whether later mappings are locked,
+/// and the log line.
+fn lock_mappings() -> (bool, String) {
     // First the mappings of now (code, static data, the main stack): populated and locked
     // whole, so no code path (an error path first run under memory pressure, say) has to be
     // read back from the filesystem then. A call without MCL_FUTURE clears the process's
     // future-lock setting, so this one comes first.
     if let Err(e) = mlockall(libc::MCL_CURRENT) {
-        return format!("memory NOT locked: mlockall(MCL_CURRENT): {e}");
+        return (
+            false,
+            format!("memory NOT locked: mlockall(MCL_CURRENT): {e}"),
+        );
     }
     // Then every later mapping, page by page as it is touched (MCL_ONFAULT, Linux 4.4). Without
     // MCL_CURRENT in this call the current mappings keep their whole lock.
-    match mlockall(libc::MCL_FUTURE | libc::MCL_ONFAULT) {
-        Ok(()) => "memory locked (mlockall: MCL_CURRENT, then MCL_FUTURE|MCL_ONFAULT: later \
-                   mappings are locked as they are touched)"
-            .into(),
-        // A kernel without MCL_ONFAULT: lock later mappings whole, as before.
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            match mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) {
-                Ok(()) => "memory locked (mlockall MCL_CURRENT|MCL_FUTURE: this kernel lacks \
-                           MCL_ONFAULT, so every later mapping is locked whole)"
+    let e = match mlockall(libc::MCL_FUTURE | libc::MCL_ONFAULT) {
+        Ok(()) => {
+            return (
+                true,
+                "memory locked (mlockall: MCL_CURRENT, then MCL_FUTURE|MCL_ONFAULT: later \
+                 mappings are locked as they are touched)"
                     .into(),
-                Err(e) => {
-                    format!("memory locked only as mapped at start: mlockall(MCL_FUTURE): {e}")
-                }
-            }
+            )
         }
-        Err(e) => {
-            format!("memory locked only as mapped at start: mlockall(MCL_FUTURE|MCL_ONFAULT): {e}")
-        }
+        Err(e) => e,
+    };
+    if e.raw_os_error() != Some(libc::EINVAL) {
+        return (
+            false,
+            format!("memory locked only as mapped at start: mlockall(MCL_FUTURE|MCL_ONFAULT): {e}"),
+        );
+    }
+    // A kernel without MCL_ONFAULT: lock later mappings whole, as before.
+    match mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) {
+        Ok(()) => (
+            true,
+            "memory locked (mlockall MCL_CURRENT|MCL_FUTURE: this kernel lacks MCL_ONFAULT, so \
+             every later mapping is locked whole)"
+                .into(),
+        ),
+        Err(e) => (
+            false,
+            format!("memory locked only as mapped at start: mlockall(MCL_FUTURE): {e}"),
+        ),
     }
 }
 
