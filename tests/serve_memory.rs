@@ -13,8 +13,7 @@
 //! - under `--swap`, every anonymous page is locked (`Locked` ≥ `Anonymous`), and freed memory
 //!   leaves the process all the same.
 //!
-//! The figures are printed (`--nocapture`) for the record: docs/nbd.md and bench/README.md quote
-//! them.
+//! The figures are printed (`--nocapture`) for the record: docs/nbd.md ("Memory") quotes them.
 
 mod nbd_support;
 
