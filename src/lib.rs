@@ -16,10 +16,8 @@
 //! Frontends (the CLI, the NBD server) talk to one narrow trait, [`BlockDevice`].
 
 pub mod backing;
-pub mod bench;
 pub mod compress;
 pub mod config;
-pub mod corpus;
 pub mod device;
 pub mod error;
 pub mod frontend;

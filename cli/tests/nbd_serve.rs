@@ -1,6 +1,7 @@
 //! `uzram serve` as a user runs it: the built binary, its printed URIs, real clients, and a
 //! clean stop on SIGTERM and SIGINT (requests in flight answered, socket removed, exit 0).
 
+#[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
 
 use nbd_support::*;

@@ -8,6 +8,7 @@
 //! is reported and skipped; if none is installed, that is an error. PostgreSQL refuses to run as
 //! root, so as root it runs as the `postgres` user (or `nobody`).
 
+use super::{snapshot_pid_stats, Corpus};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use std::collections::VecDeque;
@@ -19,7 +20,6 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use uzram::compress::{compress_bound, new_codec, same_filled_word, CodecParams};
-use uzram::corpus::{snapshot_pid_stats, Corpus};
 
 /// Arguments of `uzram corpus`.
 #[derive(Debug, Args)]

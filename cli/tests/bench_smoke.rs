@@ -13,9 +13,10 @@ fn self_corpus(dir: &Path, max_pages: usize) -> std::path::PathBuf {
         .map(|i| format!("entry {i} / {}", i * 31))
         .collect();
     let mut pages = Vec::new();
-    let n = uzram::corpus::snapshot_pid(std::process::id(), 4096, max_pages, &mut pages).unwrap();
+    let n =
+        uzram_bench::corpus::snapshot_pid(std::process::id(), 4096, max_pages, &mut pages).unwrap();
     assert!(n >= 64, "only {n} pages in the snapshot");
-    let mut corpus = uzram::corpus::Corpus::new(4096).unwrap();
+    let mut corpus = uzram_bench::corpus::Corpus::new(4096).unwrap();
     corpus.add_source("self", &pages).unwrap();
     let path = dir.join("pages.bin");
     corpus.save(&path).unwrap();
@@ -135,7 +136,7 @@ fn bench_writeback_writes_its_table_and_json() {
         }
     }
     // The zoned store ran too (the default `--store bitmap,zoned`), with the comparison keys.
-    for key in uzram::bench::writeback::COMPARISON_KEYS {
+    for key in uzram_bench::writeback::COMPARISON_KEYS {
         let v = doc[key].as_f64().unwrap_or(f64::NAN);
         assert!(v.is_finite() && v > 0.0, "{key} = {v}");
     }

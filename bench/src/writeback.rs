@@ -27,14 +27,14 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
-use super::{f, median, Table};
-use crate::backing::ceiling::{self, Pattern};
-use crate::backing::{Backing, Engine, FileBacking, FileOptions};
 use crate::corpus::Corpus;
-use crate::device::{Device, IdleCutoff};
-use crate::error::{Error, Result};
-use crate::writeback::{BackingLayout, WritebackMode, WritebackProgress, WritebackSpec};
-use crate::zoned::DEFAULT_ZONE_SIZE_BYTES;
+use crate::{f, median, Table};
+use uzram::backing::ceiling::{self, Pattern};
+use uzram::backing::{Backing, Engine, FileBacking, FileOptions};
+use uzram::device::{Device, IdleCutoff};
+use uzram::error::{Error, Result};
+use uzram::writeback::{BackingLayout, WritebackMode, WritebackProgress, WritebackSpec};
+use uzram::zoned::DEFAULT_ZONE_SIZE_BYTES;
 
 /// How the backing device's free blocks are laid out when the writeback starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,7 +160,7 @@ fn prepare_backing(path: &Path, size_bytes: u64) -> Result<()> {
         return Ok(());
     }
     let b = FileBacking::create(path, size_bytes, &FileOptions::with_engine(Engine::Sync))?;
-    let chunk = crate::backing::AlignedBuf::new_zeroed(1 << 20)?;
+    let chunk = uzram::backing::AlignedBuf::new_zeroed(1 << 20)?;
     let mut off = 0;
     while off < b.size_bytes() {
         let n = (b.size_bytes() - off).min(chunk.len() as u64) as usize;

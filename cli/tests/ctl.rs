@@ -1,6 +1,7 @@
 //! `uzram ctl`, `uzram status`, `uzram serve --config` and `--swap` as a user runs them: the
 //! built binary, a real NBD client (qemu-img, qemu-io), exit codes and messages.
 
+#[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
 
 use nbd_support::*;

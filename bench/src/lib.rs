@@ -1,7 +1,13 @@
-//! Benchmarks: programs that measure their anchor in the same run, print a table and write
+//! uzram's harness: the benchmarks and the page corpus they run on, apart from the product.
+//!
+//! Benchmarks are programs that measure their anchor in the same run, print a table and write
 //! JSON to `bench/results/`. No test asserts a timing; the suite runs them at tiny sizes so they
-//! keep working.
+//! keep working. [`corpus`] is the page corpus of real programs' memory (its file format, the
+//! snapshot of a process's anonymous memory, and the `uzram corpus` workloads). The `uzram`
+//! command runs both through [`command`] and [`corpus::build`].
 
+pub mod command;
+pub mod corpus;
 pub mod free;
 pub mod gc;
 pub mod kernel_zram;
@@ -9,9 +15,9 @@ pub mod nbd;
 pub mod store;
 pub mod writeback;
 
-use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use uzram::error::{Error, Result};
 
 /// The median of some samples (the mean of the two middle ones for an even count).
 pub fn median(samples: &[f64]) -> f64 {

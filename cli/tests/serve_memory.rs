@@ -15,6 +15,7 @@
 //!
 //! The figures are printed (`--nocapture`) for the record: docs/nbd.md ("Memory") quotes them.
 
+#[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
 
 use nbd_support::*;
@@ -22,7 +23,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use uzram::corpus::Corpus;
+use uzram_bench::corpus::Corpus;
 use uzram::frontend::nbd::protocol::{CMD_READ, CMD_WRITE};
 
 const BIN: &str = env!("CARGO_BIN_EXE_uzram");

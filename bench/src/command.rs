@@ -1,11 +1,11 @@
 //! `uzram bench …`: the benchmarks. Each prints a table and writes JSON (`bench/results/`).
 
+use crate::corpus::Corpus;
+use crate::writeback::{Layout, Store, WritebackBenchOptions};
+use crate::{free::FreeBenchOptions, store::StoreBenchOptions};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
-use uzram::bench::writeback::{Layout, Store, WritebackBenchOptions};
-use uzram::bench::{self, free::FreeBenchOptions, store::StoreBenchOptions};
-use uzram::corpus::Corpus;
 
 /// Where `uzram corpus` writes by default, and where benchmarks look for pages.
 pub const DEFAULT_CORPUS: &str = "bench/corpus/pages.bin";
@@ -195,7 +195,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.which {
         BenchCommand::Gc(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;
-            let opts = bench::gc::GcBenchOptions {
+            let opts = crate::gc::GcBenchOptions {
                 backing: a.backing,
                 zone_size_bytes: uzram::units::parse_size_bytes(&a.zone_size)?,
                 zones: a.zones,
@@ -204,12 +204,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 chunk_bytes: uzram::units::parse_size_bytes(&a.chunk)? as usize,
                 buffer_bytes: uzram::units::parse_size_bytes(&a.buffer_size)? as usize,
                 depth: a.depth,
-                holes: bench::gc::Holes::parse(&a.holes, a.hole_pages)?,
+                holes: crate::gc::Holes::parse(&a.holes, a.hole_pages)?,
                 ..Default::default()
             };
-            let doc = bench::gc::run(&corpus, &opts)?;
-            let path = bench::json_path(a.json.as_deref(), "gc");
-            bench::write_json(&path, &doc)?;
+            let doc = crate::gc::run(&corpus, &opts)?;
+            let path = crate::json_path(a.json.as_deref(), "gc");
+            crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())
         }
@@ -222,9 +222,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 no_kernel: a.no_kernel,
                 ..Default::default()
             };
-            let doc = bench::store::run(&corpus, &opts)?;
-            let path = bench::json_path(a.json.as_deref(), "store");
-            bench::write_json(&path, &doc)?;
+            let doc = crate::store::run(&corpus, &opts)?;
+            let path = crate::json_path(a.json.as_deref(), "store");
+            crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())
         }
@@ -236,9 +236,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 threads: a.threads,
                 repeats: a.repeats,
             };
-            let doc = bench::free::run(&corpus, &opts)?;
-            let path = bench::json_path(a.json.as_deref(), "free");
-            bench::write_json(&path, &doc)?;
+            let doc = crate::free::run(&corpus, &opts)?;
+            let path = crate::json_path(a.json.as_deref(), "free");
+            crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())
         }
@@ -248,7 +248,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     anyhow::bail!("--rw {rw}: one of randwrite, randread, randrw");
                 }
             }
-            let opts = bench::nbd::NbdBenchOptions {
+            let opts = crate::nbd::NbdBenchOptions {
                 runtime_secs: a.runtime.max(1),
                 size_bytes: uzram::units::parse_size_bytes(&a.size)
                     .with_context(|| format!("--size {}", a.size))?,
@@ -259,9 +259,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 no_kernel: a.no_kernel,
                 no_nbdkit: a.no_nbdkit,
             };
-            let doc = bench::nbd::run(&opts)?;
-            let path = bench::json_path(a.json.as_deref(), "nbd");
-            bench::write_json(&path, &doc)?;
+            let doc = crate::nbd::run(&opts)?;
+            let path = crate::json_path(a.json.as_deref(), "nbd");
+            crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())
         }
@@ -292,9 +292,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 stores,
                 zone_size_bytes,
             };
-            let doc = bench::writeback::run(&corpus, &opts)?;
-            let path = bench::json_path(a.json.as_deref(), "writeback");
-            bench::write_json(&path, &doc)?;
+            let doc = crate::writeback::run(&corpus, &opts)?;
+            let path = crate::json_path(a.json.as_deref(), "writeback");
+            crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())
         }
@@ -309,7 +309,7 @@ fn load_or_build_corpus(path: &std::path::Path) -> anyhow::Result<Corpus> {
             "no corpus at {}: building one from running programs",
             path.display()
         );
-        crate::corpus::build_default(path)?;
+        crate::corpus::build::build_default(path)?;
     }
     Corpus::load(path).with_context(|| format!("loading corpus {}", path.display()))
 }

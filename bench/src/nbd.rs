@@ -21,17 +21,17 @@
 //! `repeats` runs, and the ratios uzram/anchor on the same point. The targets: uzram at
 //! least nbdkit sparse's IOPS; at least 1/3 of the kernel's psync iodepth-1 IOPS.
 
-use crate::bench::kernel_zram::KernelZram;
-use crate::bench::{f, median, Table};
-use crate::device::{Device, DeviceConfig};
-use crate::error::{Error, Result};
-use crate::frontend::nbd::{Export, Listen, Server, ServerConfig};
-use crate::BlockDevice;
+use crate::kernel_zram::KernelZram;
+use crate::{f, median, Table};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use uzram::device::{Device, DeviceConfig};
+use uzram::error::{Error, Result};
+use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram::BlockDevice;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -283,7 +283,7 @@ fn have(program: &str) -> bool {
 pub fn run(opts: &NbdBenchOptions) -> Result<serde_json::Value> {
     if !have("fio") {
         return Err(Error::new(
-            crate::ErrorKind::NotFound,
+            uzram::ErrorKind::NotFound,
             "fio is not installed (Debian package fio)",
         ));
     }

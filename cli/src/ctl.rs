@@ -239,7 +239,7 @@ pub fn run_status(args: StatusArgs) -> Result<()> {
             human_size(b)
         }
     };
-    let mut t = uzram::bench::Table::new(&[
+    let mut t = uzram_bench::Table::new(&[
         "NAME",
         "ALGORITHM",
         "DISKSIZE",

@@ -32,15 +32,15 @@
 //! pages are stored as a word and free nothing, so they are left out of
 //! both parts.
 
-use super::{f, median, percentile, Table};
-use crate::compress::{self, same_filled_word, CodecParams};
 use crate::corpus::Corpus;
-use crate::device::{Device, DeviceConfig};
-use crate::error::{Error, Result};
-use crate::zsmalloc::{DeferredStats, Handle, ZsPool};
+use crate::{f, median, percentile, Table};
 use serde_json::json;
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
+use uzram::compress::{self, same_filled_word, CodecParams};
+use uzram::device::{Device, DeviceConfig};
+use uzram::error::{Error, Result};
+use uzram::zsmalloc::{DeferredStats, Handle, ZsPool};
 
 /// Bytes per release call: 2 MiB, the granularity of a process's swap release (one PMD's worth
 /// of 4 KiB pages) and the choice.

@@ -1,8 +1,6 @@
 //! The `uzram` command: serve devices, inspect and change their attributes, build page corpora
 //! and run the benchmarks.
 
-mod bench;
-mod corpus;
 mod ctl;
 mod serve;
 
@@ -22,9 +20,9 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run a benchmark (prints a table, writes JSON to bench/results/).
-    Bench(bench::BenchArgs),
+    Bench(uzram_bench::command::BenchArgs),
     /// Snapshot the memory of real programs into a page corpus for the benchmarks.
-    Corpus(corpus::CorpusArgs),
+    Corpus(uzram_bench::corpus::build::CorpusArgs),
     /// Create devices and export them over NBD (a unix socket by default).
     Serve(serve::ServeArgs),
     /// Show or store an attribute of a running device, as `cat`/`echo >` on zram's sysfs.
@@ -36,8 +34,8 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Bench(a) => bench::run(a),
-        Command::Corpus(a) => corpus::run(a),
+        Command::Bench(a) => uzram_bench::command::run(a),
+        Command::Corpus(a) => uzram_bench::corpus::build::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Ctl(a) => std::process::exit(ctl::run_ctl(a)),
         Command::Status(a) => ctl::run_status(a),

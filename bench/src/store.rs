@@ -21,18 +21,18 @@
 //! (user + system: page faults and `madvise` count), which other load on a shared machine does
 //! not inflate; the wall-clock ratios are reported beside them (`*_wall`).
 
-use super::kernel_zram::{AlignedBuf, KernelZram};
-use super::{f, mbps, median, thread_cpu_time, time, time_cpu, Table};
-use crate::compress::{self, same_filled_word, CodecParams};
 use crate::corpus::Corpus;
-use crate::device::{Device, DeviceConfig, StatsSnapshot};
-use crate::error::{Error, Result};
-use crate::slot::SlotTable;
+use crate::kernel_zram::{AlignedBuf, KernelZram};
+use crate::{f, mbps, median, thread_cpu_time, time, time_cpu, Table};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde_json::json;
 use std::sync::Barrier;
 use std::time::Duration;
+use uzram::compress::{self, same_filled_word, CodecParams};
+use uzram::device::{Device, DeviceConfig, StatsSnapshot};
+use uzram::error::{Error, Result};
+use uzram::slot::SlotTable;
 
 /// Options of `uzram bench store`.
 #[derive(Debug, Clone)]

@@ -14,12 +14,12 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use super::{f, median, Table};
-use crate::backing::{AlignedBuf, Backing, FileBacking, FileOptions, IoOp};
-use crate::compress::{self, same_filled_word, CodecParams};
 use crate::corpus::Corpus;
-use crate::error::{Error, Result};
-use crate::zoned::{
+use crate::{f, median, Table};
+use uzram::backing::{AlignedBuf, Backing, FileBacking, FileOptions, IoOp};
+use uzram::compress::{self, same_filled_word, CodecParams};
+use uzram::error::{Error, Result};
+use uzram::zoned::{
     GcOwner, ScratchMode, ZoneConfig, ZoneLoc, ZoneStore, DEFAULT_STAGE_BYTES, FLAG_COMPRESSED,
 };
 
@@ -107,14 +107,14 @@ impl Default for GcBenchOptions {
     fn default() -> GcBenchOptions {
         GcBenchOptions {
             backing: PathBuf::from("/var/tmp/uzram-bench-gc.img"),
-            zone_size_bytes: crate::zoned::DEFAULT_ZONE_SIZE_BYTES,
+            zone_size_bytes: uzram::zoned::DEFAULT_ZONE_SIZE_BYTES,
             zones: 6,
             repeats: 4,
             codec: "lz4".into(),
             seed: 1,
-            depth: crate::writeback::GC_QUEUE_DEPTH,
-            chunk_bytes: crate::zoned::DEFAULT_GC_CHUNK_BYTES,
-            buffer_bytes: crate::zoned::DEFAULT_GC_BUFFER_BYTES,
+            depth: uzram::writeback::GC_QUEUE_DEPTH,
+            chunk_bytes: uzram::zoned::DEFAULT_GC_CHUNK_BYTES,
+            buffer_bytes: uzram::zoned::DEFAULT_GC_BUFFER_BYTES,
             holes: Holes::Punch { mean_pages: 64 },
         }
     }
@@ -156,7 +156,7 @@ fn fill(store: &Arc<ZoneStore>, objects: &[(Vec<u8>, u8)], depth: usize) -> Resu
     let mut queue = backing.new_queue(depth)?;
     let mut slot = 0u64;
     let mut pending: Vec<Option<Vec<(u64, ZoneLoc)>>> = Vec::new();
-    let finish = |c: crate::backing::IoCompletion,
+    let finish = |c: uzram::backing::IoCompletion,
                   pending: &mut Vec<Option<Vec<(u64, ZoneLoc)>>>,
                   locs: &mut Vec<AtomicU64>|
      -> Result<()> {
@@ -472,7 +472,7 @@ fn run_on(
     }
     let bw = seq_bandwidth(
         backing.as_ref(),
-        crate::zoned::DEFAULT_GC_CHUNK_BYTES,
+        uzram::zoned::DEFAULT_GC_CHUNK_BYTES,
         (256u64 << 20).min(backing.size_bytes()),
         opts.depth,
     )?;

@@ -7,7 +7,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use uzram::compress::same_filled_word;
-use uzram::corpus::{snapshot_pid, Corpus};
+use uzram_bench::corpus::{snapshot_pid, Corpus};
 
 /// Pages of the child's marker buffer: every 8-byte word is `MARKER | word index`.
 const MARKER_PAGES: usize = 2048;

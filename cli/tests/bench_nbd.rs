@@ -2,6 +2,7 @@
 //! uzram's server and nbdkit's two memory allocators and writes its JSON. No timing is
 //! asserted; the kernel anchor is left out (it would reset a zram0 someone may be using).
 
+#[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
 
 use nbd_support::*;

@@ -1,10 +1,10 @@
 //! The kernel's zram as a benchmark anchor: `/sys/block/zram0` driven through sysfs and
 //! `/dev/zram0` with O_DIRECT, when it exists and we are root. Always reset afterwards.
 
-use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
+use uzram::error::{Error, Result};
 
 /// A handle on `/sys/block/zram0`, reset when dropped.
 #[derive(Debug)]

@@ -41,13 +41,17 @@
 //!
 //! The file is exactly `data_offset + page_count * page_size_bytes` bytes; anything else is
 //! rejected. Pages start on a 4 KiB boundary so the file can be mapped or read with `O_DIRECT`.
+//!
+//! [`build`] is the `uzram corpus` command: the workloads whose memory is snapshotted.
 
-use crate::error::{Error, ErrorKind, Result};
-use crate::units::SUPPORTED_PAGE_SIZES_BYTES;
+pub mod build;
+
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use uzram::error::{Error, ErrorKind, Result};
+use uzram::units::SUPPORTED_PAGE_SIZES_BYTES;
 
 /// The corpus file's magic number.
 pub const CORPUS_MAGIC: &[u8; 8] = b"UZRAMCP1";
@@ -295,7 +299,7 @@ pub struct CorpusSource {
 ///
 /// Invariants: `pages.len() == len() * page_size_bytes`; the sources cover `0..len()` in order,
 /// without gaps or overlap; `page_size_bytes` is one of
-/// [`SUPPORTED_PAGE_SIZES_BYTES`](crate::units::SUPPORTED_PAGE_SIZES_BYTES).
+/// [`SUPPORTED_PAGE_SIZES_BYTES`](uzram::units::SUPPORTED_PAGE_SIZES_BYTES).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Corpus {
     page_size_bytes: usize,
