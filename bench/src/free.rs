@@ -6,7 +6,7 @@
 //! 1. **Release** (the analogue of a process exiting, whose swapped-out pages are freed): a
 //!    fresh device is filled with N corpus pages, then `T` threads discard all of it in 2 MiB
 //!    ranges (contiguous shares, one `discard` call per range). Once with the release path
-//!    freeing allocator objects synchronously (the anchor: `Device::bench_release_sync`), once
+//!    freeing allocator objects synchronously (the anchor: `Device::bench_new_release_sync`), once
 //!    through the deferred-free queue (the default). Reported per mode: the caller-visible
 //!    release time (first range started to last range returned), p50/p99 of one range's
 //!    `discard`, the process CPU time from the start until the memory is back (every thread,
@@ -124,13 +124,17 @@ fn release_once(
     threads: usize,
     deferred: bool,
 ) -> Result<Release> {
-    let dev = Device::new(DeviceConfig {
+    let config = DeviceConfig {
         disksize_bytes: (pages.len() * ps) as u64,
         page_size_bytes: ps,
         comp_algorithm: codec.to_string(),
         ..Default::default()
-    })?;
-    dev.bench_release_sync(!deferred);
+    };
+    let dev = if deferred {
+        Device::new(config)?
+    } else {
+        Device::bench_new_release_sync(config)?
+    };
     fill(&dev, pages, ps)?;
     let full_bytes = dev.stats().mem_used_total_bytes;
     let total = (pages.len() * ps) as u64;
@@ -226,8 +230,11 @@ fn summarise(runs: &[Release]) -> ReleaseSummary {
 
 /// Two threads free alternate handles of a pool holding `objs`; returns the wall time in ms.
 fn concurrent_free_ms(objs: &[Vec<u8>], ps: usize, under_lock: bool) -> Result<f64> {
-    let pool = ZsPool::new(ps)?;
-    pool.bench_release_under_class_lock(under_lock);
+    let pool = if under_lock {
+        ZsPool::bench_new_release_under_class_lock(ps)?
+    } else {
+        ZsPool::new(ps)?
+    };
     let handles: Vec<Handle> = objs
         .iter()
         .map(|o| {

@@ -11,8 +11,9 @@
 //! - Engines: [`FileBacking`] (a regular file or a block device, `O_DIRECT` when the file system
 //!   takes it) whose queues are [`UringQueue`] (io_uring, [`Engine::Uring`]) or [`SyncQueue`]
 //!   (one `pwritev` per op at submit time, [`Engine::Sync`]: the old single-page path);
-//!   [`MemBacking`] (in memory, for tests); [`FaultyBacking`] (wraps any backing and injects
-//!   EIO, ENOSPC, short and torn writes, on synchronous and queued writes alike).
+//!   and, with the `testing` feature, `MemBacking` (in memory) and `FaultyBacking` (wraps any
+//!   backing and injects EIO, ENOSPC, short and torn writes, on synchronous and queued writes
+//!   alike).
 //! - [`ceiling`]: the 4 KiB write throughput of a backing at a queue depth, the anchor the
 //!   writeback benchmark reports against.
 //!
@@ -42,8 +43,10 @@
 mod aligned_buf;
 pub mod blkzoned;
 pub mod ceiling;
+#[cfg(any(test, feature = "testing"))]
 mod faulty;
 mod file;
+#[cfg(any(test, feature = "testing"))]
 mod mem;
 mod sync;
 mod sys;
@@ -54,8 +57,10 @@ use std::sync::Arc;
 
 pub use aligned_buf::{AlignedBuf, BUF_ALIGN_BYTES, SECTOR_BYTES};
 pub use blkzoned::{ZoneGeometry, ZoneInfo, ZoneKind, ZonePlugQueue};
+#[cfg(any(test, feature = "testing"))]
 pub use faulty::{FaultCounts, FaultKind, FaultPlan, FaultyBacking};
 pub use file::{DirectIo, FileBacking, FileOptions};
+#[cfg(any(test, feature = "testing"))]
 pub use mem::MemBacking;
 pub use sync::SyncQueue;
 pub use uring::UringQueue;

@@ -30,15 +30,16 @@ pub use stats::{MetaStats, StatsSnapshot};
 use crate::backing::{Backing, BLOCK_SIZE_BYTES};
 use crate::compress::{self, Codec, CodecParams};
 use crate::error::{Error, ErrorKind, Result};
-use crate::slot::{SlotIndex, SlotTable};
+use crate::slot::SlotTable;
 use crate::units::{DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
 use crate::writeback::{BackingLayout, WbLimit, WbStore, DEFAULT_WB_BATCH_SIZE};
 use crate::zoned::{ZoneConfig, DEFAULT_ZONE_SIZE_BYTES};
 use crate::zsmalloc::{DeferredStats, PoolStats, ZsPool};
 use crate::BlockDevice;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use request::Free;
 use stats::DeviceStats;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -143,9 +144,11 @@ pub struct Device {
     /// Capacity of the allocator's deferred-free queue for pools built from now on (0: the
     /// default, 128 MiB / page size). Survives reset; see
     /// [`debug_set_deferred_capacity`](Device::debug_set_deferred_capacity).
+    #[cfg(any(test, feature = "testing"))]
     deferred_capacity: AtomicU64,
-    /// Benchmark-only: release paths free synchronously (the anchor of `uzram bench free`).
-    pub(crate) release_sync: AtomicBool,
+    /// How release paths (discard, free notifications) free allocator objects: deferred, or
+    /// synchronously in the baseline of `uzram bench free`. Fixed at construction.
+    release: Free,
     /// `writeback_limit` and `writeback_limit_enable`. Settable at any time; kept by reset.
     pub(crate) wb_limit: WbLimit,
     /// `writeback_batch_size` (at least 1), read when a writeback starts. Kept by reset.
@@ -178,8 +181,9 @@ impl Device {
             page_size_bytes,
             state: RwLock::new(State::default()),
             mem_limit_pages: AtomicU64::new(0),
+            #[cfg(any(test, feature = "testing"))]
             deferred_capacity: AtomicU64::new(0),
-            release_sync: AtomicBool::new(false),
+            release: Free::Deferred,
             wb_limit: WbLimit::default(),
             wb_batch_size: AtomicU32::new(DEFAULT_WB_BATCH_SIZE),
             pp_lock: Mutex::new(()),
@@ -188,7 +192,21 @@ impl Device {
 
     /// A new, initialised device.
     pub fn new(config: DeviceConfig) -> Result<Device> {
-        let dev = Device::new_uninit(config.page_size_bytes)?;
+        Device::new_releasing(config, Free::Deferred)
+    }
+
+    /// Benchmark baseline (`testing`): a device like [`Device::new`]'s whose release paths
+    /// (discard, free notifications) free allocator objects synchronously, as overwrites do:
+    /// the anchor `uzram bench free` measures the deferred-free queue against. Fixed for the
+    /// device's life.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn bench_new_release_sync(config: DeviceConfig) -> Result<Device> {
+        Device::new_releasing(config, Free::Sync)
+    }
+
+    fn new_releasing(config: DeviceConfig, release: Free) -> Result<Device> {
+        let mut dev = Device::new_uninit(config.page_size_bytes)?;
+        dev.release = release;
         {
             let mut st = dev.state.write();
             st.settings = Settings {
@@ -250,10 +268,13 @@ impl Device {
             / page
             * page;
         let codec = compress::new_codec(&st.settings.comp_algorithm, st.settings.comp_params)?;
+        #[cfg(any(test, feature = "testing"))]
         let capacity = match self.deferred_capacity.load(Ordering::Relaxed) {
             0 => None,
             n => Some(n as usize),
         };
+        #[cfg(not(any(test, feature = "testing")))]
+        let capacity = None;
         let pool = ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?;
         let slots = SlotTable::new(disksize_bytes / page)?;
         let huge_threshold_bytes = pool.huge_class_size_bytes();
@@ -512,18 +533,10 @@ impl Device {
         self.inner().ok().map(|inner| inner.pool.stats())
     }
 
-    /// Benchmark-only switch: when `on`, the release paths (discard, free notifications) free
-    /// allocator objects synchronously, as overwrites do: the anchor `uzram bench free`
-    /// measures the deferred-free queue against. Never turn it on otherwise.
-    #[doc(hidden)]
-    pub fn bench_release_sync(&self, on: bool) {
-        self.release_sync.store(on, Ordering::Relaxed);
-    }
-
     /// Sets the deferred-free queue's capacity (entries, at least 2; 0: the default) for the
-    /// pools built by later initialisations. For tests, which need a small queue to make the
-    /// worker run; the default is upstream's budget.
-    #[doc(hidden)]
+    /// pools built by later initialisations (`testing`). For tests, which need a small queue to
+    /// make the worker run; the default is upstream's budget.
+    #[cfg(any(test, feature = "testing"))]
     pub fn debug_set_deferred_capacity(&self, entries: usize) {
         self.deferred_capacity
             .store(entries as u64, Ordering::Relaxed);
@@ -588,9 +601,9 @@ impl Device {
         self.state.read().settings.comp_algorithm.clone()
     }
 
-    /// Testing hook for the model test's canary: swaps the contents of two slots, corrupting the
-    /// device on purpose. Never call it outside tests.
-    #[doc(hidden)]
+    /// Testing hook for the model test's canary (`testing`): swaps the contents of two slots,
+    /// corrupting the device on purpose. Never call it outside tests.
+    #[cfg(any(test, feature = "testing"))]
     pub fn debug_swap_slots(&self, a: u64, b: u64) -> Result<()> {
         let inner = self.inner()?;
         let n = inner.slots.len();
@@ -598,8 +611,8 @@ impl Device {
             return Err(Error::invalid("bad slot indexes"));
         }
         let (lo, hi) = (a.min(b), a.max(b));
-        let mut g1 = inner.slots.lock(SlotIndex(lo));
-        let mut g2 = inner.slots.lock(SlotIndex(hi));
+        let mut g1 = inner.slots.lock(crate::slot::SlotIndex(lo));
+        let mut g2 = inner.slots.lock(crate::slot::SlotIndex(hi));
         let (s1, s2) = (g1.state(), g2.state());
         g1.restore(s2);
         g2.restore(s1);

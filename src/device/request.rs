@@ -241,7 +241,7 @@ impl Device {
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let inner = self.inner()?;
         self.check_io(&inner, offset, len)?;
-        let how = self.release_free();
+        let how = self.release;
         for seg in segments(offset, len, self.page_size_bytes) {
             if seg.len_bytes == self.page_size_bytes {
                 let mut g = inner.slots.lock(seg.index);
@@ -271,17 +271,8 @@ impl Device {
             DeviceStats::add(&inner.stats.miss_free, 1);
             return Ok(());
         };
-        release_slot(&inner, &mut g, self.release_free());
+        release_slot(&inner, &mut g, self.release);
         Ok(())
-    }
-
-    /// How release paths free objects: deferred, unless the benchmark's anchor asked for sync.
-    fn release_free(&self) -> Free {
-        if self.release_sync.load(Ordering::Relaxed) {
-            Free::Sync
-        } else {
-            Free::Deferred
-        }
     }
 
     /// Makes the range read back as zeroes: whole pages are freed, partial pages rewritten.

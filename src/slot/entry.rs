@@ -82,7 +82,8 @@ impl SlotEntry {
             .fetch_and(!(u32::from(flags.0) << FLAGS_SHIFT), Ordering::Relaxed);
     }
 
-    /// Replaces every data field with `state`'s (including the access time).
+    /// Replaces every data field with `state`'s (including the access time). For testing hooks.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn restore_locked(&self, state: SlotState) {
         let m = state.meta_bits();
         self.store_locked(
@@ -137,6 +138,7 @@ impl SlotState {
     }
 
     /// The packed size, flags and priority bits (no lock bits).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn meta_bits(&self) -> u32 {
         self.meta
     }

@@ -85,6 +85,7 @@ impl<'a> SlotGuard<'a> {
     }
 
     /// Puts back a state read earlier (used by testing hooks).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn restore(&mut self, state: SlotState) {
         self.entry.restore_locked(state);
     }

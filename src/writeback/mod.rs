@@ -435,11 +435,12 @@ impl Device {
         self.writeback_inner(|_| Ok(spec.clone()), progress)
     }
 
-    /// Marks backing blocks allocated as if other slots held them, so that a benchmark can
-    /// start from a fragmented backing device (the seed's "every other block free"). Returns
-    /// how many were free. `ENODEV` without a backing device. Never call it outside benchmarks
-    /// and tests: the blocks are only given back by `reset`.
-    #[doc(hidden)]
+    /// Marks backing blocks allocated as if other slots held them (`testing`), so that a
+    /// benchmark can start from a fragmented backing device, as a long-lived bitmap with holes
+    /// is (every other block free: no two written blocks adjacent). Returns how many were free.
+    /// `ENODEV` without a backing device. Never call it outside benchmarks and tests: the
+    /// blocks are only given back by `reset`.
+    #[cfg(any(test, feature = "testing"))]
     pub fn debug_reserve_backing_blocks(
         &self,
         blocks: impl IntoIterator<Item = u64>,
@@ -542,8 +543,8 @@ impl Device {
         Some(store.stats())
     }
 
-    /// Checks the zoned store's bookkeeping (panics on a mismatch). For tests.
-    #[doc(hidden)]
+    /// Checks the zoned store's bookkeeping (panics on a mismatch). For tests (`testing`).
+    #[cfg(any(test, feature = "testing"))]
     pub fn debug_check_zones(&self) {
         if let Ok(inner) = self.inner() {
             if let Some(store) = inner.wb.as_ref().and_then(|wb| wb.zoned.as_ref()) {

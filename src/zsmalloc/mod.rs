@@ -2,7 +2,7 @@
 //!
 //! A userspace port of the design of Linux's mm/zsmalloc.c. Objects of 1 byte to one page are
 //! packed into *zspages* (1–8 contiguous pages) of per-size *classes*, named by [`Handle`]s
-//! that stay valid while [`ZsPool::compact`] moves the objects to free whole zspages.
+//! that stay valid while [`PoolCore::compact`] moves the objects to free whole zspages.
 //! `docs/zsmalloc.md` tells the story; this page states the contracts.
 //!
 //! # Parts (one file per concept)
@@ -18,7 +18,8 @@
 //! - `class`: a class at run time: its lock and what it protects.
 //! - `compact`: compaction.
 //! - `deferred_free`: the bounded queue behind [`ZsPool::free_deferred`], drained by a worker
-//!   thread (owned by [`ZsPool`], sharing the pool proper, `PoolCore`, through an `Arc`).
+//!   thread (owned by [`ZsPool`], sharing the pool proper, [`PoolCore`], through an `Arc`;
+//!   `ZsPool` derefs to it for every other operation).
 //!
 //! Everything else (this file, `class`, `compact`, ...) is `unsafe`-free (`deny(unsafe_code)`).
 //!
@@ -55,7 +56,7 @@
 //! A handle has one owner at a time; `read`/`write` of a handle never run concurrently with
 //! `free` of the same handle, and no handle is used after `free`. Violations are detected when
 //! cheap (use or free of a freed handle panics) and can never cause a data race: at worst they
-//! read another object's bytes. The closure given to [`ZsPool::read`] runs under a migrate lock
+//! read another object's bytes. The closure given to [`PoolCore::read`] runs under a migrate lock
 //! and must not call back into the pool. `compact` may run concurrently with everything.
 //! A handle given to `free_deferred` is given up exactly as one given to `free`; until it is
 //! drained it is still allocated (compaction may move it; `total_pages` counts its memory).
@@ -73,7 +74,7 @@ mod size_class;
 mod zspage;
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use deferred_free::{DeferredStats, DEFERRED_FREE_BUDGET_BYTES};
@@ -91,9 +92,10 @@ use zspage::obj_offset;
 
 use crate::error::{Error, Result};
 
-/// The pool proper: everything but the deferred-free worker's thread handle. Shared (`Arc`)
-/// between the [`ZsPool`] and its worker.
-pub(crate) struct PoolCore {
+/// The pool proper: every operation but [`ZsPool::free_deferred`], which may start the
+/// deferred-free worker. Shared (`Arc`) between the [`ZsPool`], which derefs to it, and that
+/// worker.
+pub struct PoolCore {
     table: ClassTable,
     /// One per merged class, ascending by size. Declared before `frames`: descriptors (the frame
     /// owners) drop before the chunks are unmapped.
@@ -107,9 +109,11 @@ pub(crate) struct PoolCore {
     pages_compacted: AtomicU64,
     /// Handles waiting to be freed (see `deferred_free`).
     deferred: DeferredQueue<Handle>,
-    /// Benchmark-only: return an emptied zspage's pages under the class lock, as zsmalloc did
-    /// before the short critical section (the baseline of `uzram bench free`).
-    release_under_class_lock: AtomicBool,
+    /// Benchmark baseline, fixed at construction: return an emptied zspage's pages under the
+    /// class lock, as zsmalloc did before the short critical section (the baseline of
+    /// `uzram bench free`, [`ZsPool::bench_new_release_under_class_lock`]).
+    #[cfg(any(test, feature = "testing"))]
+    release_under_class_lock: bool,
 }
 
 impl fmt::Debug for PoolCore {
@@ -142,7 +146,8 @@ impl PoolCore {
             total_pages: AtomicU64::new(0),
             pages_compacted: AtomicU64::new(0),
             deferred: DeferredQueue::new(deferred_capacity),
-            release_under_class_lock: AtomicBool::new(false),
+            #[cfg(any(test, feature = "testing"))]
+            release_under_class_lock: false,
         })
     }
 
@@ -283,7 +288,9 @@ impl PoolCore {
         }
     }
 
-    /// Frees `h` now; see [`ZsPool::free`].
+    /// Frees `h` now. Holds `h`'s class lock only to unlink the object (and, if its zspage
+    /// emptied, the zspage); the pages of an emptied zspage are returned after the lock is
+    /// dropped. Callable from any thread. Panics on a double free.
     ///
     /// The class lock covers only the bookkeeping: unlinking the object from its zspage (slot
     /// metadata, handle word, free handle index), deciding the zspage's new fullness group and,
@@ -293,7 +300,7 @@ impl PoolCore {
     /// `madvise`, the frame allocator's mutex, the heap free of the slot table, and the
     /// `total_pages` update. Nothing on this path takes a pool-wide lock while a class lock is
     /// held.
-    pub(crate) fn free(&self, h: Handle) {
+    pub fn free(&self, h: Handle) {
         let (_, loc) = self.handles.load(h);
         let class = self.class_for(loc.size_bytes);
         let mut st = class.state.lock();
@@ -309,7 +316,8 @@ impl PoolCore {
         word.store(0, Ordering::Release);
         st.free_handles.push(h.index());
         let detached = emptied.then(|| class.detach(&mut st, loc.zspage));
-        if self.release_under_class_lock.load(Ordering::Relaxed) {
+        #[cfg(any(test, feature = "testing"))]
+        if self.release_under_class_lock {
             // The benchmark's baseline: pages returned with the class lock held.
             if let Some(d) = detached {
                 self.release_detached(class, d);
@@ -332,8 +340,9 @@ impl PoolCore {
         self.total_pages.fetch_sub(pages as u64, Ordering::Relaxed);
     }
 
-    /// Frees `h` later; see [`ZsPool::free_deferred`]. `Ok(true)`: the worker must be woken.
-    fn free_deferred(&self, h: Handle) -> bool {
+    /// Queues `h` for a deferred free; see [`ZsPool::free_deferred`]. `true`: the worker must
+    /// be woken.
+    fn enqueue_deferred(&self, h: Handle) -> bool {
         // Catch a deferred free of a freed handle here, in the caller, not in the worker.
         self.handles.load(h);
         match self.deferred.try_enqueue(h) {
@@ -345,9 +354,16 @@ impl PoolCore {
         }
     }
 
-    /// Frees every handle queued so far; see [`ZsPool::flush`].
-    fn flush(&self) -> usize {
+    /// Frees every handle queued by [`ZsPool::free_deferred`] calls that returned before this
+    /// call began, waiting for a drain in progress (handles queued concurrently may stay
+    /// queued). Returns the handles this call freed itself.
+    pub fn flush(&self) -> usize {
         self.deferred.drain(|h| self.free(h))
+    }
+
+    /// The deferred-free queue's counters.
+    pub fn deferred_stats(&self) -> DeferredStats {
+        self.deferred.stats()
     }
 
     /// The size asked at `malloc` for `h`.
@@ -370,7 +386,8 @@ impl PoolCore {
         freed_pages
     }
 
-    /// Pages currently held by zspages (`mem_used_total / page_size`).
+    /// Pages currently held by zspages (`mem_used_total / page_size`), including those of
+    /// objects still waiting in the deferred-free queue.
     pub fn total_pages(&self) -> u64 {
         self.total_pages.load(Ordering::Relaxed)
     }
@@ -440,7 +457,8 @@ impl PoolCore {
 /// A pool of compressed objects; see the module docs. `Send + Sync`: share it as
 /// `Arc<ZsPool>`.
 ///
-/// It owns the pool proper (`PoolCore`, shared with the deferred-free worker) and the
+/// It owns the pool proper ([`PoolCore`], shared with the deferred-free worker; every operation
+/// but [`free_deferred`](Self::free_deferred) is `PoolCore`'s, through `Deref`) and the
 /// worker's thread, started by the first wake-up. Dropping the pool stops the worker and
 /// flushes the deferred-free queue, so no queued handle is left unfreed.
 pub struct ZsPool {
@@ -469,80 +487,38 @@ impl ZsPool {
         page_size_bytes: usize,
         capacity: Option<usize>,
     ) -> Result<ZsPool> {
-        Ok(ZsPool {
-            core: Arc::new(PoolCore::new(page_size_bytes, capacity)?),
+        Ok(ZsPool::with_core(PoolCore::new(page_size_bytes, capacity)?))
+    }
+
+    /// Benchmark baseline (`testing`): a pool whose `free` returns an emptied zspage's pages
+    /// while still holding the class lock, as zsmalloc did before the short critical section.
+    /// The baseline of `uzram bench free`; fixed for the pool's life.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn bench_new_release_under_class_lock(page_size_bytes: usize) -> Result<ZsPool> {
+        let mut core = PoolCore::new(page_size_bytes, None)?;
+        core.release_under_class_lock = true;
+        Ok(ZsPool::with_core(core))
+    }
+
+    fn with_core(core: PoolCore) -> ZsPool {
+        ZsPool {
+            core: Arc::new(core),
             worker: parking_lot::Mutex::new(None),
-        })
-    }
-
-    /// The page size the pool was built for.
-    pub fn page_size_bytes(&self) -> usize {
-        self.core.page_size_bytes()
-    }
-
-    /// The smallest object size stored in a huge (one object per page) zspage: the largest
-    /// non-huge class size + 1 (3633 for 4 KiB pages). An object this big costs a whole page, so
-    /// the device stores a page raw when its compressed size is at least this. (The kernel's
-    /// value is 8 bytes smaller because its objects carry their handle; ours do not.)
-    pub fn huge_class_size_bytes(&self) -> usize {
-        self.core.huge_class_size_bytes()
-    }
-
-    /// The class table.
-    pub fn class_table(&self) -> &ClassTable {
-        self.core.class_table()
-    }
-
-    /// Allocates an object of `size_bytes` (`1..=page_size`, else `EINVAL`). Its bytes are
-    /// unspecified until written. `ENOMEM` only if the kernel refuses address space (or the
-    /// 2^31-handle table is full).
-    pub fn malloc(&self, size_bytes: usize) -> Result<Handle> {
-        self.core.malloc(size_bytes)
-    }
-
-    /// Copies `data` to the start of `h`'s object. `data.len()` must not exceed the size asked
-    /// at `malloc` (panics otherwise); bytes past `data.len()` keep their value.
-    pub fn write(&self, h: Handle, data: &[u8]) {
-        self.core.write(h, data)
-    }
-
-    /// Calls `f` with exactly the bytes of `h`'s object (its `malloc` size). The object cannot
-    /// move while `f` runs; `f` must not call into the pool.
-    pub fn read<R>(&self, h: Handle, f: impl FnOnce(&[u8]) -> R) -> R {
-        self.core.read(h, f)
-    }
-
-    /// Frees `h` now. Holds `h`'s class lock only to unlink the object (and, if its zspage
-    /// emptied, the zspage); the pages of an emptied zspage are returned after the lock is
-    /// dropped. Callable from any thread. Panics on a double free.
-    pub fn free(&self, h: Handle) {
-        self.core.free(h)
+        }
     }
 
     /// Frees `h` later (upstream's `zs_free_deferred()`), for release paths that must return
     /// quickly. `h` goes into the pool's bounded queue if its lock is free right now and it is
     /// not full; otherwise it is freed synchronously, here. The queue is drained by a
-    /// background worker once it is half full, by [`flush`](Self::flush), and when the pool is
-    /// dropped. Until then the object still holds its memory (`total_pages` counts it).
+    /// background worker once it is half full, by [`flush`](PoolCore::flush), and when the pool
+    /// is dropped. Until then the object still holds its memory (`total_pages` counts it).
     ///
     /// `h` is given up: using or freeing it again is a use after free, as after
-    /// [`free`](Self::free) (a deferred free of a freed handle panics here).
+    /// [`free`](PoolCore::free) (a deferred free of a freed handle panics here).
     pub fn free_deferred(&self, h: Handle) {
-        if self.core.free_deferred(h) {
+        if self.core.enqueue_deferred(h) {
             self.wake_worker();
         }
-    }
-
-    /// Frees every handle queued by [`free_deferred`](Self::free_deferred) calls that returned
-    /// before this call began, waiting for a drain in progress (handles queued concurrently may
-    /// stay queued). Returns the handles this call freed itself.
-    pub fn flush(&self) -> usize {
-        self.core.flush()
-    }
-
-    /// The deferred-free queue's counters.
-    pub fn deferred_stats(&self) -> DeferredStats {
-        self.core.deferred.stats()
     }
 
     /// Starts the worker if needed and wakes it.
@@ -568,57 +544,16 @@ impl ZsPool {
         self.core.deferred.wake();
     }
 
-    /// The size asked at `malloc` for `h`.
-    pub fn obj_size_bytes(&self, h: Handle) -> usize {
-        self.core.obj_size_bytes(h)
-    }
-
-    /// Moves objects out of sparse zspages into fuller ones, class by class (largest first), and
-    /// frees the emptied zspages. Returns the pages freed by this call.
-    pub fn compact(&self) -> u64 {
-        self.core.compact()
-    }
-
-    /// Pages currently held by zspages (`mem_used_total / page_size`), including those of
-    /// objects still waiting in the deferred-free queue.
-    pub fn total_pages(&self) -> u64 {
-        self.core.total_pages()
-    }
-
-    /// Pages freed by compaction since the pool was created.
-    pub fn pages_compacted(&self) -> u64 {
-        self.core.pages_compacted()
-    }
-
-    /// A snapshot of per-class counters (each class is read under its lock, one at a time).
-    pub fn stats(&self) -> PoolStats {
-        self.core.stats()
-    }
-
-    /// The pool's memory besides its zspages (which [`total_pages`](Self::total_pages)
-    /// counts). Each class is read under its lock, one at a time.
-    pub fn meta(&self) -> PoolMeta {
-        self.core.meta()
-    }
-
-    /// Benchmark-only switch: when `on`, `free` returns an emptied zspage's pages while still
-    /// holding the class lock, as zsmalloc did before the short critical section. The baseline
-    /// of `uzram bench free`; never turn it on otherwise.
-    #[doc(hidden)]
-    pub fn bench_release_under_class_lock(&self, on: bool) {
-        self.core
-            .release_under_class_lock
-            .store(on, Ordering::Relaxed);
-    }
-
-    #[cfg(test)]
-    fn check(&self) {
-        self.core.check()
-    }
-
     #[cfg(test)]
     fn frames(&self) -> &FrameAllocator {
         &self.core.frames
+    }
+}
+
+impl std::ops::Deref for ZsPool {
+    type Target = PoolCore;
+    fn deref(&self) -> &PoolCore {
+        &self.core
     }
 }
 
@@ -687,11 +622,11 @@ pub struct ClassStats {
 pub struct PoolStats {
     /// Page size of the pool.
     pub page_size_bytes: usize,
-    /// See [`ZsPool::huge_class_size_bytes`].
+    /// See [`PoolCore::huge_class_size_bytes`].
     pub huge_class_size_bytes: usize,
-    /// See [`ZsPool::total_pages`].
+    /// See [`PoolCore::total_pages`].
     pub total_pages: u64,
-    /// See [`ZsPool::pages_compacted`].
+    /// See [`PoolCore::pages_compacted`].
     pub pages_compacted: u64,
     /// Handle-table entries ever used (its high-water mark; 8 bytes each).
     pub handles: u64,
@@ -1095,8 +1030,7 @@ pub(crate) mod tests {
 
     #[test]
     fn baseline_switch_frees_the_same_way() {
-        let pool = ZsPool::new(4096).unwrap();
-        pool.bench_release_under_class_lock(true);
+        let pool = ZsPool::bench_new_release_under_class_lock(4096).unwrap();
         let hs: Vec<Handle> = (0..500).map(|_| pool.malloc(3632).unwrap()).collect();
         assert!(pool.total_pages() > 0);
         for h in hs {
