@@ -2,16 +2,22 @@
 //!
 //! The design of Linux zram (a compressed-RAM block device) and zsmalloc (its allocator), with
 //! batched asynchronous writeback, low-latency deferred freeing and an append-only backing store.
-//! The layers, top to bottom (calls only go down):
+//! The layers, top to bottom (calls only go down: device → writeback → store → {slot,
+//! zsmalloc, compress, writeback target → backing}):
 //!
-//! - [`device`]: the [`Device`](device::Device): request validation, slot locking, the
-//!   write/read/discard paths, idle marking, attributes with zram's names, statistics.
+//! - [`device`]: the [`Device`](device::Device): settings, the init lock, attributes with
+//!   zram's names, request validation and splitting into pages, statistics' formats.
+//! - [`writeback`]: moving idle or huge pages to a backing device in batches: candidate scan,
+//!   the batched engine and its two placements, the limit.
+//! - [`store`]: an initialised device's pages: every slot-state change (write, read,
+//!   read-back, release, idle, writeback's steps, GC's re-pointing), the counters, and the
+//!   writeback target (the bitmap store or the [`zoned`] store).
 //! - [`slot`]: the table of packed 16-byte slot entries and their per-slot locks.
 //! - [`compress`]: the [`Codec`](compress::Codec) trait and one file per algorithm.
 //! - [`zsmalloc`]: the allocator for compressed objects: size classes, zspages, handles,
-//!   compaction.
-//! - [`writeback`]: moving idle or huge pages to a backing device in batches, and reading them
-//!   back; [`backing`]: the backing devices themselves.
+//!   compaction, deferred free.
+//! - [`zoned`]: the append-only backing store with GC; [`backing`]: the backing devices
+//!   themselves.
 //!
 //! Frontends (the CLI, the NBD server) talk to one narrow trait, [`BlockDevice`].
 
@@ -22,6 +28,7 @@ pub mod device;
 pub mod error;
 pub mod frontend;
 pub mod slot;
+pub mod store;
 pub mod units;
 pub mod writeback;
 pub mod zoned;

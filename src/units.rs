@@ -1,6 +1,7 @@
-//! Sizes with zram's suffixes, and the constants every layer shares.
+//! The constants every layer shares, and the kernel's parsers of attribute values: sizes with
+//! zram's suffixes (`memparse`), `kstrtoull`, `kstrtobool`.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// The block layer's sector: the unit of I/O alignment (`offset` and `len` of every request are
 /// multiples of it), as in the kernel.
@@ -11,6 +12,62 @@ pub const SUPPORTED_PAGE_SIZES_BYTES: [usize; 3] = [4096, 16384, 65536];
 
 /// The default page size.
 pub const DEFAULT_PAGE_SIZE_BYTES: usize = 4096;
+
+/// A 4 KiB block: the backing layer's unit (every backing's size is a multiple of it, and
+/// writes are aligned to it), and the unit zram counts `bd_stat` and `writeback_limit` in ("4K
+/// units"), whatever the page size.
+pub const BLOCK_SIZE_BYTES: usize = 4096;
+
+/// [`BLOCK_SIZE_BYTES`] units per page of `page_size_bytes` (a 16 KiB page counts 4).
+pub fn units_per_page(page_size_bytes: usize) -> u64 {
+    (page_size_bytes / BLOCK_SIZE_BYTES) as u64
+}
+
+/// The value with at most one trailing newline removed (what sysfs handlers see as the text).
+pub(crate) fn strip_newline(value: &str) -> &str {
+    value.strip_suffix('\n').unwrap_or(value)
+}
+
+/// The kernel's `kstrtoull`: optional `+`, digits in `radix` (0: auto-detect `0x` hex or a
+/// leading `0` octal), an optional trailing newline, nothing else. Overflow is `ERANGE`.
+pub fn kstrtou64(value: &str, radix: u32) -> Result<u64> {
+    let v = strip_newline(value);
+    let v = v.strip_prefix('+').unwrap_or(v);
+    let (digits, radix) = match radix {
+        0 => {
+            if let Some(rest) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
+                (rest, 16)
+            } else if v.len() > 1 && v.starts_with('0') {
+                (&v[1..], 8)
+            } else {
+                (v, 10)
+            }
+        }
+        r => (v, r),
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return Err(Error::invalid(format!("not a number: {value:?}")));
+    }
+    u64::from_str_radix(digits, radix).map_err(|_| {
+        Error::new(
+            ErrorKind::OutOfRange,
+            format!("number too large: {value:?}"),
+        )
+    })
+}
+
+/// The kernel's `kstrtobool`: `1`/`y`/`Y`/`t`/`T`/`on` are true, `0`/`n`/`N`/`f`/`F`/`off`
+/// false (only the first one or two characters count), anything else `EINVAL`.
+pub fn kstrtobool(value: &str) -> Result<bool> {
+    let b = strip_newline(value).as_bytes();
+    match b {
+        [b'1' | b'y' | b'Y' | b't' | b'T', ..] => Ok(true),
+        [b'0' | b'n' | b'N' | b'f' | b'F', ..] => Ok(false),
+        [b'o' | b'O', b'n' | b'N', ..] => Ok(true),
+        [b'o' | b'O', b'f' | b'F', ..] => Ok(false),
+        _ => Err(Error::invalid(format!("not a boolean: {value:?}"))),
+    }
+}
 
 /// Parses a size the way the kernel's `memparse()` does, as zram's `disksize` and `mem_limit`
 /// do: a decimal (or `0x` hex) number with an optional `K`, `M`, `G`, `T`, `P` or `E` suffix
@@ -74,5 +131,37 @@ mod tests {
             );
         }
         assert!(parse_size_bytes("16E").is_err());
+    }
+
+    #[test]
+    fn kstrtobool_like_the_kernel() {
+        for t in ["1", "y\n", "Yes", "on", "ON", "true"] {
+            assert!(kstrtobool(t).unwrap(), "{t}");
+        }
+        for f in ["0", "n", "No", "off\n", "false"] {
+            assert!(!kstrtobool(f).unwrap(), "{f}");
+        }
+        for bad in ["", "2", "o", "x"] {
+            assert!(kstrtobool(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn kstrtou64_like_the_kernel() {
+        assert_eq!(kstrtou64("1", 10).unwrap(), 1);
+        assert_eq!(kstrtou64("1\n", 10).unwrap(), 1);
+        assert_eq!(kstrtou64("+7", 10).unwrap(), 7);
+        assert_eq!(kstrtou64("0x10", 0).unwrap(), 16);
+        assert_eq!(kstrtou64("010", 0).unwrap(), 8);
+        for bad in ["", "\n", " 1", "1 ", "1x", "-1", "1\n\n"] {
+            assert_eq!(
+                kstrtou64(bad, 10).unwrap_err().kind(),
+                ErrorKind::InvalidArgument
+            );
+        }
+        assert_eq!(
+            kstrtou64("99999999999999999999", 10).unwrap_err().kind(),
+            ErrorKind::OutOfRange
+        );
     }
 }

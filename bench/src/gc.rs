@@ -112,7 +112,7 @@ impl Default for GcBenchOptions {
             repeats: 4,
             codec: "lz4".into(),
             seed: 1,
-            depth: uzram::writeback::GC_QUEUE_DEPTH,
+            depth: uzram::zoned::GC_QUEUE_DEPTH,
             chunk_bytes: uzram::zoned::DEFAULT_GC_CHUNK_BYTES,
             buffer_bytes: uzram::zoned::DEFAULT_GC_BUFFER_BYTES,
             holes: Holes::Punch { mean_pages: 64 },

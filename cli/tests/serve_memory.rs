@@ -23,8 +23,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use uzram_bench::corpus::Corpus;
 use uzram::frontend::nbd::protocol::{CMD_READ, CMD_WRITE};
+use uzram_bench::corpus::Corpus;
 
 const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const MIB: u64 = 1 << 20;

@@ -67,8 +67,8 @@ pub use uring::UringQueue;
 
 use crate::error::{Error, Result};
 
-/// The writeback unit: one 4 KiB page. [`Backing::block_size_bytes`] of every engine.
-pub const BLOCK_SIZE_BYTES: usize = 4096;
+/// The writeback unit: one 4 KiB block. [`Backing::block_size_bytes`] of every engine.
+pub use crate::units::BLOCK_SIZE_BYTES;
 
 /// The largest queue depth [`Backing::new_queue`] accepts: io_uring's SQ ring holds at most
 /// 32768 entries, and the writeback batch is far below this (default 32).

@@ -9,7 +9,8 @@ use super::{Device, IdleCutoff};
 use crate::backing::{FileBacking, FileOptions};
 use crate::compress::{self, CodecParams};
 use crate::error::{Error, ErrorKind, Result};
-use crate::units::parse_size_bytes;
+pub use crate::units::{kstrtobool, kstrtou64};
+use crate::units::{parse_size_bytes, strip_newline};
 use crate::writeback::BackingLayout;
 use crate::zsmalloc::DeferredStats;
 use std::sync::Arc;
@@ -62,39 +63,6 @@ fn mode_of(name: &str) -> Result<AttrMode> {
         .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no attribute {name:?}")))
 }
 
-/// The value with at most one trailing newline removed (what sysfs handlers see as the text).
-fn strip_newline(value: &str) -> &str {
-    value.strip_suffix('\n').unwrap_or(value)
-}
-
-/// The kernel's `kstrtoull`: optional `+`, digits in `radix` (0: auto-detect `0x` hex or a
-/// leading `0` octal), an optional trailing newline, nothing else. Overflow is `ERANGE`.
-pub fn kstrtou64(value: &str, radix: u32) -> Result<u64> {
-    let v = strip_newline(value);
-    let v = v.strip_prefix('+').unwrap_or(v);
-    let (digits, radix) = match radix {
-        0 => {
-            if let Some(rest) = v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
-                (rest, 16)
-            } else if v.len() > 1 && v.starts_with('0') {
-                (&v[1..], 8)
-            } else {
-                (v, 10)
-            }
-        }
-        r => (v, r),
-    };
-    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
-        return Err(Error::invalid(format!("not a number: {value:?}")));
-    }
-    u64::from_str_radix(digits, radix).map_err(|_| {
-        Error::new(
-            ErrorKind::OutOfRange,
-            format!("number too large: {value:?}"),
-        )
-    })
-}
-
 /// `deferred_stat` (uzram's own, no kernel counterpart): the allocator's deferred-free queue,
 /// eight `%8llu` columns: `queued fallback_contended fallback_full drains drained pending
 /// wakeups capacity`. See `docs/attributes.md`.
@@ -110,19 +78,6 @@ pub fn deferred_stat(s: &DeferredStats) -> String {
         s.wakeups,
         s.capacity
     )
-}
-
-/// The kernel's `kstrtobool`: `1`/`y`/`Y`/`t`/`T`/`on` are true, `0`/`n`/`N`/`f`/`F`/`off`
-/// false (only the first one or two characters count), anything else `EINVAL`.
-pub fn kstrtobool(value: &str) -> Result<bool> {
-    let b = strip_newline(value).as_bytes();
-    match b {
-        [b'1' | b'y' | b'Y' | b't' | b'T', ..] => Ok(true),
-        [b'0' | b'n' | b'N' | b'f' | b'F', ..] => Ok(false),
-        [b'o' | b'O', b'n' | b'N', ..] => Ok(true),
-        [b'o' | b'O', b'f' | b'F', ..] => Ok(false),
-        _ => Err(Error::invalid(format!("not a boolean: {value:?}"))),
-    }
 }
 
 impl Device {
@@ -148,7 +103,7 @@ impl Device {
             "compressed_writeback" => format!("{}\n", u8::from(self.compressed_writeback())),
             "writeback_batch_size" => format!("{}\n", self.writeback_batch_size()),
             "writeback_limit" => format!("{}\n", self.writeback_limit()),
-            "writeback_limit_enable" => format!("{}\n", u8::from(self.wb_limit.enabled())),
+            "writeback_limit_enable" => format!("{}\n", u8::from(self.writeback_limit_enable())),
             "comp_algorithm" => {
                 let selected = self.comp_algorithm();
                 let mut out = String::new();
@@ -283,13 +238,7 @@ impl Device {
                 if v != 0 {
                     return Err(Error::invalid("mem_used_max can only be reset with 0"));
                 }
-                if let Ok(inner) = self.inner() {
-                    let total = inner.pool.total_pages();
-                    inner
-                        .stats
-                        .max_used_pages
-                        .store(total, std::sync::atomic::Ordering::Relaxed);
-                }
+                self.reset_mem_used_max();
                 Ok(())
             }
             "reset" => {
@@ -356,7 +305,7 @@ impl Device {
                 "no such algorithm or priority (only the primary algorithm is configured)",
             ));
         }
-        if st.inner.is_some() {
+        if st.store.is_some() {
             return Err(Error::busy(
                 "algorithm_params cannot change once initialised",
             ));
@@ -457,37 +406,5 @@ mod tests {
         assert_eq!(after[3], 0, "compaction empties the frame cache");
         dev.attr_store("reset", "1").unwrap();
         assert_eq!(cols(&dev), [0; 5], "reset");
-    }
-
-    #[test]
-    fn kstrtobool_like_the_kernel() {
-        for t in ["1", "y\n", "Yes", "on", "ON", "true"] {
-            assert!(kstrtobool(t).unwrap(), "{t}");
-        }
-        for f in ["0", "n", "No", "off\n", "false"] {
-            assert!(!kstrtobool(f).unwrap(), "{f}");
-        }
-        for bad in ["", "2", "o", "x"] {
-            assert!(kstrtobool(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn kstrtou64_like_the_kernel() {
-        assert_eq!(kstrtou64("1", 10).unwrap(), 1);
-        assert_eq!(kstrtou64("1\n", 10).unwrap(), 1);
-        assert_eq!(kstrtou64("+7", 10).unwrap(), 7);
-        assert_eq!(kstrtou64("0x10", 0).unwrap(), 16);
-        assert_eq!(kstrtou64("010", 0).unwrap(), 8);
-        for bad in ["", "\n", " 1", "1 ", "1x", "-1", "1\n\n"] {
-            assert_eq!(
-                kstrtou64(bad, 10).unwrap_err().kind(),
-                ErrorKind::InvalidArgument
-            );
-        }
-        assert_eq!(
-            kstrtou64("99999999999999999999", 10).unwrap_err().kind(),
-            ErrorKind::OutOfRange
-        );
     }
 }

@@ -5,43 +5,47 @@
 //! `disksize` is written; `reset` returns it to the uninitialised state and frees everything.
 //! [`Device::new`] does both steps from a [`DeviceConfig`].
 //!
+//! The device keeps the settings, the init lock, the attributes and request splitting; an
+//! initialised device's pages are a [`Store`](crate::store) (slots, pool, codec, counters,
+//! writeback target), built by `disksize` and dropped by `reset`. Requests are validated and
+//! cut into pages here ([`request`]) and each page goes to the store; writeback
+//! ([`crate::writeback`]) runs on the store too, under the device's `pp_lock`.
+//!
 //! # Locks
 //! - `state` is zram's `init_lock`: every request and most attribute accesses hold it shared;
 //!   `disksize` (initialisation) and `reset` hold it exclusive, so they wait for requests in
 //!   flight and no request sees a half-built or half-freed device.
 //! - Each slot has its own lock ([`crate::slot`]); a slot's data and its share of the counters
-//!   change only under it.
+//!   change only under it, inside the store.
 //! - The allocator has its own per-class locks, never held while taking a slot lock.
 //! - Writeback adds `pp_lock` (one writeback at a time, taken with `state` held shared and
-//!   never waited for: a second writeback gets `EAGAIN`), and two leaf locks, the backing
-//!   bitmap's and the writeback limit's (see [`crate::writeback`]).
+//!   never waited for: a second writeback gets `EAGAIN`), and leaf locks: the writeback
+//!   target's (the bitmap's, or the zone store's) and the writeback limit's.
 //!
-//! Lock order: `state` → `pp_lock` → slot lock → allocator locks, bitmap lock, limit lock.
+//! Lock order: `state` → `pp_lock` → slot lock → allocator locks, target lock, limit lock.
 //! No slot lock is held while waiting for backing I/O.
 
 pub mod attrs;
 pub mod idle;
 pub mod request;
 pub mod stats;
+mod writeback;
 
 pub use idle::IdleCutoff;
 pub use stats::{MetaStats, StatsSnapshot};
 
-use crate::backing::{Backing, BLOCK_SIZE_BYTES};
-use crate::compress::{self, Codec, CodecParams};
+use crate::backing::Backing;
+use crate::compress::{self, CodecParams};
 use crate::error::{Error, ErrorKind, Result};
-use crate::slot::SlotTable;
-use crate::units::{DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
-use crate::writeback::{BackingLayout, WbLimit, WbStore, DEFAULT_WB_BATCH_SIZE};
-use crate::zoned::{ZoneConfig, DEFAULT_ZONE_SIZE_BYTES};
+use crate::store::{BackingLayout, Free, Store, WbTarget};
+use crate::units::{BLOCK_SIZE_BYTES, DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
+use crate::writeback::{WbLimit, DEFAULT_WB_BATCH_SIZE};
+use crate::zoned::DEFAULT_ZONE_SIZE_BYTES;
 use crate::zsmalloc::{DeferredStats, PoolStats, ZsPool};
 use crate::BlockDevice;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use request::Free;
-use stats::DeviceStats;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// The algorithm a new or reset device uses (zram-generator's and most distributions' choice).
 pub const DEFAULT_COMP_ALGORITHM: &str = "lz4";
@@ -105,32 +109,8 @@ impl Default for Settings {
 #[derive(Debug, Default)]
 struct State {
     settings: Settings,
-    inner: Option<Inner>,
-}
-
-/// An initialised device's contents. Built by `disksize`, dropped by `reset`.
-#[derive(Debug)]
-pub(crate) struct Inner {
-    pub(crate) disksize_bytes: u64,
-    pub(crate) slots: SlotTable,
-    pub(crate) pool: ZsPool,
-    pub(crate) codec: Box<dyn Codec>,
-    /// Pages whose compressed size is at least this are stored raw (HUGE): the smallest size
-    /// class holding one object per zspage, where compression saves nothing.
-    pub(crate) huge_threshold_bytes: usize,
-    pub(crate) stats: DeviceStats,
-    /// The backing device, when `backing_dev` was set before initialisation.
-    pub(crate) wb: Option<WbStore>,
-    /// Time zero for slots' access times.
-    epoch: Instant,
-}
-
-impl Inner {
-    /// Seconds since initialisation, for slot access times.
-    #[inline]
-    pub(crate) fn now_secs(&self) -> u32 {
-        u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
-    }
+    /// The initialised device's pages: built by `disksize`, dropped by `reset`.
+    store: Option<Store>,
 }
 
 /// A compressed-RAM block device.
@@ -150,22 +130,22 @@ pub struct Device {
     /// synchronously in the baseline of `uzram bench free`. Fixed at construction.
     release: Free,
     /// `writeback_limit` and `writeback_limit_enable`. Settable at any time; kept by reset.
-    pub(crate) wb_limit: WbLimit,
+    wb_limit: WbLimit,
     /// `writeback_batch_size` (at least 1), read when a writeback starts. Kept by reset.
-    pub(crate) wb_batch_size: AtomicU32,
+    wb_batch_size: AtomicU32,
     /// Held by the running writeback (zram's `pp_in_progress`).
-    pub(crate) pp_lock: Mutex<()>,
+    pp_lock: Mutex<()>,
 }
 
-/// A shared hold on an initialised device's contents (the init lock taken shared).
-pub(crate) struct InnerRef<'a> {
+/// A shared hold on an initialised device's store (the init lock taken shared).
+pub(crate) struct StoreRef<'a> {
     guard: RwLockReadGuard<'a, State>,
 }
 
-impl std::ops::Deref for InnerRef<'_> {
-    type Target = Inner;
-    fn deref(&self) -> &Inner {
-        self.guard.inner.as_ref().expect("checked initialised")
+impl std::ops::Deref for StoreRef<'_> {
+    type Target = Store;
+    fn deref(&self) -> &Store {
+        self.guard.store.as_ref().expect("checked initialised")
     }
 }
 
@@ -227,14 +207,14 @@ impl Device {
 
     /// True once `disksize` has been set (zram's `initstate`).
     pub fn is_initialised(&self) -> bool {
-        self.state.read().inner.is_some()
+        self.state.read().store.is_some()
     }
 
     /// The state, locked for a change of setting `attr`, which only an uninitialised device
     /// takes: `EBUSY` otherwise, as zram answers.
     fn settings_for(&self, attr: &str) -> Result<RwLockWriteGuard<'_, State>> {
         let st = self.state.write();
-        if st.inner.is_some() {
+        if st.store.is_some() {
             return Err(Error::busy(format!(
                 "{attr} cannot change once initialised: reset first"
             )));
@@ -246,9 +226,9 @@ impl Device {
     pub fn disksize_bytes(&self) -> u64 {
         self.state
             .read()
-            .inner
+            .store
             .as_ref()
-            .map_or(0, |i| i.disksize_bytes)
+            .map_or(0, Store::size_bytes)
     }
 
     /// Initialises the device with `disksize_bytes` (rounded up to a page), as writing
@@ -258,7 +238,7 @@ impl Device {
             return Err(Error::invalid("disksize must not be 0"));
         }
         let mut st = self.state.write();
-        if st.inner.is_some() {
+        if st.store.is_some() {
             return Err(Error::busy("device already initialised: reset it first"));
         }
         let page = self.page_size_bytes as u64;
@@ -276,31 +256,24 @@ impl Device {
         #[cfg(not(any(test, feature = "testing")))]
         let capacity = None;
         let pool = ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?;
-        let slots = SlotTable::new(disksize_bytes / page)?;
-        let huge_threshold_bytes = pool.huge_class_size_bytes();
-        let zones = (st.settings.backing_layout == BackingLayout::Zoned).then(|| ZoneConfig {
-            zone_size_bytes: st.settings.zone_size_bytes,
-            ..ZoneConfig::default()
-        });
-        let wb = match st.settings.backing.clone() {
-            Some(b) => Some(WbStore::new(
+        let target = match st.settings.backing.clone() {
+            Some(b) => Some(WbTarget::new(
                 b,
+                st.settings.backing_layout,
                 st.settings.compressed_writeback,
                 self.page_size_bytes,
-                zones,
+                st.settings.zone_size_bytes,
             )?),
             None => None,
         };
-        st.inner = Some(Inner {
-            disksize_bytes,
-            slots,
-            pool,
+        let store = Store::new(
+            self.page_size_bytes,
+            disksize_bytes / page,
             codec,
-            huge_threshold_bytes,
-            stats: DeviceStats::default(),
-            wb,
-            epoch: Instant::now(),
-        });
+            pool,
+            target,
+        )?;
+        st.store = Some(store);
         Ok(())
     }
 
@@ -312,7 +285,7 @@ impl Device {
     /// `writeback_batch_size` are kept, as zram keeps them.
     pub fn reset(&self) {
         let mut st = self.state.write();
-        st.inner = None;
+        st.store = None;
         st.settings = Settings::default();
         self.mem_limit_pages.store(0, Ordering::Relaxed);
     }
@@ -454,6 +427,11 @@ impl Device {
         self.wb_limit.set_limit_units(units);
     }
 
+    /// The `writeback_limit_enable` setting.
+    pub fn writeback_limit_enable(&self) -> bool {
+        self.wb_limit.enabled()
+    }
+
     /// The remaining `writeback_limit` in 4 KiB units.
     pub fn writeback_limit(&self) -> u64 {
         self.wb_limit.limit_units()
@@ -484,53 +462,32 @@ impl Device {
     /// deferred-free queue first: moving objects that are about to be freed is wasted work,
     /// and their frees may empty zspages by themselves.
     pub fn compact(&self) -> u64 {
-        match self.inner() {
-            Ok(inner) => {
-                inner.pool.flush();
-                inner.pool.compact()
-            }
-            Err(_) => 0,
-        }
+        self.store().map_or(0, |store| store.compact())
     }
 
     /// Frees every allocator object queued by release paths (discard, free notifications)
     /// before this call; `mem_used_total` then counts only live data. Returns how many objects
     /// it freed. A no-op on an uninitialised device.
     pub fn flush_deferred(&self) -> u64 {
-        match self.inner() {
-            Ok(inner) => inner.pool.flush() as u64,
-            Err(_) => 0,
-        }
+        self.store()
+            .map_or(0, |store| store.flush_deferred() as u64)
     }
 
     /// The allocator's deferred-free counters (`deferred_stat`); all 0 when uninitialised.
     pub fn deferred_stats(&self) -> DeferredStats {
-        match self.inner() {
-            Ok(inner) => inner.pool.deferred_stats(),
-            Err(_) => DeferredStats::default(),
-        }
+        self.store()
+            .map_or_else(|_| DeferredStats::default(), |store| store.deferred_stats())
     }
 
     /// The device's memory besides `mem_used_total` (`meta_stat`); all 0 when uninitialised.
     pub fn meta_stats(&self) -> MetaStats {
-        match self.inner() {
-            Ok(inner) => {
-                let pool = inner.pool.meta();
-                MetaStats {
-                    slot_table_bytes: inner.slots.size_bytes(),
-                    handle_table_bytes: pool.handle_table_bytes,
-                    zspage_meta_bytes: pool.zspage_meta_bytes,
-                    frame_cache_bytes: pool.frame_cache_bytes,
-                    deferred_queue_bytes: pool.deferred_queue_bytes,
-                }
-            }
-            Err(_) => MetaStats::default(),
-        }
+        self.store()
+            .map_or_else(|_| MetaStats::default(), |store| store.meta_stats())
     }
 
     /// The allocator's per-class counters (the kernel's debugfs `classes`), when initialised.
     pub fn pool_stats(&self) -> Option<PoolStats> {
-        self.inner().ok().map(|inner| inner.pool.stats())
+        self.store().ok().map(|store| store.pool_stats())
     }
 
     /// Sets the deferred-free queue's capacity (entries, at least 2; 0: the default) for the
@@ -547,53 +504,28 @@ impl Device {
         let page = self.page_size_bytes as u64;
         let mem_limit_bytes = self.mem_limit_pages.load(Ordering::Relaxed) * page;
         let st = self.state.read();
-        let Some(inner) = st.inner.as_ref() else {
-            return StatsSnapshot {
-                mem_limit_bytes,
-                ..Default::default()
-            };
-        };
-        let s = &inner.stats;
-        let get = DeviceStats::get;
-        let units = crate::writeback::units_per_page(self.page_size_bytes);
-        let (bd_count, bd_reads, bd_writes) = inner.wb.as_ref().map_or((0, 0, 0), |wb| {
-            (
-                wb.pages_stored() * units,
-                get(&wb.bd_reads) * units,
-                get(&wb.bd_writes) * units,
-            )
-        });
-        let total_pages = inner.pool.total_pages();
-        s.update_max_used(total_pages);
+        let snapshot = st.store.as_ref().map(Store::snapshot).unwrap_or_default();
         StatsSnapshot {
-            orig_data_size_bytes: get(&s.pages_stored) * page,
-            compr_data_size_bytes: get(&s.compr_data_size_bytes),
-            mem_used_total_bytes: total_pages * page,
             mem_limit_bytes,
-            mem_used_max_bytes: get(&s.max_used_pages) * page,
-            same_pages: get(&s.same_pages),
-            pages_compacted: inner.pool.pages_compacted(),
-            huge_pages: get(&s.huge_pages),
-            huge_pages_since: get(&s.huge_pages_since),
-            failed_reads: get(&s.failed_reads),
-            failed_writes: get(&s.failed_writes),
-            notify_free: get(&s.notify_free),
-            miss_free: get(&s.miss_free),
-            pages_stored: get(&s.pages_stored),
-            bd_count,
-            bd_reads,
-            bd_writes,
+            ..snapshot
         }
     }
 
-    /// The initialised contents, held shared, or `EINVAL`-free "not initialised" as `ENXIO`-like
-    /// `InvalidArgument`: an uninitialised device has size 0, so all I/O is out of range.
-    pub(crate) fn inner(&self) -> Result<InnerRef<'_>> {
+    /// Resets `mem_used_max` to the pool's current size (a no-op when uninitialised).
+    pub(crate) fn reset_mem_used_max(&self) {
+        if let Ok(store) = self.store() {
+            store.reset_mem_used_max();
+        }
+    }
+
+    /// The initialised device's store, held shared, or "not initialised" as `InvalidArgument`:
+    /// an uninitialised device has size 0, so all I/O is out of range.
+    pub(crate) fn store(&self) -> Result<StoreRef<'_>> {
         let guard = self.state.read();
-        if guard.inner.is_none() {
+        if guard.store.is_none() {
             return Err(Error::invalid("device not initialised: set disksize first"));
         }
-        Ok(InnerRef { guard })
+        Ok(StoreRef { guard })
     }
 
     /// The current algorithm name.
@@ -605,18 +537,7 @@ impl Device {
     /// corrupting the device on purpose. Never call it outside tests.
     #[cfg(any(test, feature = "testing"))]
     pub fn debug_swap_slots(&self, a: u64, b: u64) -> Result<()> {
-        let inner = self.inner()?;
-        let n = inner.slots.len();
-        if a >= n || b >= n || a == b {
-            return Err(Error::invalid("bad slot indexes"));
-        }
-        let (lo, hi) = (a.min(b), a.max(b));
-        let mut g1 = inner.slots.lock(crate::slot::SlotIndex(lo));
-        let mut g2 = inner.slots.lock(crate::slot::SlotIndex(hi));
-        let (s1, s2) = (g1.state(), g2.state());
-        g1.restore(s2);
-        g2.restore(s1);
-        Ok(())
+        self.store()?.debug_swap_slots(a, b)
     }
 }
 

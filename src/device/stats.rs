@@ -1,97 +1,9 @@
-//! Device statistics (zram's `struct zram_stats`) and their kernel output formats.
-//!
-//! Counters are lock-free atomics updated on the I/O paths. Each is exact once the operations
-//! that change it have returned: a slot's counters change under the slot's lock together with
-//! the slot, so a quiescent device's `mm_stat` is consistent.
+//! The formats of the statistics attributes (`mm_stat`, `io_stat`, `bd_stat`, `debug_stat`) as
+//! the kernel prints them, and of uzram's `meta_stat`. The counters are the store's
+//! ([`crate::store`]); a [`StatsSnapshot`] is what [`Device::stats`](super::Device::stats) reads
+//! from them, a [`MetaStats`] what [`Device::meta_stats`](super::Device::meta_stats) does.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Live counters of an initialised device. Reset drops them with the device's contents.
-#[derive(Debug, Default)]
-pub struct DeviceStats {
-    /// Bytes of compressed data held in the pool (sum of stored object sizes).
-    pub compr_data_size_bytes: AtomicU64,
-    /// Slots holding data (in RAM, same-filled or written back).
-    pub pages_stored: AtomicU64,
-    /// Slots holding a same-filled page.
-    pub same_pages: AtomicU64,
-    /// Slots stored raw (HUGE) right now.
-    pub huge_pages: AtomicU64,
-    /// HUGE pages stored since the device was initialised.
-    pub huge_pages_since: AtomicU64,
-    /// Reads that failed.
-    pub failed_reads: AtomicU64,
-    /// Writes that failed (no memory, mem_limit, codec error).
-    pub failed_writes: AtomicU64,
-    /// Slot frees notified by a swap frontend.
-    pub notify_free: AtomicU64,
-    /// Free notifications that found the slot busy (zram's `miss_free`).
-    pub miss_free: AtomicU64,
-    /// Highest `mem_used_total` seen, in pages (`mem_used_max`).
-    pub max_used_pages: AtomicU64,
-}
-
-impl DeviceStats {
-    /// Adds `n` to `counter`.
-    #[inline]
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
-    }
-    /// Subtracts `n` from `counter`; underflow is a bookkeeping bug.
-    #[inline]
-    pub fn sub(counter: &AtomicU64, n: u64) {
-        let prev = counter.fetch_sub(n, Ordering::Relaxed);
-        debug_assert!(prev >= n, "device counter underflow");
-    }
-    /// Reads a counter.
-    #[inline]
-    pub fn get(counter: &AtomicU64) -> u64 {
-        counter.load(Ordering::Relaxed)
-    }
-    /// Raises `max_used_pages` to `pages` if higher.
-    pub fn update_max_used(&self, pages: u64) {
-        self.max_used_pages.fetch_max(pages, Ordering::Relaxed);
-    }
-}
-
-/// A snapshot of everything `mm_stat`, `io_stat` and `debug_stat` show.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct StatsSnapshot {
-    /// Uncompressed size of the data stored (pages_stored × page size).
-    pub orig_data_size_bytes: u64,
-    /// Compressed size of the data in the pool.
-    pub compr_data_size_bytes: u64,
-    /// Memory the pool holds, including fragmentation.
-    pub mem_used_total_bytes: u64,
-    /// The memory limit (0: none).
-    pub mem_limit_bytes: u64,
-    /// Highest `mem_used_total` seen.
-    pub mem_used_max_bytes: u64,
-    /// Same-filled pages stored.
-    pub same_pages: u64,
-    /// Pages freed by compaction.
-    pub pages_compacted: u64,
-    /// Raw-stored pages now.
-    pub huge_pages: u64,
-    /// Raw-stored pages since initialisation.
-    pub huge_pages_since: u64,
-    /// Failed reads.
-    pub failed_reads: u64,
-    /// Failed writes.
-    pub failed_writes: u64,
-    /// Swap free notifications.
-    pub notify_free: u64,
-    /// Free notifications that missed.
-    pub miss_free: u64,
-    /// Slots holding data.
-    pub pages_stored: u64,
-    /// Backing blocks in use, in 4 KiB units (`bd_stat`'s first column).
-    pub bd_count: u64,
-    /// Pages read back from the backing device, in 4 KiB units.
-    pub bd_reads: u64,
-    /// Pages written to the backing device, in 4 KiB units.
-    pub bd_writes: u64,
-}
+pub use crate::store::{MetaStats, StatsSnapshot};
 
 impl StatsSnapshot {
     /// `mm_stat`: nine columns, the kernel's `"%8llu %8llu %8llu %8lu %8ld %8llu %8lu %8llu %8llu\n"`.
@@ -131,22 +43,6 @@ impl StatsSnapshot {
     pub fn debug_stat(&self) -> String {
         format!("version: 1\n0 {:8}\n", self.miss_free)
     }
-}
-
-/// What `meta_stat` shows: the device's memory besides `mem_used_total` (the pool's zspages), in
-/// bytes. uzram's own; see `docs/attributes.md`. All 0 when uninitialised.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct MetaStats {
-    /// The slot table: 16 bytes per page of `disksize`, fixed while initialised.
-    pub slot_table_bytes: u64,
-    /// The allocator's handle table ([`PoolMeta::handle_table_bytes`](crate::zsmalloc::PoolMeta)).
-    pub handle_table_bytes: u64,
-    /// The allocator's zspage bookkeeping ([`PoolMeta::zspage_meta_bytes`](crate::zsmalloc::PoolMeta)).
-    pub zspage_meta_bytes: u64,
-    /// Freed zspages' frames kept resident for reuse (at most 2 MiB; `compact` empties it).
-    pub frame_cache_bytes: u64,
-    /// The deferred-free queue's buffers when full.
-    pub deferred_queue_bytes: u64,
 }
 
 impl MetaStats {

@@ -8,13 +8,13 @@
 //! limit. Within a bucket, slots go in scan order.
 //!
 //! PP_SLOT is the slot's ticket: any read, write or free of the slot clears it (see
-//! `SlotGuard::touch` and `free_slot`), and a writeback acts on a slot only if the flag is still
-//! set under the slot lock. Only one post-processing operation runs at a time per device (the
+//! `SlotGuard::touch` and the store's release), and a writeback acts on a slot only if the flag
+//! is still set under the slot lock (the store's `copy_candidate` and `finish_writeback`). Only one post-processing operation runs at a time per device (the
 //! device's `pp_lock`), so a PP_SLOT flag always belongs to the current one. [`PpCtl::release`]
 //! clears the flag of every candidate left when the writeback ends.
 
-use crate::device::Inner;
 use crate::slot::{SlotFlags, SlotIndex};
+use crate::store::Store;
 
 /// Which slots a writeback takes (zram's `IDLE_WRITEBACK`, `HUGE_WRITEBACK`,
 /// `INCOMPRESSIBLE_WRITEBACK` bits; none set means every slot in the range).
@@ -71,27 +71,12 @@ impl PpCtl {
     /// Scans slots `lo..hi` with `mode`, marking and bucketing candidates (zram's
     /// `scan_slots_for_writeback`). A slot already PP_SLOT (selected by an earlier scan of the
     /// same call) is not selected twice.
-    pub fn scan(&mut self, inner: &Inner, mode: ModeFilter, lo: u64, hi: u64) {
-        for i in lo..hi.min(inner.slots.len()) {
-            let index = SlotIndex(i);
-            // Look without the lock first, so empty slots cost nothing (and their table pages
-            // stay uncommitted); decide again under the lock.
-            let st = inner.slots.entry(index).state_unlocked();
-            if st.is_empty() || st.has(SlotFlags::SAME) || st.has(SlotFlags::WB) {
+    pub(crate) fn scan(&mut self, store: &Store, mode: ModeFilter, lo: u64, hi: u64) {
+        for i in lo..hi.min(store.nr_pages()) {
+            let Some(size_bytes) = store.mark_pp(SlotIndex(i), |flags| mode.accepts(flags)) else {
                 continue;
-            }
-            let mut g = inner.slots.lock(index);
-            let st = g.state();
-            if st.is_empty()
-                || st.has(SlotFlags::SAME)
-                || st.has(SlotFlags::WB)
-                || st.has(SlotFlags::PP_SLOT)
-                || !mode.accepts(st.flags())
-            {
-                continue;
-            }
-            g.set_flags(SlotFlags::PP_SLOT);
-            let b = (st.size_bytes() / PP_BUCKET_BYTES).min(self.buckets.len() - 1);
+            };
+            let b = (size_bytes / PP_BUCKET_BYTES).min(self.buckets.len() - 1);
             self.buckets[b].push(i);
             self.total += 1;
         }
@@ -114,15 +99,9 @@ impl PpCtl {
 
     /// Clears PP_SLOT on every candidate not taken yet (zram's `release_pp_ctl`). Slots that
     /// lost the flag (accessed or freed) are left as they are.
-    pub fn release(&mut self, inner: &Inner) {
+    pub(crate) fn release(&mut self, store: &Store) {
         while let Some(index) = self.select() {
-            clear_pp(inner, index);
+            store.clear_pp(index);
         }
     }
-}
-
-/// Clears PP_SLOT of one slot, under its lock (zram's `release_pp_slot`).
-pub fn clear_pp(inner: &Inner, index: SlotIndex) {
-    let mut g = inner.slots.lock(index);
-    g.clear_flags(SlotFlags::PP_SLOT);
 }

@@ -13,10 +13,7 @@
 
 use parking_lot::Mutex;
 
-/// 4 KiB units per page of `page_size_bytes`.
-pub fn units_per_page(page_size_bytes: usize) -> u64 {
-    (page_size_bytes / 4096) as u64
-}
+pub use crate::units::units_per_page;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct State {

@@ -73,6 +73,10 @@ pub const DEFAULT_GC_BUFFER_BYTES: usize = 1 << 20;
 /// Largest GC chunk (one read, then one write): a whole scratch buffer, as in XFS, where the
 /// buffer size is also the upper bound of each GC I/O.
 pub const DEFAULT_GC_CHUNK_BYTES: usize = 1 << 20;
+/// Queue depth of GC reads and writes: deep enough that the scratch space, not the queue,
+/// bounds the I/O in flight (chunks are extents of live records, down to one record, so 2 MiB
+/// of scratch may hold many small ones).
+pub const GC_QUEUE_DEPTH: usize = 64;
 
 /// Settings of a zoned store.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,8 +5,8 @@
 //! block `b` belongs to a slot (or to a writeback request that reserved it). Allocation takes
 //! the **first free block**, like the kernel's `find_next_zero_bit` from 0: on a fresh backing a
 //! writeback lays its pages out sequentially, which is what makes batching pay; on a long-lived
-//! device the bitmap fragments and writeback becomes random I/O (the seed review's point, and
-//! the benchmark's `fragmented` layout). A search hint (the lowest block that may be free) keeps
+//! device the bitmap fragments and writeback becomes random I/O (the writeback benchmark's
+//! `fragmented` layout measures that case). A search hint (the lowest block that may be free) keeps
 //! allocation O(1) amortised on the sequential path without changing which block is chosen.
 //!
 //! # Read pins
@@ -97,6 +97,7 @@ impl BlockBitmap {
     }
 
     /// Number of blocks.
+    #[cfg(any(test, feature = "testing"))]
     pub fn blocks(&self) -> u64 {
         self.blocks
     }
@@ -130,7 +131,9 @@ impl BlockBitmap {
     }
 
     /// Marks `block` allocated if it is free (the benchmark's `fragmented` layout reserves every
-    /// other block this way). Returns whether it was free.
+    /// other block this way, through `Device::debug_reserve_backing_blocks`). Returns whether
+    /// it was free.
+    #[cfg(any(test, feature = "testing"))]
     pub fn reserve(&self, block: BlockIndex) -> bool {
         assert!(block.0 < self.blocks, "block {} out of range", block.0);
         let mut g = self.inner.lock();
@@ -201,7 +204,8 @@ impl BlockBitmap {
         }
     }
 
-    /// True if `block` is allocated (for tests and assertions).
+    /// True if `block` is allocated (for tests).
+    #[cfg(test)]
     pub fn is_allocated(&self, block: BlockIndex) -> bool {
         let g = self.inner.lock();
         g.words[(block.0 / 64) as usize] & (1 << (block.0 % 64)) != 0

@@ -1,0 +1,787 @@
+//! The store: an initialised device's pages, zram's `struct zram` minus its settings.
+//!
+//! A [`Store`] owns the slot table, the allocator pool, the codec, the counters and the
+//! writeback target, all private. Every change of a slot's state is one of its methods, made
+//! under the slot's lock:
+//!
+//! - the page paths: [`prepare`](Store::prepare) (compress and allocate, outside the lock) then
+//!   publish ([`write_page`](Store::write_page)), [`read_page`](Store::read_page),
+//!   [`write_partial`](Store::write_partial) (read-modify-write), [`release`](Store::release)
+//!   and [`free_page`](Store::free_page) (zram's `zram_free_page`, with the allocator object
+//!   freed at once or through the deferred-free queue);
+//! - idle marking ([`mark_idle`](Store::mark_idle));
+//! - writeback's steps: [`mark_pp`](Store::mark_pp) and [`clear_pp`](Store::clear_pp) (the
+//!   PP_SLOT ticket), [`copy_candidate`](Store::copy_candidate), and
+//!   [`finish_writeback`](Store::finish_writeback), which frees the object and points the slot
+//!   at its backing location (`set_written_back`);
+//! - GC's [`repoint`](crate::zoned::GcOwner::repoint) of a slot to a relocated record.
+//!
+//! The layers: `device` (settings, the init lock, attributes, request splitting) and
+//! `writeback` (candidates, the batched engine) call the store; the store calls
+//! [`slot`](crate::slot), [`zsmalloc`](crate::zsmalloc), [`compress`](crate::compress) and its
+//! writeback target ([`WbTarget`]: the bitmap store or the [zoned store](crate::zoned) over a
+//! [backing device](crate::backing)). Nothing here knows about requests, attributes or
+//! writeback's engine.
+//!
+//! # Read-back of written-back (WB) slots
+//!
+//! No slot lock is held across backing I/O. A read of a WB slot pins the slot's location under
+//! the slot lock (so a block cannot be reused, nor a record's zone reset, while it is read:
+//! [`WbTarget::pin`]), drops the lock, reads (decompressing when the location holds a
+//! compressed object) and counts `bd_reads`. A failed backing read fails the read with `EIO` and
+//! changes nothing. A partial write of a WB slot reads the location the same way, then retakes
+//! the slot lock and goes on only if the slot still points at that location (a pinned location
+//! cannot come back to the slot, so this check is exact); otherwise it starts over.
+//!
+//! # Locks
+//!
+//! The store adds none of its own. Lock order: slot lock → {allocator locks, the bitmap's
+//! mutex, the zone store's `zones` mutex}, all leaves here. The caller (the device) holds the
+//! init lock shared around every call; writeback's caller holds `pp_lock` too.
+
+mod bitmap;
+mod stats;
+mod target;
+
+pub use stats::{MetaStats, StatsSnapshot};
+pub use target::BackingLayout;
+
+pub(crate) use bitmap::BlockIndex;
+pub(crate) use target::{BitmapTarget, WbTarget, ZonedTarget};
+
+use std::time::Instant;
+
+use crate::compress::{fill_same, same_filled_word, Codec};
+use crate::error::{Error, ErrorKind, Result};
+use crate::slot::{SlotFlags, SlotGuard, SlotIndex, SlotState, SlotTable};
+use crate::units::units_per_page;
+use crate::zoned::{GcOwner, GcReport, ZoneLoc, ZoneStats, GC_QUEUE_DEPTH};
+use crate::zsmalloc::{DeferredStats, Handle, PoolStats, ZsPool};
+use stats::StoreStats;
+use target::WbPin;
+
+/// Which slots [`Store::mark_idle`] marks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleCutoff {
+    /// Every slot with data in RAM (`idle all`).
+    All,
+    /// Slots not accessed for at least this many seconds (`idle <seconds>`); slots accessed
+    /// more recently get the mark cleared, as the kernel does.
+    OlderThanSecs(u64),
+}
+
+/// How a release frees the slot's allocator object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Free {
+    /// `PoolCore::free` (overwrites, write-zeroes, every path but the release paths).
+    Sync,
+    /// `ZsPool::free_deferred`: release paths (discard, free notifications).
+    Deferred,
+}
+
+/// A page made ready for a slot outside its lock ([`Store::prepare`]).
+#[derive(Debug)]
+pub(crate) enum Prepared {
+    /// A same-filled page: the word.
+    Same(u64),
+    /// A pool object holding the page compressed, or raw when `huge`.
+    Object {
+        handle: Handle,
+        size_bytes: usize,
+        huge: bool,
+    },
+}
+
+/// What [`Store::copy_candidate`] copied out of a writeback candidate.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Copied {
+    /// The object's handle: the slot must still hold it when the write completes.
+    pub(crate) handle: u64,
+    /// Bytes copied to the start of the buffer: the object's size, or a page when decompressed.
+    pub(crate) len_bytes: usize,
+    /// The codec priority the object was compressed with.
+    pub(crate) prio: u8,
+    /// Whether the object is a raw page (HUGE).
+    pub(crate) huge: bool,
+}
+
+/// An initialised device's contents. See the module docs.
+#[derive(Debug)]
+pub(crate) struct Store {
+    page_size_bytes: usize,
+    slots: SlotTable,
+    pool: ZsPool,
+    codec: Box<dyn Codec>,
+    /// Pages whose compressed size is at least this are stored raw (HUGE): the smallest size
+    /// class holding one object per zspage, where compression saves nothing.
+    huge_threshold_bytes: usize,
+    stats: StoreStats,
+    /// Where writeback puts pages, when a backing device was set before initialisation.
+    target: Option<WbTarget>,
+    /// Time zero for slots' access times.
+    epoch: Instant,
+}
+
+/// Where a slot's page comes from, as seen under its lock.
+enum Source<'a> {
+    /// Already in the output buffer.
+    Done,
+    /// On the backing device: read through the pin after dropping the slot lock.
+    Backing(WbPin<'a>, SlotState),
+}
+
+impl Store {
+    /// A store of `nr_pages` empty slots of `page_size_bytes`, compressing with `codec` into
+    /// `pool`, writing back into `target`.
+    pub(crate) fn new(
+        page_size_bytes: usize,
+        nr_pages: u64,
+        codec: Box<dyn Codec>,
+        pool: ZsPool,
+        target: Option<WbTarget>,
+    ) -> Result<Store> {
+        let slots = SlotTable::new(nr_pages)?;
+        Ok(Store {
+            page_size_bytes,
+            huge_threshold_bytes: pool.huge_class_size_bytes(),
+            slots,
+            pool,
+            codec,
+            stats: StoreStats::default(),
+            target,
+            epoch: Instant::now(),
+        })
+    }
+
+    /// The page size.
+    pub(crate) fn page_size_bytes(&self) -> usize {
+        self.page_size_bytes
+    }
+
+    /// Pages (slots) in the store.
+    pub(crate) fn nr_pages(&self) -> u64 {
+        self.slots.len()
+    }
+
+    /// The store's size in bytes: pages × page size.
+    pub(crate) fn size_bytes(&self) -> u64 {
+        self.slots.len() * self.page_size_bytes as u64
+    }
+
+    /// Seconds since initialisation, for slots' access times.
+    #[inline]
+    fn now_secs(&self) -> u32 {
+        u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // The page paths.
+
+    /// Reads page `index` into `out` (one page); `scratch` (a page) holds a written-back block
+    /// that needs decompressing. An access: clears IDLE and PP_SLOT.
+    pub(crate) fn read_page(
+        &self,
+        index: SlotIndex,
+        out: &mut [u8],
+        scratch: &mut [u8],
+    ) -> Result<()> {
+        let mut g = self.slots.lock(index);
+        g.touch(self.now_secs());
+        let source = self.read_slot(&g, out);
+        drop(g);
+        match source? {
+            Source::Done => Ok(()),
+            Source::Backing(pin, st) => self.read_backing(index, &pin, st, out, scratch),
+        }
+    }
+
+    /// Compresses `page` and stores it in the pool, outside any slot lock (`dst`: at least
+    /// `compress_bound(page size)` bytes of scratch). `ENOMEM` when the pool is over
+    /// `limit_pages` (0: no limit) after the allocation, as zram checks; nothing is held then.
+    pub(crate) fn prepare(
+        &self,
+        page: &[u8],
+        dst: &mut [u8],
+        limit_pages: u64,
+    ) -> Result<Prepared> {
+        if let Some(word) = same_filled_word(page) {
+            return Ok(Prepared::Same(word));
+        }
+        let comp_len = self.codec.compress(page, dst)?;
+        let (src, huge) = if comp_len >= self.huge_threshold_bytes {
+            (page, true)
+        } else {
+            (&dst[..comp_len], false)
+        };
+        let handle = self.pool.malloc(src.len())?;
+        // As zram: allocate, then check the pool against the limit; over it, give the object
+        // back.
+        let mut total_pages = self.pool.total_pages();
+        self.stats.update_max_used(total_pages);
+        if limit_pages != 0 && total_pages > limit_pages && self.pool.deferred_stats().pending > 0 {
+            // Objects of released pages still hold memory: free them before refusing the write.
+            self.pool.flush();
+            total_pages = self.pool.total_pages();
+        }
+        if limit_pages != 0 && total_pages > limit_pages {
+            self.pool.free(handle);
+            return Err(Error::no_memory(format!(
+                "mem_limit reached ({limit_pages} pages)"
+            )));
+        }
+        self.pool.write(handle, src);
+        Ok(Prepared::Object {
+            handle,
+            size_bytes: src.len(),
+            huge,
+        })
+    }
+
+    /// Stores a whole page: [`prepare`](Self::prepare)s it outside the slot lock, then
+    /// publishes it under the lock, freeing what the slot held. A failure leaves the old
+    /// contents.
+    pub(crate) fn write_page(
+        &self,
+        index: SlotIndex,
+        page: &[u8],
+        dst: &mut [u8],
+        limit_pages: u64,
+    ) -> Result<()> {
+        let prepared = self.prepare(page, dst, limit_pages)?;
+        let mut g = self.slots.lock(index);
+        self.publish(&mut g, prepared);
+        Ok(())
+    }
+
+    /// Read-modify-write of page `index`: reads it into `page` (a page of scratch), applies
+    /// `patch`, compresses and publishes it, with the slot locked from the read to the
+    /// publish, so two writes to different parts of one page never lose each other's data. A
+    /// written-back page is read with the lock dropped (see the module docs). A failure
+    /// leaves the old contents.
+    pub(crate) fn write_partial(
+        &self,
+        index: SlotIndex,
+        patch: impl FnOnce(&mut [u8]),
+        page: &mut [u8],
+        dst: &mut [u8],
+        limit_pages: u64,
+    ) -> Result<()> {
+        loop {
+            let mut g = self.slots.lock(index);
+            let _pin = match self.read_slot(&g, page)? {
+                Source::Done => None,
+                Source::Backing(pin, st) => {
+                    drop(g);
+                    self.read_backing(index, &pin, st, page, dst)?;
+                    g = self.slots.lock(index);
+                    if g.state().wb_location() != Some(pin.location()) {
+                        continue;
+                    }
+                    // Held until the publish, only to keep the location pinned.
+                    Some(pin)
+                }
+            };
+            patch(page);
+            let prepared = self.prepare(page, dst, limit_pages)?;
+            self.publish(&mut g, prepared);
+            return Ok(());
+        }
+    }
+
+    /// Releases page `index` (a release path: discard), freeing its allocator object as `how`
+    /// says. The slot's metadata and counters are cleared under its lock, so the page reads
+    /// back as zeroes, and `mm_stat` drops, before this returns.
+    pub(crate) fn release(&self, index: SlotIndex, how: Free) {
+        let mut g = self.slots.lock(index);
+        self.release_slot(&mut g, how);
+    }
+
+    /// A swap frontend's free notification for page `index` (zram's `zram_slot_free_notify`):
+    /// released as `how` says if its lock is free right now; otherwise dropped and counted in
+    /// `miss_free` (the page stays stored until it is overwritten or discarded). Never waits.
+    pub(crate) fn free_notify(&self, index: SlotIndex, how: Free) {
+        StoreStats::add(&self.stats.notify_free, 1);
+        match SlotGuard::try_lock(self.slots.entry(index), index) {
+            Some(mut g) => self.release_slot(&mut g, how),
+            None => StoreStats::add(&self.stats.miss_free, 1),
+        }
+    }
+
+    /// Empties page `index` (it reads back as zeroes) and records an access: write-zeroes of a
+    /// whole page.
+    pub(crate) fn free_page(&self, index: SlotIndex) {
+        let mut g = self.slots.lock(index);
+        self.release_slot(&mut g, Free::Sync);
+        g.touch(self.now_secs());
+    }
+
+    /// Counts a failed read request (`io_stat`).
+    pub(crate) fn note_failed_read(&self) {
+        StoreStats::add(&self.stats.failed_reads, 1);
+    }
+
+    /// Counts a failed write request (`io_stat`).
+    pub(crate) fn note_failed_write(&self) {
+        StoreStats::add(&self.stats.failed_writes, 1);
+    }
+
+    /// Reads the slot's page into `out` (one page) if it is in RAM; for a WB slot pins its
+    /// location and returns the pin. The caller holds the slot lock.
+    fn read_slot<'a>(&'a self, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<Source<'a>> {
+        let st = g.state();
+        if st.is_empty() {
+            out.fill(0);
+            return Ok(Source::Done);
+        }
+        if let Some(word) = st.same_word() {
+            fill_same(out, word);
+            return Ok(Source::Done);
+        }
+        if let Some(location) = st.wb_location() {
+            let Some(target) = self.target.as_ref() else {
+                // A store without a target never makes a slot WB.
+                return Err(Error::io(format!(
+                    "slot {} is written back but the device has no backing device",
+                    g.index().0
+                )));
+            };
+            return Ok(Source::Backing(target.pin(location), st));
+        }
+        let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
+        self.pool.read(handle, |obj| {
+            if st.has(SlotFlags::HUGE) {
+                out.copy_from_slice(obj);
+                Ok(())
+            } else {
+                self.codec.decompress(obj, out)
+            }
+        })?;
+        Ok(Source::Done)
+    }
+
+    /// Reads a written-back page through its pin (no slot lock held) and counts `bd_reads`.
+    fn read_backing(
+        &self,
+        index: SlotIndex,
+        pin: &WbPin<'_>,
+        st: SlotState,
+        out: &mut [u8],
+        scratch: &mut [u8],
+    ) -> Result<()> {
+        pin.read_page(index.0, st, self.codec.as_ref(), out, scratch)?;
+        StoreStats::add(&self.stats.bd_reads, 1);
+        Ok(())
+    }
+
+    /// Replaces the slot's contents with `prepared`. The caller holds the slot lock.
+    fn publish(&self, g: &mut SlotGuard<'_>, prepared: Prepared) {
+        self.release_slot(g, Free::Sync);
+        let s = &self.stats;
+        match prepared {
+            Prepared::Same(word) => {
+                g.set_same(word);
+                StoreStats::add(&s.same_pages, 1);
+            }
+            Prepared::Object {
+                handle,
+                size_bytes,
+                huge,
+            } => {
+                let flags = if huge {
+                    SlotFlags::HUGE
+                } else {
+                    SlotFlags::NONE
+                };
+                g.set_handle(handle.to_raw(), size_bytes, flags, 0);
+                StoreStats::add(&s.compr_data_size_bytes, size_bytes as u64);
+                if huge {
+                    StoreStats::add(&s.huge_pages, 1);
+                    StoreStats::add(&s.huge_pages_since, 1);
+                }
+            }
+        }
+        StoreStats::add(&s.pages_stored, 1);
+        g.touch(self.now_secs());
+    }
+
+    /// Releases whatever the slot holds and empties it (zram's `zram_free_page`), freeing its
+    /// allocator object as `how` says. The slot's metadata and the counters are always updated
+    /// here, under the slot lock; with [`Free::Deferred`] only the object's memory comes back
+    /// later. The caller holds the slot lock.
+    fn release_slot(&self, g: &mut SlotGuard<'_>, how: Free) {
+        let st = g.state();
+        if st.is_empty() {
+            return;
+        }
+        let s = &self.stats;
+        if st.has(SlotFlags::SAME) {
+            StoreStats::sub(&s.same_pages, 1);
+        } else if let Some(location) = st.wb_location() {
+            // Only writeback makes a slot WB, into this store's target. Exactly once: the slot
+            // is emptied below under the same lock.
+            if let Some(target) = self.target.as_ref() {
+                target.release(location);
+            }
+        } else {
+            self.release_object(st, how);
+        }
+        StoreStats::sub(&s.pages_stored, 1);
+        g.set_empty();
+    }
+
+    /// Frees the slot's pool object and takes it out of `compr_data_size` and `huge_pages`
+    /// (`pages_stored` is the caller's). The caller holds the slot lock and then either empties
+    /// the slot or points it elsewhere (writeback).
+    fn release_object(&self, st: SlotState, how: Free) {
+        let s = &self.stats;
+        let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
+        match how {
+            Free::Sync => self.pool.free(handle),
+            Free::Deferred => self.pool.free_deferred(handle),
+        }
+        StoreStats::sub(&s.compr_data_size_bytes, st.size_bytes() as u64);
+        if st.has(SlotFlags::HUGE) {
+            StoreStats::sub(&s.huge_pages, 1);
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Idle marking.
+
+    /// Marks slots idle. Same-filled and written-back slots are skipped, as in zram: neither
+    /// writeback nor recompression can do anything for them.
+    pub(crate) fn mark_idle(&self, cutoff: IdleCutoff) {
+        let now = u64::from(self.now_secs());
+        for i in 0..self.slots.len() {
+            let index = SlotIndex(i);
+            // An unlocked look first, so empty slots cost no lock and their table pages stay
+            // uncommitted; the decision is re-made under the lock.
+            if self.slots.entry(index).state_unlocked().is_empty() {
+                continue;
+            }
+            let mut g = self.slots.lock(index);
+            let st = g.state();
+            if st.is_empty() || st.has(SlotFlags::SAME) || st.has(SlotFlags::WB) {
+                continue;
+            }
+            let idle = match cutoff {
+                IdleCutoff::All => true,
+                IdleCutoff::OlderThanSecs(age) => {
+                    now.saturating_sub(u64::from(st.ac_time_secs)) >= age
+                }
+            };
+            if idle {
+                g.set_flags(SlotFlags::IDLE);
+            } else {
+                g.clear_flags(SlotFlags::IDLE);
+            }
+        }
+    }
+
+    /// Number of slots currently marked idle (read without the slot locks).
+    pub(crate) fn idle_pages(&self) -> u64 {
+        (0..self.slots.len())
+            .filter(|&i| {
+                self.slots
+                    .entry(SlotIndex(i))
+                    .state_unlocked()
+                    .has(SlotFlags::IDLE)
+            })
+            .count() as u64
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Writeback's steps.
+
+    /// The writeback target, when the device has a backing device.
+    pub(crate) fn target(&self) -> Option<&WbTarget> {
+        self.target.as_ref()
+    }
+
+    /// Selects slot `index` for writeback (zram's `scan_slots_for_writeback`, one slot): if it
+    /// holds an object in RAM, is not selected yet, and `accepts` its flags, sets PP_SLOT under
+    /// its lock and returns the object's size. Empty, same-filled and written-back slots are
+    /// never selected.
+    pub(crate) fn mark_pp(
+        &self,
+        index: SlotIndex,
+        accepts: impl Fn(SlotFlags) -> bool,
+    ) -> Option<usize> {
+        // Look without the lock first, so empty slots cost nothing (and their table pages stay
+        // uncommitted); decide again under the lock.
+        let st = self.slots.entry(index).state_unlocked();
+        if st.is_empty() || st.has(SlotFlags::SAME) || st.has(SlotFlags::WB) {
+            return None;
+        }
+        let mut g = self.slots.lock(index);
+        let st = g.state();
+        if st.is_empty()
+            || st.has(SlotFlags::SAME)
+            || st.has(SlotFlags::WB)
+            || st.has(SlotFlags::PP_SLOT)
+            || !accepts(st.flags())
+        {
+            return None;
+        }
+        g.set_flags(SlotFlags::PP_SLOT);
+        Some(st.size_bytes())
+    }
+
+    /// Clears PP_SLOT of one slot, under its lock (zram's `release_pp_slot`).
+    pub(crate) fn clear_pp(&self, index: SlotIndex) {
+        let mut g = self.slots.lock(index);
+        g.clear_flags(SlotFlags::PP_SLOT);
+    }
+
+    /// Copies writeback candidate `index` into `out` under its lock, if it still has PP_SLOT:
+    /// the object as stored when `as_stored` (or when it is a raw HUGE page), else the page
+    /// decompressed. `None` when the slot is no longer a candidate; the slot is then left
+    /// without PP_SLOT (an object that does not decompress is not written back either).
+    pub(crate) fn copy_candidate(
+        &self,
+        index: SlotIndex,
+        out: &mut [u8],
+        as_stored: bool,
+    ) -> Option<Copied> {
+        let mut g = self.slots.lock(index);
+        let st = g.state();
+        if !st.has(SlotFlags::PP_SLOT) {
+            return None;
+        }
+        let Some(raw) = st.handle_raw() else {
+            g.clear_flags(SlotFlags::PP_SLOT);
+            return None;
+        };
+        let handle = Handle::from_raw(raw).expect("a PP_SLOT slot holds an object");
+        let huge = st.has(SlotFlags::HUGE);
+        let len_bytes = self.pool.read(handle, |obj| {
+            if as_stored || huge {
+                out[..obj.len()].copy_from_slice(obj);
+                Some(obj.len())
+            } else {
+                let page = &mut out[..self.page_size_bytes];
+                self.codec.decompress(obj, page).ok().map(|()| page.len())
+            }
+        });
+        let Some(len_bytes) = len_bytes else {
+            g.clear_flags(SlotFlags::PP_SLOT);
+            return None;
+        };
+        Some(Copied {
+            handle: raw,
+            len_bytes,
+            prio: st.prio(),
+            huge,
+        })
+    }
+
+    /// Finishes a page whose write to `location` completed (`set_written_back`): under the
+    /// slot's lock, if the slot still has PP_SLOT and still holds object `handle`, frees the
+    /// object, points the slot at `location` (WB; size, HUGE/INCOMPRESSIBLE and priority
+    /// kept) and commits the location to the target, and returns `true`. Otherwise (the slot
+    /// was read, overwritten or discarded while the write was in flight) clears PP_SLOT and
+    /// returns `false`: the caller gives the location back. Counts `bd_writes` either way.
+    pub(crate) fn finish_writeback(&self, index: SlotIndex, handle: u64, location: u64) -> bool {
+        StoreStats::add(&self.stats.bd_writes, 1);
+        let mut g = self.slots.lock(index);
+        let st = g.state();
+        let Some(target) = self.target.as_ref() else {
+            // Writeback runs only with a target: nothing was written, nothing changes.
+            g.clear_flags(SlotFlags::PP_SLOT);
+            return false;
+        };
+        if !st.has(SlotFlags::PP_SLOT) || st.handle_raw() != Some(handle) {
+            g.clear_flags(SlotFlags::PP_SLOT);
+            return false;
+        }
+        self.release_object(st, Free::Sync);
+        let mut keep = SlotFlags::NONE;
+        for f in [SlotFlags::HUGE, SlotFlags::INCOMPRESSIBLE] {
+            if st.has(f) {
+                keep = keep | f;
+            }
+        }
+        g.set_wb(location, st.size_bytes(), keep, st.prio());
+        target.commit(location);
+        true
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // The zoned target's GC.
+
+    /// The zoned store, with the zoned layout.
+    fn zoned(&self) -> Option<&ZonedTarget> {
+        match self.target.as_ref()? {
+            WbTarget::Zoned(z) => Some(z),
+            WbTarget::Bitmap(_) => None,
+        }
+    }
+
+    /// Runs zoned-store GC over every eligible victim, with a queue of its own on the store's
+    /// backing (see [`crate::zoned::gc`]). `ENODEV` without a zoned target.
+    pub(crate) fn gc(&self) -> Result<GcReport> {
+        let zoned = self.zoned().ok_or_else(|| {
+            Error::new(
+                ErrorKind::NoDevice,
+                "gc needs a zoned backing store (backing_layout=zoned and backing_dev)",
+            )
+        })?;
+        let store = zoned.store();
+        let mut queue = store.backing().new_queue(GC_QUEUE_DEPTH)?;
+        store.gc(self, queue.as_mut(), usize::MAX)
+    }
+
+    /// Whether the zoned store is short of empty zones (false without one).
+    pub(crate) fn needs_gc(&self) -> bool {
+        self.zoned().is_some_and(|z| z.store().needs_gc())
+    }
+
+    /// The zoned store's counters (`zone_stat`), with the zoned layout.
+    pub(crate) fn zone_stats(&self) -> Option<ZoneStats> {
+        Some(self.zoned()?.store().stats())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // The pool and the counters.
+
+    /// Drains the deferred-free queue; returns the objects this call freed.
+    pub(crate) fn flush_deferred(&self) -> usize {
+        self.pool.flush()
+    }
+
+    /// Compacts the pool (zram's `compact`) after draining the deferred-free queue: moving
+    /// objects that are about to be freed is wasted work, and their frees may empty zspages by
+    /// themselves. Returns pages freed.
+    pub(crate) fn compact(&self) -> u64 {
+        self.pool.flush();
+        self.pool.compact()
+    }
+
+    /// The deferred-free queue's counters.
+    pub(crate) fn deferred_stats(&self) -> DeferredStats {
+        self.pool.deferred_stats()
+    }
+
+    /// The allocator's per-class counters.
+    pub(crate) fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// The memory the store holds besides the pool's zspages (`meta_stat`).
+    pub(crate) fn meta_stats(&self) -> MetaStats {
+        let pool = self.pool.meta();
+        MetaStats {
+            slot_table_bytes: self.slots.size_bytes(),
+            handle_table_bytes: pool.handle_table_bytes,
+            zspage_meta_bytes: pool.zspage_meta_bytes,
+            frame_cache_bytes: pool.frame_cache_bytes,
+            deferred_queue_bytes: pool.deferred_queue_bytes,
+        }
+    }
+
+    /// Resets `mem_used_max` to the pool's current size.
+    pub(crate) fn reset_mem_used_max(&self) {
+        let total = self.pool.total_pages();
+        self.stats
+            .max_used_pages
+            .store(total, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The counters, with `mem_limit_bytes` left 0 (a device setting).
+    pub(crate) fn snapshot(&self) -> StatsSnapshot {
+        let page = self.page_size_bytes as u64;
+        let s = &self.stats;
+        let get = StoreStats::get;
+        // bd_stat counts 4 KiB units whatever the page size.
+        let units = units_per_page(self.page_size_bytes);
+        let bd_count = self.target.as_ref().map_or(0, WbTarget::pages_stored);
+        let total_pages = self.pool.total_pages();
+        s.update_max_used(total_pages);
+        StatsSnapshot {
+            orig_data_size_bytes: get(&s.pages_stored) * page,
+            compr_data_size_bytes: get(&s.compr_data_size_bytes),
+            mem_used_total_bytes: total_pages * page,
+            mem_limit_bytes: 0,
+            mem_used_max_bytes: get(&s.max_used_pages) * page,
+            same_pages: get(&s.same_pages),
+            pages_compacted: self.pool.pages_compacted(),
+            huge_pages: get(&s.huge_pages),
+            huge_pages_since: get(&s.huge_pages_since),
+            failed_reads: get(&s.failed_reads),
+            failed_writes: get(&s.failed_writes),
+            notify_free: get(&s.notify_free),
+            miss_free: get(&s.miss_free),
+            pages_stored: get(&s.pages_stored),
+            bd_count: bd_count * units,
+            bd_reads: get(&s.bd_reads) * units,
+            bd_writes: get(&s.bd_writes) * units,
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Testing hooks.
+
+    /// Swaps the contents of slots `a` and `b`, corrupting the store on purpose (the model
+    /// test's canary). `EINVAL` for indexes out of range or equal.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn debug_swap_slots(&self, a: u64, b: u64) -> Result<()> {
+        let n = self.slots.len();
+        if a >= n || b >= n || a == b {
+            return Err(Error::invalid("bad slot indexes"));
+        }
+        let (lo, hi) = (a.min(b), a.max(b));
+        let mut g1 = self.slots.lock(SlotIndex(lo));
+        let mut g2 = self.slots.lock(SlotIndex(hi));
+        let (s1, s2) = (g1.state(), g2.state());
+        g1.restore(s2);
+        g2.restore(s1);
+        Ok(())
+    }
+
+    /// Marks backing blocks allocated as if slots held them (see
+    /// `Device::debug_reserve_backing_blocks`); returns how many were free. `ENODEV` without a
+    /// bitmap target, `ERANGE` for a block past its end.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn debug_reserve_blocks(
+        &self,
+        blocks: impl IntoIterator<Item = u64>,
+    ) -> Result<u64> {
+        let Some(WbTarget::Bitmap(t)) = self.target.as_ref() else {
+            return Err(Error::new(
+                ErrorKind::NoDevice,
+                "no backing device with the bitmap layout",
+            ));
+        };
+        let mut n = 0;
+        for b in blocks {
+            if b >= t.bitmap().blocks() {
+                return Err(Error::new(ErrorKind::OutOfRange, format!("no block {b}")));
+            }
+            n += u64::from(t.bitmap().reserve(BlockIndex(b)));
+        }
+        Ok(n)
+    }
+
+    /// Checks the zoned store's bookkeeping (panics on a mismatch); nothing without one.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn debug_check_zones(&self) {
+        if let Some(z) = self.zoned() {
+            z.store().check();
+        }
+    }
+}
+
+impl GcOwner for Store {
+    /// Under the slot lock: if the slot is WB at `old`, point it at `new` (size, flags,
+    /// priority and access time kept: a move is not an access) and call `moved`.
+    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc, moved: &dyn Fn()) -> bool {
+        let mut g = self.slots.lock(SlotIndex(slot));
+        let st = g.state();
+        if st.wb_location() != Some(old.to_raw()) {
+            return false;
+        }
+        g.set_wb(new.to_raw(), st.size_bytes(), st.flags(), st.prio());
+        moved();
+        true
+    }
+}

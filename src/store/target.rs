@@ -1,0 +1,327 @@
+//! The writeback target: where written-back pages live on the backing device, laid out as
+//! `backing_layout` says. One type, [`WbTarget`], with one variant per layout:
+//!
+//! - [`WbTarget::Bitmap`]: one page-sized block per slot from a [`BlockBitmap`] (zram's
+//!   layout); a WB slot's value is a [`BlockIndex`]. With `compressed_writeback` a block holds
+//!   the stored object, else the page.
+//! - [`WbTarget::Zoned`]: records appended to the zones of a [`ZoneStore`], with GC; a WB
+//!   slot's value is a packed [`ZoneLoc`] (`ZoneLoc::to_raw`). A record holds the stored object
+//!   (compressed, or the raw page of a HUGE slot).
+//!
+//! The layout is fixed for the life of an initialisation, so the variant tells how every WB
+//! slot's value reads. Both variants answer the same questions: [`pin`](WbTarget::pin) a WB
+//! slot's location for a read (under the slot lock), [`read_page`](WbPin::read_page) through
+//! the pin (without it), [`release`](WbTarget::release) a location a slot gave up (under the
+//! slot lock, exactly once), [`pages_stored`](WbTarget::pages_stored) (`bd_count`); and, for
+//! writeback, [`commit`](WbTarget::commit) a written location a slot now points at (under the
+//! slot lock) or [`abort`](WbTarget::abort) one no slot took. So read-back has one path.
+//!
+//! Locks: the bitmap's mutex and the zone store's `zones` mutex are leaves, taken under a slot
+//! lock or without one; no slot lock is held across the backing I/O of `read_page`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::bitmap::{BlockBitmap, BlockIndex, BlockPin};
+use crate::backing::Backing;
+use crate::compress::Codec;
+use crate::error::{Error, Result};
+use crate::slot::{SlotFlags, SlotState};
+use crate::zoned::{ZoneConfig, ZoneLoc, ZonePin, ZoneStore};
+
+/// How written-back pages are laid out on the backing device (`backing_layout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackingLayout {
+    /// One page-sized block per slot, from a bitmap (zram's layout).
+    #[default]
+    Bitmap,
+    /// Append-only zones of records with garbage collection ([`crate::zoned`]).
+    Zoned,
+}
+
+impl BackingLayout {
+    /// `bitmap` or `zoned`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackingLayout::Bitmap => "bitmap",
+            BackingLayout::Zoned => "zoned",
+        }
+    }
+
+    /// Parses [`name`](Self::name)'s output.
+    pub fn parse(s: &str) -> Result<BackingLayout> {
+        match s {
+            "bitmap" => Ok(BackingLayout::Bitmap),
+            "zoned" => Ok(BackingLayout::Zoned),
+            _ => Err(Error::invalid(format!(
+                "backing_layout {s:?}: bitmap or zoned"
+            ))),
+        }
+    }
+}
+
+/// An initialised device's writeback target. See the module docs.
+#[derive(Debug)]
+pub(crate) enum WbTarget {
+    /// One block per slot.
+    Bitmap(BitmapTarget),
+    /// Records in append-only zones.
+    Zoned(ZonedTarget),
+}
+
+/// The bitmap layout: page-sized blocks of the backing device.
+#[derive(Debug)]
+pub(crate) struct BitmapTarget {
+    backing: Arc<dyn Backing>,
+    /// One bit per page-sized block of the backing device.
+    bitmap: BlockBitmap,
+    /// `compressed_writeback`: blocks hold the stored object (decompressed on read) rather than
+    /// the page. Fixed for the life of the initialisation.
+    compressed: bool,
+    page_size_bytes: usize,
+}
+
+/// The zoned layout: records in the zones of a [`ZoneStore`].
+#[derive(Debug)]
+pub(crate) struct ZonedTarget {
+    store: Arc<ZoneStore>,
+    /// WB slots pointing at committed records (`bd_count`). Changed under the slot lock that
+    /// commits or releases the record.
+    pages: AtomicU64,
+}
+
+impl WbTarget {
+    /// The target over `backing` for `layout`: a bitmap of its page-sized blocks, or a zoned
+    /// store of zones of `zone_size_bytes` (`EINVAL` for zones the backing cannot hold).
+    pub(crate) fn new(
+        backing: Arc<dyn Backing>,
+        layout: BackingLayout,
+        compressed: bool,
+        page_size_bytes: usize,
+        zone_size_bytes: u64,
+    ) -> Result<WbTarget> {
+        Ok(match layout {
+            BackingLayout::Bitmap => WbTarget::Bitmap(BitmapTarget {
+                bitmap: BlockBitmap::new(backing.size_bytes() / page_size_bytes as u64),
+                backing,
+                compressed,
+                page_size_bytes,
+            }),
+            BackingLayout::Zoned => {
+                let config = ZoneConfig {
+                    zone_size_bytes,
+                    ..ZoneConfig::default()
+                };
+                WbTarget::Zoned(ZonedTarget {
+                    store: Arc::new(ZoneStore::new(backing, config)?),
+                    pages: AtomicU64::new(0),
+                })
+            }
+        })
+    }
+
+    /// Pins the location of a WB slot whose value is `location`, for a read after the slot
+    /// lock is dropped: the location cannot be reused (bitmap) or its zone reset (zoned) while
+    /// the pin lives. The caller holds the slot's lock.
+    pub(crate) fn pin(&self, location: u64) -> WbPin<'_> {
+        match self {
+            WbTarget::Bitmap(t) => WbPin::Block(t, t.bitmap.pin(BlockIndex(location))),
+            WbTarget::Zoned(t) => WbPin::Zone(t, t.store.pin(ZoneLoc::from_raw(location))),
+        }
+    }
+
+    /// Releases the location a WB slot pointed at (it was overwritten, discarded or reset).
+    /// The caller holds the slot's lock and empties the slot: exactly once per location.
+    pub(crate) fn release(&self, location: u64) {
+        match self {
+            WbTarget::Bitmap(t) => t.bitmap.release(BlockIndex(location)),
+            WbTarget::Zoned(t) => {
+                t.store.release(ZoneLoc::from_raw(location));
+                t.pages.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A location writeback wrote now belongs to a slot: the caller holds that slot's lock and
+    /// has just pointed it there, so a release (under the same lock) always follows this.
+    pub(crate) fn commit(&self, location: u64) {
+        match self {
+            // The block was allocated when writeback reserved it.
+            WbTarget::Bitmap(_) => {}
+            WbTarget::Zoned(t) => {
+                t.store.commit(ZoneLoc::from_raw(location));
+                t.pages.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A location writeback reserved that no slot took (its write failed, or its slot changed
+    /// meanwhile): given back. No slot lock is needed: no slot points there.
+    pub(crate) fn abort(&self, location: u64) {
+        match self {
+            WbTarget::Bitmap(t) => t.bitmap.release(BlockIndex(location)),
+            WbTarget::Zoned(t) => t.store.abort(ZoneLoc::from_raw(location)),
+        }
+    }
+
+    /// Pages on the backing device (zram's `bd_count`, in pages): allocated blocks (those of
+    /// writes in flight included), or committed records.
+    pub(crate) fn pages_stored(&self) -> u64 {
+        match self {
+            WbTarget::Bitmap(t) => t.bitmap.bd_count(),
+            WbTarget::Zoned(t) => t.pages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The backing device.
+    pub(crate) fn backing(&self) -> &Arc<dyn Backing> {
+        match self {
+            WbTarget::Bitmap(t) => &t.backing,
+            WbTarget::Zoned(t) => t.store.backing(),
+        }
+    }
+}
+
+impl BitmapTarget {
+    /// The block allocator.
+    pub(crate) fn bitmap(&self) -> &BlockBitmap {
+        &self.bitmap
+    }
+
+    /// Whether blocks hold stored objects rather than pages (`compressed_writeback`).
+    pub(crate) fn compressed(&self) -> bool {
+        self.compressed
+    }
+
+    /// Bytes per block: the device's page size.
+    pub(crate) fn page_size_bytes(&self) -> usize {
+        self.page_size_bytes
+    }
+
+    /// Byte offset of `block` on the backing device.
+    pub(crate) fn offset(&self, block: BlockIndex) -> u64 {
+        block.0 * self.page_size_bytes as u64
+    }
+}
+
+impl ZonedTarget {
+    /// The zoned store.
+    pub(crate) fn store(&self) -> &Arc<ZoneStore> {
+        &self.store
+    }
+}
+
+/// A read's pin on a WB slot's location (see [`WbTarget::pin`]), with the variant it belongs
+/// to, so the read that follows needs no other lookup.
+#[derive(Debug)]
+pub(crate) enum WbPin<'a> {
+    /// A block of the bitmap layout.
+    Block(&'a BitmapTarget, BlockPin<'a>),
+    /// A record of the zoned layout (its zone is pinned).
+    Zone(&'a ZonedTarget, ZonePin<'a>),
+}
+
+impl WbPin<'_> {
+    /// The pinned location, as a WB slot holds it.
+    pub(crate) fn location(&self) -> u64 {
+        match self {
+            WbPin::Block(_, pin) => pin.block().0,
+            WbPin::Zone(_, pin) => pin.loc().to_raw(),
+        }
+    }
+
+    /// Reads the written-back page of `slot` (whose state, read under its lock when the pin was
+    /// taken, is `st`) into `out` (one page), decompressing it with `codec` when it was written
+    /// as a compressed object; `scratch` (at least a page) holds the block read for that. No
+    /// slot lock is held. A backing error, a record that does not verify (magic, slot, length,
+    /// checksum) or an object that does not decompress is `EIO`, never other data, and changes
+    /// nothing.
+    pub(crate) fn read_page(
+        &self,
+        slot: u64,
+        st: SlotState,
+        codec: &dyn Codec,
+        out: &mut [u8],
+        scratch: &mut [u8],
+    ) -> Result<()> {
+        match self {
+            WbPin::Block(t, pin) => read_block(t, pin, st, codec, out, scratch),
+            WbPin::Zone(t, pin) => read_record(t, slot, pin, st, codec, out),
+        }
+    }
+}
+
+/// [`WbPin::read_page`] of a block.
+fn read_block(
+    t: &BitmapTarget,
+    pin: &BlockPin<'_>,
+    st: SlotState,
+    codec: &dyn Codec,
+    out: &mut [u8],
+    scratch: &mut [u8],
+) -> Result<()> {
+    let page = out.len();
+    let offset = t.offset(pin.block());
+    let io_err = |e: Error| {
+        Error::io(format!(
+            "reading written-back page from block {} of {}: {e}",
+            pin.block().0,
+            t.backing.describe()
+        ))
+    };
+    if t.compressed && !st.has(SlotFlags::HUGE) {
+        let blk = &mut scratch[..page];
+        t.backing.read_at(blk, offset).map_err(io_err)?;
+        let size = st.size_bytes();
+        codec
+            .decompress(&blk[..size], out)
+            .map_err(|e| Error::io(format!("written-back object does not decompress: {e}")))
+    } else {
+        t.backing.read_at(out, offset).map_err(io_err)
+    }
+}
+
+/// [`WbPin::read_page`] of a record: verified by the zone store, decompressed with the codec of
+/// its priority when its flags say it holds a compressed object. `pin` keeps the zone from
+/// being reset.
+fn read_record(
+    t: &ZonedTarget,
+    slot: u64,
+    pin: &ZonePin<'_>,
+    st: SlotState,
+    codec: &dyn Codec,
+    out: &mut [u8],
+) -> Result<()> {
+    let io_err = |e: Error| {
+        Error::io(format!(
+            "reading written-back page {slot} from {:?} of {}: {e}",
+            pin.loc(),
+            t.store.backing().describe()
+        ))
+    };
+    let (h, payload) = t.store.read_record(pin.loc(), slot).map_err(io_err)?;
+    if h.is_compressed() {
+        // Only the primary codec exists (no recompression yet): priority 0 is all a record can
+        // hold; anything else would be a record this device did not write.
+        if h.prio != 0 || h.prio != st.prio() {
+            return Err(io_err(Error::io(format!(
+                "record compressed with priority {}, slot says {}",
+                h.prio,
+                st.prio()
+            ))));
+        }
+        codec
+            .decompress(&payload, out)
+            .map_err(|e| io_err(Error::io(format!("record does not decompress: {e}"))))
+    } else {
+        if payload.len() != out.len() {
+            return Err(io_err(Error::io(format!(
+                "raw record of {} bytes for a {}-byte page",
+                payload.len(),
+                out.len()
+            ))));
+        }
+        out.copy_from_slice(&payload);
+        Ok(())
+    }
+}
