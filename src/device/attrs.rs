@@ -26,40 +26,134 @@ pub enum AttrMode {
     ReadWrite,
 }
 
-/// Every attribute, with its mode, in the order `ls /sys/block/zram0` lists zram's.
-pub const ATTRIBUTES: &[(&str, AttrMode)] = &[
-    ("algorithm_params", AttrMode::WriteOnly),
-    ("backing_dev", AttrMode::ReadWrite),
-    ("backing_layout", AttrMode::ReadWrite),
-    ("bd_stat", AttrMode::ReadOnly),
-    ("comp_algorithm", AttrMode::ReadWrite),
-    ("compact", AttrMode::WriteOnly),
-    ("compressed_writeback", AttrMode::ReadWrite),
-    ("debug_stat", AttrMode::ReadOnly),
-    ("deferred_stat", AttrMode::ReadOnly),
-    ("disksize", AttrMode::ReadWrite),
-    ("gc", AttrMode::WriteOnly),
-    ("idle", AttrMode::WriteOnly),
-    ("initstate", AttrMode::ReadOnly),
-    ("io_stat", AttrMode::ReadOnly),
-    ("mem_limit", AttrMode::WriteOnly),
-    ("mem_used_max", AttrMode::WriteOnly),
-    ("meta_stat", AttrMode::ReadOnly),
-    ("mm_stat", AttrMode::ReadOnly),
-    ("reset", AttrMode::WriteOnly),
-    ("writeback", AttrMode::WriteOnly),
-    ("writeback_batch_size", AttrMode::ReadWrite),
-    ("writeback_limit", AttrMode::ReadWrite),
-    ("writeback_limit_enable", AttrMode::ReadWrite),
-    ("zone_size", AttrMode::ReadWrite),
-    ("zone_stat", AttrMode::ReadOnly),
+/// One attribute: its name, what reading it shows and what writing it does, declared together
+/// as zram's `DEVICE_ATTR_RO`/`_WO`/`_RW` do. A missing `show` makes it write-only, a missing
+/// `store` read-only. Each `store` returns zram's errno for bad input itself.
+#[derive(Debug, Clone, Copy)]
+pub struct Attr {
+    /// The sysfs name.
+    pub name: &'static str,
+    /// Formats the value, with the trailing newline the kernel prints.
+    show: Option<fn(&Device) -> String>,
+    /// Parses and applies a value (which may carry `echo`'s trailing newline).
+    store: Option<fn(&Device, &str) -> Result<()>>,
+}
+
+impl Attr {
+    const fn ro(name: &'static str, show: fn(&Device) -> String) -> Attr {
+        Attr {
+            name,
+            show: Some(show),
+            store: None,
+        }
+    }
+
+    const fn wo(name: &'static str, store: fn(&Device, &str) -> Result<()>) -> Attr {
+        Attr {
+            name,
+            show: None,
+            store: Some(store),
+        }
+    }
+
+    const fn rw(
+        name: &'static str,
+        show: fn(&Device) -> String,
+        store: fn(&Device, &str) -> Result<()>,
+    ) -> Attr {
+        Attr {
+            name,
+            show: Some(show),
+            store: Some(store),
+        }
+    }
+
+    /// How it may be accessed.
+    pub fn mode(&self) -> AttrMode {
+        match (self.show.is_some(), self.store.is_some()) {
+            (true, false) => AttrMode::ReadOnly,
+            (false, _) => AttrMode::WriteOnly,
+            (true, true) => AttrMode::ReadWrite,
+        }
+    }
+}
+
+/// Every attribute, in the order `ls /sys/block/zram0` lists zram's.
+pub const ATTRIBUTES: &[Attr] = &[
+    Attr::wo("algorithm_params", Device::store_algorithm_params),
+    Attr::rw(
+        "backing_dev",
+        |d| format!("{}\n", d.backing_dev()),
+        store_backing_dev,
+    ),
+    Attr::rw(
+        "backing_layout",
+        |d| format!("{}\n", d.backing_layout().name()),
+        |d, v| d.set_backing_layout(BackingLayout::parse(strip_newline(v).trim())?),
+    ),
+    Attr::ro("bd_stat", |d| d.stats().bd_stat()),
+    Attr::rw("comp_algorithm", show_comp_algorithm, store_comp_algorithm),
+    Attr::wo("compact", |d, _| {
+        d.compact();
+        Ok(())
+    }),
+    Attr::rw(
+        "compressed_writeback",
+        |d| format!("{}\n", u8::from(d.compressed_writeback())),
+        |d, v| d.set_compressed_writeback(kstrtobool(v)?),
+    ),
+    Attr::ro("debug_stat", |d| d.stats().debug_stat()),
+    Attr::ro("deferred_stat", |d| deferred_stat(&d.deferred_stats())),
+    Attr::rw(
+        "disksize",
+        |d| format!("{}\n", d.disksize_bytes()),
+        |d, v| d.init(parse_size_bytes(v)?),
+    ),
+    Attr::wo("gc", store_gc),
+    Attr::wo("idle", store_idle),
+    Attr::ro("initstate", |d| {
+        format!("{}\n", u8::from(d.is_initialised()))
+    }),
+    Attr::ro("io_stat", |d| d.stats().io_stat()),
+    Attr::wo("mem_limit", |d, v| {
+        d.set_mem_limit_bytes(parse_size_bytes(v)?);
+        Ok(())
+    }),
+    Attr::wo("mem_used_max", store_mem_used_max),
+    Attr::ro("meta_stat", |d| d.meta_stats().meta_stat()),
+    Attr::ro("mm_stat", |d| d.stats().mm_stat()),
+    Attr::wo("reset", store_reset),
+    Attr::wo("writeback", Device::writeback_str),
+    Attr::rw(
+        "writeback_batch_size",
+        |d| format!("{}\n", d.writeback_batch_size()),
+        store_writeback_batch_size,
+    ),
+    Attr::rw(
+        "writeback_limit",
+        |d| format!("{}\n", d.writeback_limit()),
+        store_writeback_limit,
+    ),
+    Attr::rw(
+        "writeback_limit_enable",
+        |d| format!("{}\n", u8::from(d.writeback_limit_enable())),
+        store_writeback_limit_enable,
+    ),
+    Attr::rw(
+        "zone_size",
+        |d| format!("{}\n", d.zone_size_bytes()),
+        store_zone_size,
+    ),
+    Attr::ro("zone_stat", |d| {
+        d.zone_stats().unwrap_or_default().to_line()
+    }),
 ];
 
-fn mode_of(name: &str) -> Result<AttrMode> {
+/// The attribute `name`; `ENOENT` if there is none.
+fn attr(name: &str) -> Result<&'static Attr> {
     ATTRIBUTES
         .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, m)| *m)
+        .find(|a| a.name == name)
         .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no attribute {name:?}")))
 }
 
@@ -83,175 +177,23 @@ pub fn deferred_stat(s: &DeferredStats) -> String {
 impl Device {
     /// The names of every attribute this device has.
     pub fn attr_names(&self) -> impl Iterator<Item = &'static str> {
-        ATTRIBUTES.iter().map(|(n, _)| *n)
+        ATTRIBUTES.iter().map(|a| a.name)
     }
 
     /// Shows an attribute, formatted as zram's sysfs file reads (with its trailing newline).
     pub fn attr_show(&self, name: &str) -> Result<String> {
-        if mode_of(name)? == AttrMode::WriteOnly {
-            return Err(Error::new(
-                ErrorKind::PermissionDenied,
-                format!("{name} is write-only"),
-            ));
-        }
-        Ok(match name {
-            "backing_dev" => format!("{}\n", self.backing_dev()),
-            "backing_layout" => format!("{}\n", self.backing_layout().name()),
-            "zone_size" => format!("{}\n", self.zone_size_bytes()),
-            "zone_stat" => self.zone_stats().unwrap_or_default().to_line(),
-            "bd_stat" => self.stats().bd_stat(),
-            "compressed_writeback" => format!("{}\n", u8::from(self.compressed_writeback())),
-            "writeback_batch_size" => format!("{}\n", self.writeback_batch_size()),
-            "writeback_limit" => format!("{}\n", self.writeback_limit()),
-            "writeback_limit_enable" => format!("{}\n", u8::from(self.writeback_limit_enable())),
-            "comp_algorithm" => {
-                let selected = self.comp_algorithm();
-                let mut out = String::new();
-                for a in compress::algorithms() {
-                    if *a == selected {
-                        out.push_str(&format!("[{a}] "));
-                    } else {
-                        out.push_str(&format!("{a} "));
-                    }
-                }
-                out.push('\n');
-                out
-            }
-            "debug_stat" => self.stats().debug_stat(),
-            "deferred_stat" => deferred_stat(&self.deferred_stats()),
-            "disksize" => format!("{}\n", self.disksize_bytes()),
-            "initstate" => format!("{}\n", u8::from(self.is_initialised())),
-            "io_stat" => self.stats().io_stat(),
-            "mm_stat" => self.stats().mm_stat(),
-            "meta_stat" => self.meta_stats().meta_stat(),
-            _ => unreachable!("every readable attribute is listed"),
-        })
+        let show = attr(name)?.show.ok_or_else(|| {
+            Error::new(ErrorKind::PermissionDenied, format!("{name} is write-only"))
+        })?;
+        Ok(show(self))
     }
 
     /// Stores an attribute, with zram's syntax and errnos.
     pub fn attr_store(&self, name: &str, value: &str) -> Result<()> {
-        if mode_of(name)? == AttrMode::ReadOnly {
-            return Err(Error::new(
-                ErrorKind::PermissionDenied,
-                format!("{name} is read-only"),
-            ));
-        }
-        match name {
-            "algorithm_params" => self.store_algorithm_params(value),
-            "backing_dev" => {
-                // As zram: refused once initialised before the path is even looked at.
-                if self.is_initialised() {
-                    return Err(Error::busy(
-                        "backing_dev cannot change once initialised: reset first",
-                    ));
-                }
-                let path = strip_newline(value);
-                let backing = FileBacking::open(path, &FileOptions::default())?;
-                self.set_backing(Arc::new(backing))
-            }
-            "compressed_writeback" => self.set_compressed_writeback(kstrtobool(value)?),
-            "backing_layout" => {
-                let layout = BackingLayout::parse(strip_newline(value).trim())?;
-                self.set_backing_layout(layout)
-            }
-            "zone_size" => {
-                if self.is_initialised() {
-                    return Err(Error::busy(
-                        "zone_size cannot change once initialised: reset first",
-                    ));
-                }
-                self.set_zone_size_bytes(parse_size_bytes(value)?)
-            }
-            "gc" => {
-                let v = kstrtou64(value, 10)
-                    .map_err(|_| Error::invalid(format!("gc takes 1, not {value:?}")))?;
-                if v != 1 {
-                    return Err(Error::invalid(format!("gc takes 1, not {v}")));
-                }
-                self.gc().map(|_| ())
-            }
-            "writeback" => self.writeback_str(value),
-            "writeback_batch_size" => {
-                let v = kstrtou64(value, 10).map_err(|_| {
-                    Error::invalid(format!(
-                        "writeback_batch_size takes a number, not {value:?}"
-                    ))
-                })?;
-                let v = u32::try_from(v)
-                    .map_err(|_| Error::invalid("writeback_batch_size is a 32-bit number"))?;
-                self.set_writeback_batch_size(v)
-            }
-            "writeback_limit" => {
-                let v = kstrtou64(value, 10).map_err(|_| {
-                    Error::invalid(format!("writeback_limit takes a number, not {value:?}"))
-                })?;
-                self.set_writeback_limit(v);
-                Ok(())
-            }
-            "writeback_limit_enable" => {
-                let v = kstrtou64(value, 10).map_err(|_| {
-                    Error::invalid(format!(
-                        "writeback_limit_enable takes 0 or 1, not {value:?}"
-                    ))
-                })?;
-                self.set_writeback_limit_enable(v != 0);
-                Ok(())
-            }
-            "comp_algorithm" => {
-                let algo = strip_newline(value);
-                if !compress::algorithms().contains(&algo) {
-                    return Err(Error::invalid(format!("unknown algorithm {algo:?}")));
-                }
-                let mut st = self.settings_for("comp_algorithm")?;
-                if st.settings.comp_algorithm != algo {
-                    st.settings.comp_algorithm = algo.to_string();
-                    st.settings.comp_params = CodecParams::default();
-                }
-                Ok(())
-            }
-            "compact" => {
-                self.compact();
-                Ok(())
-            }
-            "disksize" => {
-                let size = parse_size_bytes(value)?;
-                self.init(size)
-            }
-            "idle" => {
-                let cutoff = if strip_newline(value) == "all" {
-                    IdleCutoff::All
-                } else {
-                    IdleCutoff::OlderThanSecs(kstrtou64(value, 0).map_err(|_| {
-                        Error::invalid(format!("idle takes \"all\" or seconds, not {value:?}"))
-                    })?)
-                };
-                self.mark_idle(cutoff);
-                Ok(())
-            }
-            "mem_limit" => {
-                let limit = parse_size_bytes(value)?;
-                self.set_mem_limit_bytes(limit);
-                Ok(())
-            }
-            "mem_used_max" => {
-                let v = kstrtou64(value, 10).map_err(|_| Error::invalid("mem_used_max takes 0"))?;
-                if v != 0 {
-                    return Err(Error::invalid("mem_used_max can only be reset with 0"));
-                }
-                self.reset_mem_used_max();
-                Ok(())
-            }
-            "reset" => {
-                let v = kstrtou64(value, 10)
-                    .map_err(|e| Error::new(ErrorKind::InvalidArgument, e.message()))?;
-                if v == 0 {
-                    return Err(Error::invalid("reset takes a non-zero value"));
-                }
-                self.reset();
-                Ok(())
-            }
-            _ => unreachable!("every writable attribute is listed"),
-        }
+        let store = attr(name)?.store.ok_or_else(|| {
+            Error::new(ErrorKind::PermissionDenied, format!("{name} is read-only"))
+        })?;
+        store(self, value)
     }
 
     /// `algorithm_params`: space-separated `key=value`: `algo=NAME` or `priority=N` selects
@@ -318,9 +260,165 @@ impl Device {
     }
 }
 
+/// `comp_algorithm`: every algorithm, the selected one in brackets.
+fn show_comp_algorithm(d: &Device) -> String {
+    let selected = d.comp_algorithm();
+    let mut out = String::new();
+    for a in compress::algorithms() {
+        if *a == selected {
+            out.push_str(&format!("[{a}] "));
+        } else {
+            out.push_str(&format!("{a} "));
+        }
+    }
+    out.push('\n');
+    out
+}
+
+/// `comp_algorithm`: `EINVAL` for an unknown name, `EBUSY` once initialised. A change of
+/// algorithm drops the parameters set for the old one.
+fn store_comp_algorithm(d: &Device, value: &str) -> Result<()> {
+    let algo = strip_newline(value);
+    if !compress::algorithms().contains(&algo) {
+        return Err(Error::invalid(format!("unknown algorithm {algo:?}")));
+    }
+    let mut st = d.settings_for("comp_algorithm")?;
+    if st.settings.comp_algorithm != algo {
+        st.settings.comp_algorithm = algo.to_string();
+        st.settings.comp_params = CodecParams::default();
+    }
+    Ok(())
+}
+
+/// `backing_dev`: a path, opened as a [`FileBacking`]. As zram: refused with `EBUSY` once
+/// initialised before the path is even looked at.
+fn store_backing_dev(d: &Device, value: &str) -> Result<()> {
+    if d.is_initialised() {
+        return Err(Error::busy(
+            "backing_dev cannot change once initialised: reset first",
+        ));
+    }
+    let backing = FileBacking::open(strip_newline(value), &FileOptions::default())?;
+    d.set_backing(Arc::new(backing))
+}
+
+/// `zone_size`: a size with zram's suffixes; `EBUSY` once initialised (checked first).
+fn store_zone_size(d: &Device, value: &str) -> Result<()> {
+    if d.is_initialised() {
+        return Err(Error::busy(
+            "zone_size cannot change once initialised: reset first",
+        ));
+    }
+    d.set_zone_size_bytes(parse_size_bytes(value)?)
+}
+
+/// `gc`: takes `1` only.
+fn store_gc(d: &Device, value: &str) -> Result<()> {
+    let v =
+        kstrtou64(value, 10).map_err(|_| Error::invalid(format!("gc takes 1, not {value:?}")))?;
+    if v != 1 {
+        return Err(Error::invalid(format!("gc takes 1, not {v}")));
+    }
+    d.gc().map(|_| ())
+}
+
+/// `idle`: `all` or an age in seconds (`kstrtoull` with base detection).
+fn store_idle(d: &Device, value: &str) -> Result<()> {
+    let cutoff =
+        if strip_newline(value) == "all" {
+            IdleCutoff::All
+        } else {
+            IdleCutoff::OlderThanSecs(kstrtou64(value, 0).map_err(|_| {
+                Error::invalid(format!("idle takes \"all\" or seconds, not {value:?}"))
+            })?)
+        };
+    d.mark_idle(cutoff);
+    Ok(())
+}
+
+/// `mem_used_max`: only `0`, which resets it to the current pool size.
+fn store_mem_used_max(d: &Device, value: &str) -> Result<()> {
+    let v = kstrtou64(value, 10).map_err(|_| Error::invalid("mem_used_max takes 0"))?;
+    if v != 0 {
+        return Err(Error::invalid("mem_used_max can only be reset with 0"));
+    }
+    d.reset_mem_used_max();
+    Ok(())
+}
+
+/// `reset`: any non-zero number.
+fn store_reset(d: &Device, value: &str) -> Result<()> {
+    let v =
+        kstrtou64(value, 10).map_err(|e| Error::new(ErrorKind::InvalidArgument, e.message()))?;
+    if v == 0 {
+        return Err(Error::invalid("reset takes a non-zero value"));
+    }
+    d.reset();
+    Ok(())
+}
+
+/// `writeback_batch_size`: a 32-bit number of at least 1.
+fn store_writeback_batch_size(d: &Device, value: &str) -> Result<()> {
+    let v = kstrtou64(value, 10).map_err(|_| {
+        Error::invalid(format!(
+            "writeback_batch_size takes a number, not {value:?}"
+        ))
+    })?;
+    let v =
+        u32::try_from(v).map_err(|_| Error::invalid("writeback_batch_size is a 32-bit number"))?;
+    d.set_writeback_batch_size(v)
+}
+
+/// `writeback_limit`: the remaining budget in 4 KiB units.
+fn store_writeback_limit(d: &Device, value: &str) -> Result<()> {
+    let v = kstrtou64(value, 10)
+        .map_err(|_| Error::invalid(format!("writeback_limit takes a number, not {value:?}")))?;
+    d.set_writeback_limit(v);
+    Ok(())
+}
+
+/// `writeback_limit_enable`: a number, non-zero enables.
+fn store_writeback_limit_enable(d: &Device, value: &str) -> Result<()> {
+    let v = kstrtou64(value, 10).map_err(|_| {
+        Error::invalid(format!(
+            "writeback_limit_enable takes 0 or 1, not {value:?}"
+        ))
+    })?;
+    d.set_writeback_limit_enable(v != 0);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_attribute_is_declared_once_in_ls_order() {
+        let names: Vec<&str> = ATTRIBUTES.iter().map(|a| a.name).collect();
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(names, sorted);
+        let dev = Device::new_uninit(4096).unwrap();
+        for a in ATTRIBUTES {
+            let shown = dev.attr_show(a.name);
+            let stored = dev.attr_store(a.name, "");
+            let denied = |r: Result<()>| r.is_err_and(|e| e.kind() == ErrorKind::PermissionDenied);
+            match a.mode() {
+                AttrMode::ReadOnly => {
+                    assert!(shown.is_ok() && denied(stored), "{}", a.name);
+                }
+                AttrMode::WriteOnly => {
+                    assert!(denied(shown.map(|_| ())), "{}", a.name);
+                }
+                AttrMode::ReadWrite => assert!(shown.is_ok(), "{}", a.name),
+            }
+        }
+        assert_eq!(
+            dev.attr_show("no_such").unwrap_err().kind(),
+            ErrorKind::NotFound
+        );
+    }
 
     #[test]
     fn deferred_stat_format() {
