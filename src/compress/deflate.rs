@@ -1,16 +1,14 @@
 //! deflate: raw deflate streams (RFC 1951, no zlib or gzip wrapper), like the kernel's
 //! `deflate` backend, through `flate2` with its pure-Rust `miniz_oxide` backend.
 //!
-//! State: each thread keeps one `Decompress` and one `Compress` *per level* it has used (the
-//! rust backend cannot change a compressor's level after creation), created on first use;
-//! every call starts with `reset()`, which clears the stream without freeing its buffers, so
-//! after warm-up neither direction allocates.
+//! State: one `Decompress` and one `Compress` per level per thread, in the
+//! [`context`](super::context) caches (the rust backend cannot change a compressor's level
+//! after creation); every call starts with `reset()`, which clears the stream without freeing
+//! its buffers, so after warm-up neither direction allocates.
 //!
 //! Levels 0..=9 (0 = stored blocks only), default 6 (zlib's `Z_DEFAULT_COMPRESSION`).
-//!
-//! Invariant: a state's `RefCell` is borrowed only for the duration of one call, which never
-//! calls back into a codec, so the borrow cannot fail.
 
+use super::context::{with_context, ContextCache, NO_LEVEL};
 use super::{check_dst, Codec, CodecParams};
 use crate::error::{Error, Result};
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
@@ -33,10 +31,11 @@ pub(super) fn bound(src_len: usize) -> usize {
 }
 
 thread_local! {
-    /// This thread's compressors, one per level used, searched linearly.
-    static COMPRESSORS: RefCell<Vec<(i32, Compress)>> = const { RefCell::new(Vec::new()) };
-    /// This thread's decompressor.
-    static DECOMPRESSOR: RefCell<Option<Decompress>> = const { RefCell::new(None) };
+    /// This thread's compressors, one per level used.
+    static COMPRESSORS: RefCell<ContextCache<Compress>> = const { RefCell::new(ContextCache::new()) };
+    /// This thread's decompressor (decompression has no level).
+    static DECOMPRESSORS: RefCell<ContextCache<Decompress>> =
+        const { RefCell::new(ContextCache::new()) };
 }
 
 /// Raw deflate at a fixed level.
@@ -70,18 +69,9 @@ impl Codec for Deflate {
 
     fn compress(&self, src: &[u8], dst: &mut [u8]) -> Result<usize> {
         check_dst(src.len(), dst)?;
-        COMPRESSORS.with(|cell| {
-            let mut compressors = cell.borrow_mut();
-            let i = match compressors.iter().position(|(l, _)| *l == self.level) {
-                Some(i) => i,
-                None => {
-                    // The level was validated in `new`, so the cast cannot lose information.
-                    let level = Compression::new(self.level as u32);
-                    compressors.push((self.level, Compress::new(level, false)));
-                    compressors.len() - 1
-                }
-            };
-            let c = &mut compressors[i].1;
+        // The level was validated in `new`, so the cast cannot lose information.
+        let create = || Ok(Compress::new(Compression::new(self.level as u32), false));
+        with_context(&COMPRESSORS, self.level, create, |c| {
             c.reset();
             match c.compress(src, dst, FlushCompress::Finish) {
                 Ok(Status::StreamEnd) => usize::try_from(c.total_out())
@@ -95,9 +85,8 @@ impl Codec for Deflate {
     }
 
     fn decompress(&self, src: &[u8], dst: &mut [u8]) -> Result<()> {
-        DECOMPRESSOR.with(|cell| {
-            let mut slot = cell.borrow_mut();
-            let d = slot.get_or_insert_with(|| Decompress::new(false));
+        let create = || Ok(Decompress::new(false));
+        with_context(&DECOMPRESSORS, NO_LEVEL, create, |d| {
             d.reset(false);
             match d.decompress(src, dst, FlushDecompress::Finish) {
                 Ok(Status::StreamEnd) if d.total_out() == dst.len() as u64 => Ok(()),

@@ -3,8 +3,9 @@
 //!
 //! Contract of every codec:
 //! - `compress` and `decompress` take `&self` and are called from many threads at once; any
-//!   per-call state (a zstd context, an lz4 hash table) lives in per-thread scratch that is
-//!   created once per thread and reused, so the hot path allocates nothing per page.
+//!   per-call state (a zstd context, a deflate stream) lives in per-thread contexts created
+//!   once per thread and level and reused (`context`: one cache for every codec), so the hot
+//!   path allocates nothing per page.
 //! - `compress` writes into `dst`, which is at least [`compress_bound`]`(src.len())` bytes, and
 //!   returns the compressed length. The caller decides what counts as incompressible (the huge
 //!   threshold); the codec never refuses a page.
@@ -32,6 +33,7 @@ pub struct CodecParams {
     pub level: Option<i32>,
 }
 
+mod context;
 mod deflate;
 mod lz4;
 mod lz4hc;
