@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use super::sync::check_submit;
+use super::check_submit;
 use super::{
     check_range, total_len, Backing, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult,
     SECTOR_BYTES,

@@ -2,12 +2,11 @@
 //!
 //! # What it owns
 //!
-//! Two descriptors of the same file: `buffered` (always) and `direct` (`O_DIRECT`, when the
-//! file system takes it). Requests whose offset, length and memory are aligned to the direct-I/O
-//! alignment go through `direct`; memory-only misalignment is bounced through an
-//! [`AlignedBuf`]; anything else (a 512-byte request on a 4Kn device) goes through `buffered`.
-//! Linux keeps the two coherent for non-overlapping-in-time requests: a direct read first writes
-//! back dirty cached pages of its range, a direct write invalidates them.
+//! Two descriptors of the same file, in a [`FileFds`] its io_uring queues borrow: `buffered`
+//! (always) and `direct` (`O_DIRECT`, when the file system takes it). Requests whose offset,
+//! length and memory are aligned to the direct-I/O alignment go through `direct`; memory-only
+//! misalignment is bounced through an [`AlignedBuf`]; anything else (a 512-byte request on a
+//! 4Kn device) goes through `buffered`.
 //!
 //! A block device is opened with `O_EXCL` (like zram's `backing_dev`), so a mounted or otherwise
 //! claimed device is refused with `EBUSY` instead of being overwritten.
@@ -24,11 +23,13 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::blkzoned::{self, ZoneGeometry, ZoneInfo, ZonePlugQueue};
+use super::fds::FileFds;
 use super::sync::SyncQueue;
+use super::sys::{self, io_error, with_context};
 use super::uring::UringQueue;
 use super::{
-    check_depth, check_range, sys, total_len, AlignedBuf, Backing, Engine, IoQueue,
-    BLOCK_SIZE_BYTES, BUF_ALIGN_BYTES, SECTOR_BYTES,
+    check_depth, check_range, total_len, AlignedBuf, Backing, Engine, IoQueue, BLOCK_SIZE_BYTES,
+    BUF_ALIGN_BYTES, SECTOR_BYTES,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -67,12 +68,8 @@ impl FileOptions {
 /// A backing file or block device. See the module docs.
 pub struct FileBacking {
     path: PathBuf,
-    /// Always open, read-write, through the page cache.
-    buffered: File,
-    /// Open with `O_DIRECT` when direct I/O is in use.
-    direct: Option<File>,
-    /// Memory, offset and length alignment of direct I/O (a power of two; 1 when not direct).
-    dio_align_bytes: usize,
+    /// The page-cache and `O_DIRECT` descriptors.
+    fds: FileFds,
     size_bytes: u64,
     engine: Engine,
     is_block_device: bool,
@@ -171,9 +168,7 @@ impl FileBacking {
         }
         Ok(FileBacking {
             path: path.to_path_buf(),
-            buffered,
-            direct,
-            dio_align_bytes,
+            fds: FileFds::new(buffered, direct.map(|d| (d, dio_align_bytes))),
             size_bytes,
             engine: options.engine,
             is_block_device,
@@ -209,7 +204,7 @@ impl FileBacking {
 
     /// Whether `O_DIRECT` is in use.
     pub fn is_direct(&self) -> bool {
-        self.direct.is_some()
+        self.fds.direct().is_some()
     }
 
     /// How I/O is done: `"O_DIRECT"`, or `"buffered (why)"` (for example when tmpfs refused
@@ -220,7 +215,7 @@ impl FileBacking {
 
     /// The alignment direct I/O needs (offset, length and memory); 1 when buffered.
     pub fn dio_align_bytes(&self) -> usize {
-        self.dio_align_bytes
+        self.fds.dio_align_bytes()
     }
 
     /// Whether this is a block device (rather than a regular file).
@@ -238,7 +233,7 @@ impl FileBacking {
     pub fn new_queue_with(&self, engine: Engine, depth: usize) -> Result<Box<dyn IoQueue + '_>> {
         check_depth(depth)?;
         let queue: Box<dyn IoQueue + '_> = match engine {
-            Engine::Uring => Box::new(UringQueue::new(self, depth)?),
+            Engine::Uring => Box::new(UringQueue::new(&self.fds, self.size_bytes, depth)?),
             Engine::Sync => Box::new(SyncQueue::new(self, depth)?),
         };
         Ok(match &self.zones {
@@ -246,37 +241,6 @@ impl FileBacking {
             Some(g) => Box::new(ZonePlugQueue::new(queue, g.zone_size_bytes)),
             None => queue,
         })
-    }
-
-    /// The descriptor for a request at `offset` whose memory is `parts` (each buffer's address
-    /// and length): `direct` when the offset and every part are aligned for direct I/O,
-    /// `buffered` otherwise.
-    pub(crate) fn fd_for(
-        &self,
-        offset: u64,
-        mut parts: impl Iterator<Item = (usize, usize)>,
-    ) -> &File {
-        match &self.direct {
-            Some(direct)
-                if offset % self.dio_align_bytes as u64 == 0
-                    && parts.all(|(addr, len)| self.is_dio_aligned(addr, len)) =>
-            {
-                direct
-            }
-            _ => &self.buffered,
-        }
-    }
-
-    fn is_dio_aligned(&self, addr: usize, len: usize) -> bool {
-        addr % self.dio_align_bytes == 0 && len % self.dio_align_bytes == 0
-    }
-
-    /// Whether a request of this offset and length could go direct with a bounce buffer.
-    fn can_bounce(&self, offset: u64, len_bytes: u64) -> bool {
-        self.direct.is_some()
-            && self.dio_align_bytes <= BUF_ALIGN_BYTES
-            && offset % self.dio_align_bytes as u64 == 0
-            && len_bytes % self.dio_align_bytes as u64 == 0
     }
 }
 
@@ -326,11 +290,6 @@ fn probe_dio_align(direct: &File) -> std::result::Result<usize, String> {
     Err("direct reads fail with EINVAL at every alignment".into())
 }
 
-fn with_context(e: std::io::Error, what: &str) -> Error {
-    let err = Error::from(e);
-    Error::new(err.kind(), format!("{what}: {}", err.message()))
-}
-
 impl Backing for FileBacking {
     fn size_bytes(&self) -> u64 {
         self.size_bytes
@@ -338,12 +297,12 @@ impl Backing for FileBacking {
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         check_range(self.size_bytes, offset, buf.len() as u64, "read")?;
-        let fd = self.fd_for(offset, std::iter::once((buf.as_ptr() as usize, buf.len())));
-        let direct_needs_bounce =
-            std::ptr::eq(fd, &self.buffered) && self.can_bounce(offset, buf.len() as u64);
+        let fds = &self.fds;
+        let fd = fds.fd_for(offset, std::iter::once((buf.as_ptr() as usize, buf.len())));
+        let direct_needs_bounce = fds.is_buffered(fd) && fds.can_bounce(offset, buf.len() as u64);
         if direct_needs_bounce {
             let mut bounce = AlignedBuf::new_zeroed(buf.len())?;
-            self.fd_for(
+            fds.fd_for(
                 offset,
                 std::iter::once((bounce.as_ptr() as usize, bounce.len())),
             )
@@ -361,15 +320,16 @@ impl Backing for FileBacking {
         check_range(self.size_bytes, offset, len_bytes, "read")?;
         // Direct when every piece is aligned, else through the page cache (coherent with
         // direct writes: they invalidate the cached range).
-        let fd = self.fd_for(offset, bufs.iter().map(|b| (b.as_ptr() as usize, b.len())));
+        let fd = (self.fds).fd_for(offset, bufs.iter().map(|b| (b.as_ptr() as usize, b.len())));
         sys::preadv_all(fd, bufs, offset).map_err(|e| io_error(e, "read", offset, len_bytes))
     }
 
     fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> Result<()> {
         let len_bytes = total_len(bufs);
         check_range(self.size_bytes, offset, len_bytes, "write")?;
-        let fd = self.fd_for(offset, bufs.iter().map(|b| (b.as_ptr() as usize, b.len())));
-        if std::ptr::eq(fd, &self.buffered) && self.can_bounce(offset, len_bytes) {
+        let fds = &self.fds;
+        let fd = fds.fd_for(offset, bufs.iter().map(|b| (b.as_ptr() as usize, b.len())));
+        if fds.is_buffered(fd) && fds.can_bounce(offset, len_bytes) {
             let len = usize::try_from(len_bytes)
                 .map_err(|_| Error::invalid("write larger than the address space"))?;
             let mut bounce = AlignedBuf::new_zeroed(len)?;
@@ -378,7 +338,7 @@ impl Backing for FileBacking {
                 bounce[at..at + b.len()].copy_from_slice(b);
                 at += b.len();
             }
-            let direct = self.direct.as_ref().expect("can_bounce implies direct");
+            let direct = fds.direct().expect("can_bounce implies direct");
             return sys::pwritev_all(direct, &[&bounce], offset)
                 .map_err(|e| io_error(e, "write", offset, len_bytes));
         }
@@ -387,7 +347,8 @@ impl Backing for FileBacking {
 
     fn flush(&self) -> Result<()> {
         // fdatasync acts on the inode (or the block device), whichever descriptor is used.
-        self.buffered
+        self.fds
+            .buffered()
             .sync_data()
             .map_err(|e| with_context(e, &format!("flushing {}", self.path.display())))
     }
@@ -406,7 +367,7 @@ impl Backing for FileBacking {
 
     fn report_zones(&self) -> Result<Vec<ZoneInfo>> {
         match &self.zones {
-            Some(g) => blkzoned::report(&self.buffered, 0, g.nr_zones as usize).map_err(|e| {
+            Some(g) => blkzoned::report(self.fds.buffered(), 0, g.nr_zones as usize).map_err(|e| {
                 with_context(
                     e,
                     &format!("reporting the zones of {}", self.path.display()),
@@ -420,7 +381,7 @@ impl Backing for FileBacking {
         if self.zones.is_none() {
             return Ok(());
         }
-        blkzoned::reset(&self.buffered, start_bytes, len_bytes)
+        blkzoned::reset(self.fds.buffered(), start_bytes, len_bytes)
             .map_err(|e| io_error(e, "zone reset", start_bytes, len_bytes))
     }
 
@@ -428,21 +389,9 @@ impl Backing for FileBacking {
         if self.zones.is_none() {
             return Ok(());
         }
-        blkzoned::finish(&self.buffered, start_bytes, len_bytes)
+        blkzoned::finish(self.fds.buffered(), start_bytes, len_bytes)
             .map_err(|e| io_error(e, "zone finish", start_bytes, len_bytes))
     }
-}
-
-/// An I/O error with the request in the message; the kind comes from the errno.
-pub(crate) fn io_error(e: std::io::Error, what: &str, offset: u64, len_bytes: u64) -> Error {
-    let err = Error::from(e);
-    Error::new(
-        err.kind(),
-        format!(
-            "backing {what} of {len_bytes} bytes at offset {offset}: {}",
-            err.message()
-        ),
-    )
 }
 
 impl fmt::Debug for FileBacking {
@@ -452,7 +401,7 @@ impl fmt::Debug for FileBacking {
             .field("size_bytes", &self.size_bytes)
             .field("engine", &self.engine)
             .field("io_mode", &self.io_mode)
-            .field("dio_align_bytes", &self.dio_align_bytes)
+            .field("dio_align_bytes", &self.fds.dio_align_bytes())
             .field("is_block_device", &self.is_block_device)
             .field("zones", &self.zones)
             .finish()

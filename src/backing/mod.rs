@@ -45,6 +45,7 @@ pub mod blkzoned;
 pub mod ceiling;
 #[cfg(any(test, feature = "testing"))]
 mod faulty;
+mod fds;
 mod file;
 #[cfg(any(test, feature = "testing"))]
 mod mem;
@@ -397,6 +398,33 @@ pub(crate) fn check_range(size_bytes: u64, offset: u64, len_bytes: u64, what: &s
              device's {size_bytes} bytes"
         ))),
     }
+}
+
+/// The checks every engine makes before taking an op: room in the queue, 1..=[`MAX_OP_BUFS`]
+/// buffers (one `pwritev`/`IORING_OP_WRITEV`), a valid range.
+pub(crate) fn check_submit(
+    op: &IoOp,
+    in_flight: usize,
+    depth: usize,
+    size_bytes: u64,
+) -> Result<()> {
+    if in_flight >= depth {
+        return Err(Error::busy(format!(
+            "backing queue full: {in_flight} of {depth} ops in flight; reap completions first"
+        )));
+    }
+    let n = op.iovec_count();
+    if n == 0 || n > MAX_OP_BUFS {
+        return Err(Error::invalid(format!(
+            "backing write of {n} buffers: an op has 1..={MAX_OP_BUFS}"
+        )));
+    }
+    op.check_segments()?;
+    let what = match op.kind {
+        IoKind::Write => "write",
+        IoKind::Read => "read",
+    };
+    check_range(size_bytes, op.offset, op.len_bytes(), what)
 }
 
 /// Checks a queue depth against `1..=MAX_QUEUE_DEPTH`.

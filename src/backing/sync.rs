@@ -10,9 +10,10 @@
 use std::collections::VecDeque;
 use std::fmt;
 
-use super::sys::IOV_MAX;
-use super::{check_depth, check_range, Backing, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult};
-use crate::error::{Error, Result};
+use super::{
+    check_depth, check_submit, Backing, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult,
+};
+use crate::error::Result;
 
 /// A queue that performs each write at submit time. An op counts as in flight until its
 /// completion is reaped, so `depth` bounds unreaped completions as on the io_uring engine.
@@ -33,33 +34,6 @@ impl<'a> SyncQueue<'a> {
             done: VecDeque::with_capacity(depth),
         })
     }
-}
-
-/// The checks every engine makes before taking an op: room in the queue, 1..=`IOV_MAX`
-/// buffers (one `pwritev`/`IORING_OP_WRITEV`), a valid range.
-pub(crate) fn check_submit(
-    op: &IoOp,
-    in_flight: usize,
-    depth: usize,
-    size_bytes: u64,
-) -> Result<()> {
-    if in_flight >= depth {
-        return Err(Error::busy(format!(
-            "backing queue full: {in_flight} of {depth} ops in flight; reap completions first"
-        )));
-    }
-    let n = op.iovec_count();
-    if n == 0 || n > IOV_MAX {
-        return Err(Error::invalid(format!(
-            "backing write of {n} buffers: an op has 1..={IOV_MAX}"
-        )));
-    }
-    op.check_segments()?;
-    let what = match op.kind {
-        IoKind::Write => "write",
-        IoKind::Read => "read",
-    };
-    check_range(size_bytes, op.offset, op.len_bytes(), what)
 }
 
 impl IoQueue for SyncQueue<'_> {

@@ -1,10 +1,13 @@
 //! The few system calls std does not wrap: `pwritev`, the block-device size and sector-size
-//! ioctls, and `statx` for direct-I/O alignment. Every `unsafe` here passes pointers that are
-//! borrowed for the duration of the call only.
+//! ioctls, and `statx` for direct-I/O alignment; and the errors the engines make of failed
+//! calls. Every `unsafe` here passes pointers that are borrowed for the duration of the call
+//! only.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
+
+use crate::error::Error;
 
 /// `BLKGETSIZE64` = `_IOR(0x12, 114, size_t)`: the device size in bytes (linux/fs.h). The libc
 /// crate does not export it; the encoding (dir 2 << 30 | size 8 << 16 | 0x12 << 8 | 114) is the
@@ -14,6 +17,24 @@ const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
 /// `IOV_MAX` on Linux (`UIO_MAXIOV`): the most iovecs one `pwritev` or `IORING_OP_WRITEV` takes.
 pub(crate) const IOV_MAX: usize = 1024;
+
+/// An I/O error with the request in the message; the kind comes from the errno.
+pub(crate) fn io_error(e: io::Error, what: &str, offset: u64, len_bytes: u64) -> Error {
+    let err = Error::from(e);
+    Error::new(
+        err.kind(),
+        format!(
+            "backing {what} of {len_bytes} bytes at offset {offset}: {}",
+            err.message()
+        ),
+    )
+}
+
+/// An error with `what` (the file and the step) in the message; the kind comes from the errno.
+pub(crate) fn with_context(e: io::Error, what: &str) -> Error {
+    let err = Error::from(e);
+    Error::new(err.kind(), format!("{what}: {}", err.message()))
+}
 
 /// The iovecs describing `bufs` back to back, with the first `skip_bytes` bytes left out, and
 /// at most `max_iovecs` entries. Used to resume a short vectored write.

@@ -1,4 +1,4 @@
-//! [`UringQueue`]: the io_uring engine of [`FileBacking`].
+//! [`UringQueue`]: the io_uring engine of [`FileBacking`](super::FileBacking).
 //!
 //! # Ownership (the invariant everything here rests on)
 //!
@@ -16,7 +16,8 @@
 //!   previous SQE was reaped); a write that makes no progress completes with `ErrorKind::Io`.
 //! - `Drop` with ops in flight waits for all of them. If the kernel cannot be waited on, the
 //!   in-flight ops are leaked (never freed) so the kernel cannot write from freed memory.
-//! - The queue borrows the [`FileBacking`], so the descriptors outlive every SQE naming them.
+//! - The queue borrows the file's descriptors ([`FileFds`], owned by the [`FileBacking`]), so
+//!   they outlive every SQE naming them.
 //!
 //! Writes use `IORING_OP_WRITEV` (no buffer registration: buffers come and go with ops, and
 //! registering per op would cost more than the page pinning it saves at these depths).
@@ -26,10 +27,9 @@ use std::io;
 
 use io_uring::{opcode, types, IoUring};
 
-use super::file::io_error;
-use super::sync::check_submit;
-use super::sys::{iovecs_after, IOV_MAX};
-use super::{check_depth, Backing, FileBacking, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult};
+use super::fds::FileFds;
+use super::sys::{io_error, iovecs_after, IOV_MAX};
+use super::{check_depth, check_submit, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult};
 use crate::error::{Error, ErrorKind, Result};
 
 /// How many times one op is resubmitted after `EINTR`/`EAGAIN` before it fails. io_uring retries
@@ -55,9 +55,12 @@ struct InFlight {
     retries: u32,
 }
 
-/// An io_uring queue over a [`FileBacking`]. See the module docs for the ownership rules.
+/// An io_uring queue over a backing file's descriptors. See the module docs for the ownership
+/// rules. Made by [`FileBacking::new_queue`](super::Backing::new_queue).
 pub struct UringQueue<'a> {
-    backing: &'a FileBacking,
+    fds: &'a FileFds,
+    /// The backing's usable size: ops past it are refused.
+    size_bytes: u64,
     ring: IoUring,
     depth: usize,
     /// In-flight ops by `user_data`; `None` slots are listed in `free`.
@@ -70,9 +73,10 @@ pub struct UringQueue<'a> {
 }
 
 impl<'a> UringQueue<'a> {
-    /// A ring of `depth` entries writing to `backing`. Fails with `Unsupported` when io_uring is
-    /// not available (old kernel, disabled by sysctl or a seccomp filter).
-    pub fn new(backing: &'a FileBacking, depth: usize) -> Result<UringQueue<'a>> {
+    /// A ring of `depth` entries doing I/O through `fds` on a backing of `size_bytes`. Fails
+    /// with `Unsupported` when io_uring is not available (old kernel, disabled by sysctl or a
+    /// seccomp filter).
+    pub(crate) fn new(fds: &'a FileFds, size_bytes: u64, depth: usize) -> Result<UringQueue<'a>> {
         check_depth(depth)?;
         let ring = IoUring::builder()
             .setup_cqsize(2 * depth as u32)
@@ -84,7 +88,8 @@ impl<'a> UringQueue<'a> {
                 )
             })?;
         Ok(UringQueue {
-            backing,
+            fds,
+            size_bytes,
             ring,
             depth,
             slots: (0..depth).map(|_| None).collect(),
@@ -110,7 +115,7 @@ impl<'a> UringQueue<'a> {
         };
         f.iovecs = IoVecs(iovecs.into_boxed_slice());
         let offset = f.op.offset + f.done_bytes;
-        let fd = self.backing.fd_for(
+        let fd = self.fds.fd_for(
             offset,
             f.iovecs.0.iter().map(|v| (v.iov_base as usize, v.iov_len)),
         );
@@ -125,8 +130,8 @@ impl<'a> UringQueue<'a> {
         // `self.slots[idx]` until this SQE's CQE is reaped (see the module docs), and neither's
         // heap memory moves. For reads the kernel writes into the buffers: the queue owns the
         // op, so nothing else touches them until the CQE is reaped, and the iovecs were built
-        // from the buffers' own mutable pointers. The fd belongs to `self.backing`, borrowed
-        // for the queue's life.
+        // from the buffers' own mutable pointers. The fd belongs to `self.fds`, borrowed for
+        // the queue's life.
         unsafe { self.ring.submission().push(&entry) }.map_err(|_| {
             Error::busy("io_uring submission ring full (more SQEs than ops in flight)")
         })
@@ -222,7 +227,7 @@ impl IoQueue for UringQueue<'_> {
     }
 
     fn submit(&mut self, op: IoOp) -> SubmitResult {
-        if let Err(e) = check_submit(&op, self.in_flight, self.depth, self.backing.size_bytes()) {
+        if let Err(e) = check_submit(&op, self.in_flight, self.depth, self.size_bytes) {
             return Err((e, op));
         }
         let idx = self.free.pop().expect("a free slot when below depth");
@@ -291,7 +296,7 @@ impl Drop for UringQueue<'_> {
 impl fmt::Debug for UringQueue<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("UringQueue")
-            .field("backing", &self.backing.describe())
+            .field("fds", &self.fds)
             .field("depth", &self.depth)
             .field("in_flight", &self.in_flight)
             .field("short_writes", &self.short_writes)
