@@ -4,8 +4,9 @@
 use crate::error::{Error, ErrorKind, Result};
 
 /// The block layer's sector: the unit of I/O alignment (`offset` and `len` of every request are
-/// multiples of it), as in the kernel.
-pub const SECTOR_SIZE_BYTES: u64 = 512;
+/// multiples of it), as in the kernel, and the smallest logical block size a Linux block device
+/// has (so the granularity of backing I/O and of its buffers too).
+pub const SECTOR_SIZE_BYTES: usize = 512;
 
 /// Page sizes a device may be created with (the kernel's 4 KiB, 16 KiB and 64 KiB pages).
 pub const SUPPORTED_PAGE_SIZES_BYTES: [usize; 3] = [4096, 16384, 65536];

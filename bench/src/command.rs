@@ -23,7 +23,7 @@ enum BenchCommand {
     /// Batched writeback: batch sizes against the one-page synchronous path and the backing
     /// file's own write ceiling, on a sequential and a fragmented backing.
     Writeback(WritebackArgs),
-    /// Zoned GC: the scratch ring against bank switching, on a real backing file (seed 001).
+    /// Zoned GC: the scratch ring against bank switching, on a real backing file.
     Gc(GcArgs),
     /// Releasing pages: synchronous vs. deferred free, and the short class-lock section.
     Free(FreeArgs),
@@ -92,14 +92,14 @@ struct GcArgs {
     /// Largest GC chunk (K/M suffixes; at most a scratch buffer).
     #[arg(long, default_value = "1M")]
     chunk: String,
-    /// Bytes per scratch buffer (K/M suffixes; two buffers in either design, as in the seed).
+    /// Bytes per scratch buffer (K/M suffixes; two buffers in either design, as zoned XFS has).
     #[arg(long, default_value = "1M")]
     buffer_size: String,
     /// Queue depth of GC reads and writes (the device's GC uses 64).
     #[arg(long, default_value_t = 64)]
     depth: usize,
     /// How half the space is freed: `punch` (holes: runs of discarded slots between runs of
-    /// kept ones, as the seed's benchmark punches holes in files) or `scatter` (each slot
+    /// kept ones, as holes punched in files leave them) or `scatter` (each slot
     /// discarded with probability 1/2).
     #[arg(long, default_value = "punch")]
     holes: String,

@@ -1,4 +1,5 @@
-//! `uzram bench gc`: the seed's experiment. Fill zones of a real backing file with written-back
+//! `uzram bench gc`: the experiment zoned XFS's ring of GC scratch buffers was measured with
+//! (256 MiB HDD zones, holes punched to free half the space, GC timed). Fill zones of a real backing file with written-back
 //! pages from the corpus, free half the space by discarding random slots, then garbage-collect
 //! until every victim is reclaimed; the scratch ring and the bank-switching baseline in the same
 //! run, on the same data, alternating, each repetition from a freshly filled store. Reported:
@@ -52,8 +53,8 @@ pub struct GcBenchOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Holes {
     /// Alternating runs of kept and discarded slots, each uniform in `1..2 * mean_pages`
-    /// pages: holes punched in the zones, as the seed's benchmark punches holes in files, so
-    /// the live data left is extents of varying length.
+    /// pages: holes punched in the zones, as that benchmark punches holes in files, so the live
+    /// data left is extents of varying length.
     Punch {
         /// Mean run length in pages.
         mean_pages: u64,

@@ -8,10 +8,10 @@
 //! contended disk. Both made runs incomparable.)
 //!
 //! For each layout and batch size, on a fresh device: fill the device from the corpus (cycled to `pages`), mark every page idle, and time
-//! `writeback idle`. Batch size 1 runs on the synchronous engine (one `pwritev` at a time: the
-//! seed's "before"); larger batches on io_uring. `fragmented` first reserves every other
-//! backing block (the seed's worst case: a long-lived bitmap with holes), so no two written
-//! blocks are adjacent. In the same run, the ceiling of the same file with the same engine:
+//! `writeback idle`. Batch size 1 runs on the synchronous engine (one `pwritev` at a time:
+//! zram's writeback before batching); larger batches on io_uring. `fragmented` first reserves
+//! every other backing block (the worst case of a long-lived bitmap with holes), so no two
+//! written blocks are adjacent. In the same run, the ceiling of the same file with the same engine:
 //! 4 KiB sequential and random writes at queue depths 1 and 32 (`backing::ceiling`, fio's
 //! `rw=write|randwrite bs=4k`), plus the synchronous engine at depth 1. Each figure is the
 //! median of `repeats` runs. Same-filled pages are never written back, so pages/s counts the

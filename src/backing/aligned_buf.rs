@@ -3,7 +3,7 @@
 //! # Contract
 //!
 //! - The memory starts on a [`BUF_ALIGN_BYTES`] (4096) boundary and its length is a non-zero
-//!   multiple of [`SECTOR_BYTES`] (512), so it satisfies `O_DIRECT`'s memory alignment on every
+//!   multiple of [`SECTOR_SIZE_BYTES`] (512), so it satisfies `O_DIRECT`'s memory alignment on every
 //!   device we know (logical blocks of 512 or 4096 bytes) and can be handed to the kernel as is.
 //! - The buffer owns its memory exclusively (like a `Box<[u8]>`): it is `Send` and `Sync`, it
 //!   dereferences to `[u8]`, and it frees the memory exactly once, in `Drop`.
@@ -17,20 +17,18 @@ use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
+use crate::units::{BLOCK_SIZE_BYTES, SECTOR_SIZE_BYTES};
 
-/// The alignment of every buffer: one page. Direct I/O needs at most the device's logical block
-/// size (512 or 4096) in memory; a page satisfies both, and the writeback unit is a page.
-pub const BUF_ALIGN_BYTES: usize = 4096;
-
-/// The granularity of lengths and offsets: the classic sector, the smallest logical block size a
-/// Linux block device has.
-pub const SECTOR_BYTES: usize = 512;
+/// The alignment of every buffer: one 4 KiB block. Direct I/O needs at most the device's
+/// logical block size (512 or 4096) in memory; a block satisfies both, and it is the backing's
+/// unit.
+pub const BUF_ALIGN_BYTES: usize = BLOCK_SIZE_BYTES;
 
 /// An owned, zero-initialised, 4096-aligned byte buffer whose length is a multiple of 512.
 pub struct AlignedBuf {
     /// Start of the allocation, aligned to [`BUF_ALIGN_BYTES`]; owned by this value.
     ptr: NonNull<u8>,
-    /// Length in bytes: non-zero, a multiple of [`SECTOR_BYTES`]; the allocation's size.
+    /// Length in bytes: non-zero, a multiple of [`SECTOR_SIZE_BYTES`]; the allocation's size.
     len: usize,
 }
 
@@ -86,9 +84,9 @@ impl AlignedBuf {
     }
 
     fn layout(len_bytes: usize) -> Result<Layout> {
-        if len_bytes == 0 || len_bytes % SECTOR_BYTES != 0 {
+        if len_bytes == 0 || len_bytes % SECTOR_SIZE_BYTES != 0 {
             return Err(Error::invalid(format!(
-                "I/O buffer length {len_bytes} is not a non-zero multiple of {SECTOR_BYTES}"
+                "I/O buffer length {len_bytes} is not a non-zero multiple of {SECTOR_SIZE_BYTES}"
             )));
         }
         Layout::from_size_align(len_bytes, BUF_ALIGN_BYTES)

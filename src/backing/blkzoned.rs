@@ -20,7 +20,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 
-use super::{IoCompletion, IoKind, IoOp, IoQueue, SubmitResult, SECTOR_BYTES};
+use super::{IoCompletion, IoKind, IoOp, IoQueue, SubmitResult, SECTOR_SIZE_BYTES};
 use crate::error::{Error, ErrorKind, Result};
 
 /// `struct blk_zone`: one zone of a report (64 bytes).
@@ -147,7 +147,7 @@ pub(crate) fn zone_size_bytes(file: &File) -> io::Result<Option<u64>> {
             _ => Err(e),
         };
     }
-    Ok((sectors != 0).then(|| u64::from(sectors) * SECTOR_BYTES as u64))
+    Ok((sectors != 0).then(|| u64::from(sectors) * SECTOR_SIZE_BYTES as u64))
 }
 
 /// Reads the zone layout of the zoned block device open as `file`.
@@ -197,7 +197,7 @@ pub(crate) fn report(file: &File, from_bytes: u64, count: usize) -> io::Result<V
     let header = std::mem::size_of::<BlkZoneReportHeader>();
     let zone = std::mem::size_of::<BlkZone>();
     let mut out = Vec::with_capacity(count);
-    let mut sector = from_bytes / SECTOR_BYTES as u64;
+    let mut sector = from_bytes / SECTOR_SIZE_BYTES as u64;
     while out.len() < count {
         let batch = (count - out.len()).min(REPORT_BATCH);
         // u64 words keep the buffer aligned for the header and the zones.
@@ -235,7 +235,7 @@ pub(crate) fn report(file: &File, from_bytes: u64, count: usize) -> io::Result<V
                         .cast::<BlkZone>(),
                 )
             };
-            let s = SECTOR_BYTES as u64;
+            let s = SECTOR_SIZE_BYTES as u64;
             let kind = match z.kind {
                 BLK_ZONE_TYPE_CONVENTIONAL => ZoneKind::Conventional,
                 BLK_ZONE_TYPE_SEQWRITE_REQ => ZoneKind::SequentialRequired,
@@ -265,8 +265,8 @@ pub(crate) fn report(file: &File, from_bytes: u64, count: usize) -> io::Result<V
 
 fn zone_op(file: &File, request: u64, start_bytes: u64, len_bytes: u64) -> io::Result<()> {
     let range = BlkZoneRange {
-        sector: start_bytes / SECTOR_BYTES as u64,
-        nr_sectors: len_bytes / SECTOR_BYTES as u64,
+        sector: start_bytes / SECTOR_SIZE_BYTES as u64,
+        nr_sectors: len_bytes / SECTOR_SIZE_BYTES as u64,
     };
     // SAFETY: the zone-management ioctls read one `blk_zone_range` through the pointer, which
     // points to `range`, alive for the call; the fd is open while `file` is borrowed.

@@ -43,7 +43,7 @@ use parking_lot::Mutex;
 use super::check_submit;
 use super::{
     check_range, total_len, Backing, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult,
-    SECTOR_BYTES,
+    SECTOR_SIZE_BYTES,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -260,7 +260,7 @@ impl<B: Backing> FaultyBacking<B> {
             ),
             FaultKind::Short | FaultKind::Torn => {
                 let data: Vec<u8> = bufs.concat();
-                let sector = SECTOR_BYTES;
+                let sector = SECTOR_SIZE_BYTES;
                 let partial = if kind == FaultKind::Short {
                     let written = data.len() / 2 / sector * sector;
                     if written > 0 {

@@ -29,7 +29,7 @@ use super::sys::{self, io_error, with_context};
 use super::uring::UringQueue;
 use super::{
     check_depth, check_range, total_len, AlignedBuf, Backing, Engine, IoQueue, BLOCK_SIZE_BYTES,
-    BUF_ALIGN_BYTES, SECTOR_BYTES,
+    BUF_ALIGN_BYTES, SECTOR_SIZE_BYTES,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -154,7 +154,7 @@ impl FileBacking {
                 }
             }
         };
-        if zones.is_some() && dio_align_bytes != SECTOR_BYTES {
+        if zones.is_some() && dio_align_bytes != SECTOR_SIZE_BYTES {
             // Records and GC's segments are 512-byte aligned; on a 4Kn device they would fall
             // back to the page cache, which a sequential zone does not take.
             return Err(Error::new(
@@ -279,7 +279,7 @@ fn open_direct(
 
 /// The smallest of 512 and 4096 that an aligned direct read at offset 0 accepts.
 fn probe_dio_align(direct: &File) -> std::result::Result<usize, String> {
-    for align in [SECTOR_BYTES, BUF_ALIGN_BYTES] {
+    for align in [SECTOR_SIZE_BYTES, BUF_ALIGN_BYTES] {
         let mut buf = AlignedBuf::new_zeroed(align).map_err(|e| e.to_string())?;
         match direct.read_at(&mut buf, 0) {
             Ok(_) => return Ok(align),

@@ -19,7 +19,7 @@
 //!
 //! # Contracts
 //!
-//! - Offsets and lengths are multiples of [`SECTOR_BYTES`] (512), lengths are non-zero, and a
+//! - Offsets and lengths are multiples of [`SECTOR_SIZE_BYTES`](crate::units::SECTOR_SIZE_BYTES) (512), lengths are non-zero, and a
 //!   request lies inside `[0, size_bytes())`; anything else fails with `InvalidArgument` and
 //!   touches nothing. Buffers passed to the synchronous calls may have any memory alignment (the
 //!   file engine bounces unaligned ones); queued ops use [`AlignedBuf`]s.
@@ -56,7 +56,7 @@ mod uring;
 use std::fmt::Debug;
 use std::sync::Arc;
 
-pub use aligned_buf::{AlignedBuf, BUF_ALIGN_BYTES, SECTOR_BYTES};
+pub use aligned_buf::{AlignedBuf, BUF_ALIGN_BYTES};
 pub use blkzoned::{ZoneGeometry, ZoneInfo, ZoneKind, ZonePlugQueue};
 #[cfg(any(test, feature = "testing"))]
 pub use faulty::{FaultCounts, FaultKind, FaultPlan, FaultyBacking};
@@ -67,6 +67,7 @@ pub use sync::SyncQueue;
 pub use uring::UringQueue;
 
 use crate::error::{Error, Result};
+use crate::units::SECTOR_SIZE_BYTES;
 
 /// The writeback unit: one 4 KiB block. [`Backing::block_size_bytes`] of every engine.
 pub use crate::units::BLOCK_SIZE_BYTES;
@@ -319,7 +320,7 @@ impl IoOp {
         let Some(segs) = &self.segments else {
             return Ok(());
         };
-        let sector = SECTOR_BYTES;
+        let sector = SECTOR_SIZE_BYTES;
         for s in segs {
             let fits = self.bufs.get(s.buf).is_some_and(|b| {
                 s.offset
@@ -384,7 +385,7 @@ pub trait IoQueue: Send + Debug {
 
 /// Checks a request against the contract: non-zero length, 512-multiples, inside the device.
 pub(crate) fn check_range(size_bytes: u64, offset: u64, len_bytes: u64, what: &str) -> Result<()> {
-    let sector = SECTOR_BYTES as u64;
+    let sector = SECTOR_SIZE_BYTES as u64;
     if len_bytes == 0 || len_bytes % sector != 0 || offset % sector != 0 {
         return Err(Error::invalid(format!(
             "backing {what} of {len_bytes} bytes at offset {offset}: offset and length must be \

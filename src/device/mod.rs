@@ -305,9 +305,7 @@ impl Device {
         if let Some(g) = backing.zone_geometry() {
             // A zoned block device is written through its own zones: the zoned layout with
             // the device's zone size (changing either afterwards is EINVAL).
-            if g.zone_size_bytes % (1 << 20) != 0
-                || g.zone_size_bytes > crate::zoned::MAX_ZONE_SIZE_BYTES
-            {
+            if !crate::zoned::is_valid_zone_size(g.zone_size_bytes) {
                 return Err(Error::new(
                     ErrorKind::Unsupported,
                     format!(
@@ -384,7 +382,7 @@ impl Device {
     /// set afterwards).
     pub fn set_zone_size_bytes(&self, bytes: u64) -> Result<()> {
         let mut st = self.settings_for("zone_size")?;
-        if bytes == 0 || bytes % (1 << 20) != 0 || bytes > crate::zoned::MAX_ZONE_SIZE_BYTES {
+        if !crate::zoned::is_valid_zone_size(bytes) {
             return Err(Error::invalid(format!(
                 "zone_size {bytes}: must be a non-zero multiple of 1 MiB, at most {}",
                 crate::zoned::MAX_ZONE_SIZE_BYTES

@@ -87,7 +87,8 @@ impl Device {
         if len == 0 {
             return Err(Error::invalid("zero-length I/O"));
         }
-        if offset % SECTOR_SIZE_BYTES != 0 || len % SECTOR_SIZE_BYTES != 0 {
+        let sector = SECTOR_SIZE_BYTES as u64;
+        if offset % sector != 0 || len % sector != 0 {
             return Err(Error::invalid(format!(
                 "I/O at {offset}+{len} is not aligned to 512-byte sectors"
             )));

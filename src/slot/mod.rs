@@ -88,7 +88,7 @@ impl SlotTable {
         self.len as u64
     }
 
-    /// True for a zero-page device (never constructed by [`crate::device::Device`]).
+    /// True for a table of no slots (a store always has at least one).
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -22,7 +22,8 @@
 //! When no more candidates can be taken for now, the placement's remaining writes go out and the
 //! engine reaps at least one completion, finishing the pages it carries **in this task**
 //! (nothing runs in a completion context, so nothing a completion touches can have been freed:
-//! the upstream use-after-free cannot happen here):
+//! an end-io handler touching a request the writeback task already freed, a use-after-free
+//! upstream zram's batched writeback had, has no counterpart here):
 //! - write failed: the location is given back ([`WbTarget::abort`]), the charge refunded,
 //!   PP_SLOT cleared (the page stays in RAM); the error is sorted ([`note_write_error`]);
 //! - the slot lost PP_SLOT or its object while in flight (read, overwritten, discarded): the
@@ -31,8 +32,8 @@
 //!   (WB), committing it under the slot lock.
 //!
 //! When the candidates run out (or the backing is full, or the limit exhausted) the engine
-//! drains what is in flight and the placement gives back a reservation no page used (the
-//! second upstream fix). If the queue itself cannot be waited on, the pages in flight stay
+//! drains what is in flight and the placement gives back a reservation no page used (upstream
+//! zram's batched writeback leaked that block until it was fixed). If the queue itself cannot be waited on, the pages in flight stay
 //! reserved (their buffers with the queue, which leaks rather than frees them; a zone with
 //! pending records is never chosen by GC, the kernel may still be writing into it) and their
 //! slots keep their pages in RAM. No slot lock is held while waiting for I/O.

@@ -1,5 +1,5 @@
 //! Garbage collection: relocate a victim zone's live records through the scratch ring, then
-//! reset the victim (the seed's final design).
+//! reset the victim (zoned XFS's GC with its ring of scratch buffers and reused read bios).
 //!
 //! 1. **Victim**: the full zone with the fewest live bytes among those with no pending records
 //!    and at least a quarter of the zone reclaimable ([`MIN_RECLAIM_DIVISOR`]: copying a

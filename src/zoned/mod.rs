@@ -1,4 +1,4 @@
-//! Append-only (zoned) backing storage with garbage collection (seed 001).
+//! Append-only (zoned) backing storage with garbage collection, after zoned XFS's GC.
 //!
 //! The backing device is cut into zones of `zone_size_bytes` (256 MiB by default), each
 //! *empty*, *open* (being appended to at its write pointer) or *full*. Writeback appends
@@ -60,13 +60,23 @@ use crate::backing::{AlignedBuf, Backing, IoOp};
 use crate::error::{Error, Result};
 use record::{record_span_bytes, RECORD_ALIGN_BYTES};
 
-/// Default zone size: 256 MiB, the zone size of the seed's benchmark (SMR HDDs).
+/// Default zone size: 256 MiB, the zone size of host-managed SMR HDDs (and of the benchmark
+/// zoned XFS's GC ring was measured with).
 pub const DEFAULT_ZONE_SIZE_BYTES: u64 = 256 << 20;
 /// Largest zone a [`ZoneLoc`] can address: 2 GiB.
 pub const MAX_ZONE_SIZE_BYTES: u64 = (1 << 22) * RECORD_ALIGN_BYTES as u64;
+/// Zone sizes are multiples of this (1 MiB): every zoned block device's zone size is, and GC's
+/// chunk bound (an eighth of a zone) then stays a whole number of 4 KiB pieces.
+pub const ZONE_SIZE_ALIGN_BYTES: u64 = 1 << 20;
+
+/// Whether the zoned store takes zones of `bytes`: a non-zero multiple of
+/// [`ZONE_SIZE_ALIGN_BYTES`], at most [`MAX_ZONE_SIZE_BYTES`].
+pub fn is_valid_zone_size(bytes: u64) -> bool {
+    bytes != 0 && bytes % ZONE_SIZE_ALIGN_BYTES == 0 && bytes <= MAX_ZONE_SIZE_BYTES
+}
 /// Writeback writes go out in stages of this many bytes (the "at least 128 KiB").
 pub const DEFAULT_STAGE_BYTES: usize = 256 << 10;
-/// Default GC scratch: 2 buffers of 1 MiB (the seed's `XFS_GC_NR_BUFS`, `XFS_GC_BUF_SIZE`).
+/// Default GC scratch: 2 buffers of 1 MiB (zoned XFS's `XFS_GC_NR_BUFS`, `XFS_GC_BUF_SIZE`).
 pub const DEFAULT_GC_BUFFERS: usize = 2;
 /// See [`DEFAULT_GC_BUFFERS`].
 pub const DEFAULT_GC_BUFFER_BYTES: usize = 1 << 20;
@@ -337,7 +347,7 @@ impl ZoneStore {
     /// backing device held before).
     pub fn new(backing: Arc<dyn Backing>, config: ZoneConfig) -> Result<ZoneStore> {
         let zs = config.zone_size_bytes;
-        if zs == 0 || zs % (1 << 20) != 0 || zs > MAX_ZONE_SIZE_BYTES {
+        if !is_valid_zone_size(zs) {
             return Err(Error::invalid(format!(
                 "zone_size {zs}: must be a non-zero multiple of 1 MiB, at most {MAX_ZONE_SIZE_BYTES}"
             )));

@@ -1,5 +1,6 @@
-//! GC scratch space: the ring over fixed buffers (the seed's final design) and the older bank
-//! switching it replaced (kept as a benchmark baseline).
+//! GC scratch space: the ring over fixed buffers (as zoned XFS's GC manages its scratch since
+//! `xfs: rework zone GC buffer management`, 2025) and the bank switching it replaced (kept as a
+//! benchmark baseline).
 //!
 //! Both hold `nr_buffers` fixed buffers of `buffer_bytes`, each made of 4 KiB *pieces*
 //! ([`PIECE_BYTES`], one [`AlignedBuf`] each, allocated once). A GC chunk reserves consecutive
@@ -21,8 +22,9 @@ use std::collections::VecDeque;
 use crate::backing::AlignedBuf;
 use crate::error::{Error, Result};
 
-/// The unit scratch space is handed out in.
-pub const PIECE_BYTES: usize = 4096;
+/// The unit scratch space is handed out in: a 4 KiB block, so GC's reads and writes stay
+/// block-aligned.
+pub const PIECE_BYTES: usize = crate::units::BLOCK_SIZE_BYTES;
 
 /// Which scratch-space design GC uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

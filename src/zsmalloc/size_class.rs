@@ -47,8 +47,8 @@ pub const MIN_ALLOC_SIZE_BYTES: usize = 32;
 pub const MAX_PAGES_PER_ZSPAGE: usize = 8;
 /// `delta = page_size >> CLASS_BITS`.
 const CLASS_BITS: u32 = 8;
-/// Page sizes the pool supports (the kernel's common `PAGE_SIZE`s).
-pub const SUPPORTED_PAGE_SIZES_BYTES: [usize; 3] = [4096, 16384, 65536];
+/// Page sizes the pool supports (the kernel's common `PAGE_SIZE`s): the device's.
+pub use crate::units::SUPPORTED_PAGE_SIZES_BYTES;
 
 /// Number of merged classes for 4 KiB pages.
 #[cfg(test)]
