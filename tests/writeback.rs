@@ -1,7 +1,8 @@
 //! Writeback: attributes and their errnos, every mode and range syntax, read-back (plain and
 //! compressed), block release on overwrite/discard/reset, the writeback limit, a slot changed
 //! while its write is in flight, and one test per backing failure (EIO in the middle of a
-//! batch, ENOSPC from a full bitmap and from the device, torn and short writes, failed reads).
+//! batch, ENOSPC from a full bitmap and from the device, torn and short writes, failed reads, a
+//! queue that cannot be waited on).
 
 use std::sync::{Arc, Mutex};
 use uzram::backing::{
@@ -582,4 +583,109 @@ fn block_reserved_for_a_skipped_candidate_is_released_at_the_end() {
     assert!(buf == page(6, 2));
     dev.read_at(&mut buf, 2 * PAGE as u64).unwrap();
     assert!(buf == page(2, 1));
+}
+
+/// A memory backing whose queues fail their next `fail_waits` waits, as a queue the kernel
+/// cannot be waited on does (the writes themselves were done, synchronously).
+#[derive(Debug)]
+struct WaitFailsBacking {
+    inner: MemBacking,
+    fail_waits: std::sync::atomic::AtomicU32,
+}
+
+impl Backing for WaitFailsBacking {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> uzram::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+    fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> uzram::Result<()> {
+        self.inner.writev_at(bufs, offset)
+    }
+    fn flush(&self) -> uzram::Result<()> {
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "wait-fails".into()
+    }
+    fn new_queue(&self, depth: usize) -> uzram::Result<Box<dyn IoQueue + '_>> {
+        Ok(Box::new(WaitFailsQueue {
+            backing: self,
+            inner: SyncQueue::new(&self.inner, depth)?,
+        }))
+    }
+}
+
+#[derive(Debug)]
+struct WaitFailsQueue<'a> {
+    backing: &'a WaitFailsBacking,
+    inner: SyncQueue<'a>,
+}
+
+impl IoQueue for WaitFailsQueue<'_> {
+    fn depth(&self) -> usize {
+        self.inner.depth()
+    }
+    fn submit(&mut self, op: IoOp) -> SubmitResult {
+        self.inner.submit(op)
+    }
+    fn wait(&mut self, min: usize) -> uzram::Result<Vec<uzram::backing::IoCompletion>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let fail = self
+            .backing
+            .fail_waits
+            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if fail {
+            return Err(uzram::Error::io("the queue cannot be waited on"));
+        }
+        self.inner.wait(min)
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+}
+
+/// A queue that cannot be waited on stops the writeback: what was in flight counts as failed and
+/// stays in RAM (its locations stay reserved: the kernel might still write them), nothing is
+/// lost, and the next writeback works. Both layouts: one engine core.
+#[test]
+fn a_queue_that_cannot_be_waited_on_stops_the_writeback_and_loses_nothing() {
+    for zoned in [false, true] {
+        let backing = Arc::new(WaitFailsBacking {
+            inner: MemBacking::new(4 << 20).unwrap(),
+            fail_waits: std::sync::atomic::AtomicU32::new(1),
+        });
+        let dev = Device::new_uninit(PAGE).unwrap();
+        dev.set_backing(backing.clone()).unwrap();
+        if zoned {
+            dev.attr_store("backing_layout", "zoned").unwrap();
+            dev.attr_store("zone_size", "1M").unwrap();
+        }
+        dev.attr_store("disksize", &(64 * PAGE).to_string())
+            .unwrap();
+        fill(&dev, 64, 1);
+        dev.set_writeback_batch_size(4).unwrap();
+        let spec = WritebackSpec::pages(0, 63);
+        let report = dev.writeback_with_progress(&spec, &mut |_| {}).unwrap();
+        let what = if zoned { "zoned" } else { "bitmap" };
+        assert_eq!(
+            report.error.as_ref().map(|e| e.kind()),
+            Some(ErrorKind::Io),
+            "{what}"
+        );
+        assert_eq!(report.written, 0, "{what}");
+        // The bitmap engine had its 4 requests in flight; the zoned one its whole stage.
+        let in_flight = if zoned { 48 } else { 4 };
+        assert_eq!(report.failed, in_flight, "{what}: {report:?}");
+        check_all(&dev, 64, 1);
+        // The queue works again: the next writeback takes every page (48 are not same-filled).
+        let again = dev.writeback(&spec).unwrap();
+        assert_eq!(again.written, 48, "{what}");
+        check_all(&dev, 64, 1);
+        fill(&dev, 64, 2);
+        check_all(&dev, 64, 2);
+        dev.debug_check_zones();
+    }
 }
