@@ -6,6 +6,12 @@
 //! [server]                       # optional
 //! listen = "127.0.0.1:10809"     # also serve TCP (off unless given)
 //! swap = true                    # lock memory, mark the server an I/O flusher (docs/nbd.md)
+//! max_connections = 100          # connections served at once
+//! max_inflight = "128M"          # request memory budget, server-wide
+//! tls = "require"                # off | on | require (TCP), with:
+//! tls_cert = "/etc/uzram/server-cert.pem"
+//! tls_key = "/etc/uzram/server-key.pem"
+//! tls_client_ca = "/etc/uzram/ca-cert.pem"   # optional: verify client certificates
 //!
 //! [[device]]
 //! name = "zram0"                 # required: device and export name
@@ -47,6 +53,18 @@ pub struct ServeConfig {
     pub listen: Option<SocketAddr>,
     /// Serve swap safely (lock memory, I/O flusher).
     pub swap: bool,
+    /// Connections served at once (`None`: the default).
+    pub max_connections: Option<usize>,
+    /// The request memory budget in bytes (`None`: the default).
+    pub max_inflight_bytes: Option<u64>,
+    /// TLS for TCP: `off`, `on` or `require` (`None`: off).
+    pub tls: Option<String>,
+    /// The server's certificate chain (PEM).
+    pub tls_cert: Option<PathBuf>,
+    /// The server's private key (PEM).
+    pub tls_key: Option<PathBuf>,
+    /// The CA that client certificates must be signed by (PEM); none: clients are not asked.
+    pub tls_client_ca: Option<PathBuf>,
     /// The devices, in file order.
     pub devices: Vec<DeviceSpec>,
 }
@@ -98,9 +116,45 @@ impl ServeConfig {
                                     bad(format!("{what}: server.swap must be true or false"))
                                 })?
                             }
+                            "max_connections" => {
+                                cfg.max_connections = Some(
+                                    v.as_integer()
+                                        .and_then(|n| usize::try_from(n).ok())
+                                        .filter(|&n| n > 0)
+                                        .ok_or_else(|| {
+                                            bad(format!(
+                                                "{what}: server.max_connections must be a \
+                                                 positive integer"
+                                            ))
+                                        })?,
+                                )
+                            }
+                            "max_inflight" => {
+                                let n = match v {
+                                    toml::Value::Integer(n) => u64::try_from(*n).ok(),
+                                    toml::Value::String(s) => parse_size_bytes(s).ok(),
+                                    _ => None,
+                                };
+                                cfg.max_inflight_bytes = Some(n.ok_or_else(|| {
+                                    bad(format!("{what}: server.max_inflight must be a size"))
+                                })?)
+                            }
+                            "tls" | "tls_cert" | "tls_key" | "tls_client_ca" => {
+                                let s = v.as_str().ok_or_else(|| {
+                                    bad(format!("{what}: server.{k} must be a string"))
+                                })?;
+                                match k.as_str() {
+                                    "tls" => cfg.tls = Some(s.to_string()),
+                                    "tls_cert" => cfg.tls_cert = Some(s.into()),
+                                    "tls_key" => cfg.tls_key = Some(s.into()),
+                                    _ => cfg.tls_client_ca = Some(s.into()),
+                                }
+                            }
                             _ => {
                                 return Err(bad(format!(
-                                    "{what}: unknown key server.{k} (known: listen, swap)"
+                                    "{what}: unknown key server.{k} (known: listen, swap, \
+                                     max_connections, max_inflight, tls, tls_cert, tls_key, \
+                                     tls_client_ca)"
                                 )))
                             }
                         }
@@ -325,6 +379,11 @@ mod tests {
             [server]
             listen = "127.0.0.1:10809"
             swap = true
+            max_connections = 7
+            max_inflight = "256M"
+            tls = "on"
+            tls_cert = "/c.pem"
+            tls_key = "/k.pem"
             [[device]]
             name = "zram0"
             disksize = "64M"
@@ -341,6 +400,10 @@ mod tests {
         .unwrap();
         assert_eq!(c.listen, Some("127.0.0.1:10809".parse().unwrap()));
         assert!(c.swap);
+        assert_eq!(c.max_connections, Some(7));
+        assert_eq!(c.max_inflight_bytes, Some(256 << 20));
+        assert_eq!(c.tls.as_deref(), Some("on"));
+        assert_eq!(c.tls_cert, Some("/c.pem".into()));
         let d0 = &c.devices[0];
         let keys: Vec<_> = d0.attrs.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(keys, ["comp_algorithm", "algorithm_params", "mem_limit"]);
@@ -384,6 +447,8 @@ mod tests {
         assert!(ServeConfig::parse("", "t").is_err(), "no device");
         assert!(ServeConfig::parse("[server]\nlisten = \"nowhere\"\n", "t").is_err());
         assert!(ServeConfig::parse("[server]\ntls = 1\n", "t").is_err());
+        assert!(ServeConfig::parse("[server]\nmax_connections = 0\n", "t").is_err());
+        assert!(ServeConfig::parse("[server]\nmax_inflight = \"lots\"\n", "t").is_err());
         assert!(ServeConfig::parse(
             "[[device]]\nname=\"a\"\ndisksize=\"1M\"\n[[device]]\nname=\"a\"\ndisksize=\"1M\"\n",
             "t"

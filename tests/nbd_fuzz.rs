@@ -9,12 +9,13 @@ mod nbd_support;
 use nbd_support::new_device;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use std::io::Cursor;
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
-use uzram::frontend::nbd::handshake::negotiate;
+use std::io::{Cursor, Read};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use uzram::frontend::limits::{Deadline, Limits, MemoryBudget};
+use uzram::frontend::nbd::handshake::{negotiate, PlainIo};
 use uzram::frontend::nbd::protocol::*;
-use uzram::frontend::nbd::server::transmission;
+use uzram::frontend::nbd::transmission::{transmission, Channel, Context};
 use uzram::frontend::nbd::Export;
 
 fn iterations() -> usize {
@@ -170,39 +171,74 @@ fn check_structured_replies(out: &[u8]) {
     assert_eq!(p, out.len());
 }
 
-/// A writer the worker threads share through the server's mutex.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-impl std::io::Write for Sink {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
+/// The transmission phase's channel, in memory: requests from a byte string, replies into a
+/// vector.
+struct MemChannel {
+    input: Mutex<Cursor<Vec<u8>>>,
+    output: Mutex<Vec<u8>>,
+    killed: AtomicBool,
+}
+
+impl Channel for MemChannel {
+    fn recv(&self, buf: &mut [u8], _: Deadline) -> std::io::Result<usize> {
+        if self.killed.load(Ordering::SeqCst) {
+            return Ok(0);
+        }
+        self.input.lock().unwrap().read(buf)
     }
-    fn flush(&mut self) -> std::io::Result<()> {
+    fn wait_readable(&self, _: Deadline) -> std::io::Result<()> {
         Ok(())
+    }
+    fn send_all(&self, buf: &[u8], _: Deadline) -> std::io::Result<()> {
+        self.output.lock().unwrap().extend_from_slice(buf);
+        Ok(())
+    }
+    fn kill(&self) {
+        self.killed.store(true, Ordering::SeqCst);
     }
 }
 
 /// Runs one session; true if it reached the transmission phase.
-fn run_session(input: &[u8], exports: &[Export]) -> bool {
+fn run_session(input: &[u8], exports: &[Export], budget: &MemoryBudget) -> bool {
     let stop = AtomicBool::new(false);
-    let mut r = Cursor::new(input);
-    let mut hs_out = Vec::new();
-    let Ok(Some(neg)) = negotiate(&mut r, &mut hs_out, exports, Some(0), &stop) else {
+    let mut io = PlainIo {
+        reader: Cursor::new(input),
+        writer: Vec::new(),
+    };
+    let Ok(Some(neg)) = negotiate(&mut io, exports, Some(0), &stop) else {
         return false;
     };
-    let sink = Sink::default();
+    let rest = input[io.reader.position() as usize..].to_vec();
+    let ch = MemChannel {
+        input: Mutex::new(Cursor::new(rest)),
+        output: Mutex::new(Vec::new()),
+        killed: AtomicBool::new(false),
+    };
+    let limits = Limits::default();
+    let cx = Context {
+        limits: &limits,
+        budget,
+        stop: &stop,
+        workers: 2,
+    };
     let device = &*exports[neg.export].device;
-    let _ = transmission(&mut r, sink.clone(), device, &neg, 2, &stop, &|| {});
+    let _ = transmission(&ch, device, &neg, &cx);
     if neg.structured {
-        check_structured_replies(&sink.0.lock().unwrap());
+        check_structured_replies(&ch.output.lock().unwrap());
     }
+    assert_eq!(budget.stats().charged_bytes, 0, "every buffer given back");
     true
+}
+
+fn budget() -> MemoryBudget {
+    let l = Limits::default();
+    MemoryBudget::new(l.max_inflight_bytes, 0, 0, l.idle_release).unwrap()
 }
 
 #[test]
 fn fuzz_handshake_and_requests_with_mutated_sessions() {
     let exports = vec![Export::new("zram0", new_device(1 << 20))];
+    let budget = budget();
     let mut reached = 0;
     for seed in 0..iterations() as u64 {
         let mut rng = SmallRng::seed_from_u64(seed);
@@ -213,7 +249,7 @@ fn fuzz_handshake_and_requests_with_mutated_sessions() {
             mutate(&mut rng, session)
         };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_session(&input, &exports)
+            run_session(&input, &exports, &budget)
         }));
         match r {
             Ok(t) => reached += usize::from(t),
@@ -230,6 +266,7 @@ fn fuzz_handshake_and_requests_with_mutated_sessions() {
 #[test]
 fn fuzz_random_bytes() {
     let exports = vec![Export::new("zram0", new_device(1 << 20))];
+    let budget = budget();
     for seed in 0..iterations() as u64 {
         let mut rng = SmallRng::seed_from_u64(seed ^ 0xfeed);
         let len = rng.gen_range(0..512);
@@ -240,7 +277,7 @@ fn fuzz_random_bytes() {
             input[4..12].copy_from_slice(&IHAVEOPT.to_be_bytes());
         }
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_session(&input, &exports)
+            run_session(&input, &exports, &budget)
         }));
         assert!(r.is_ok(), "seed {seed} failed");
     }

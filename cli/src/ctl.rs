@@ -64,9 +64,29 @@ fn connect(dir: &Path, dev: &str) -> std::result::Result<ControlClient, (i32, St
     })
 }
 
+/// The socket directory: `--dir`, or the default one once it is known to be this user's own
+/// (mode 0700, not a symlink), so that no other user's socket answers in the server's name.
+fn socket_dir(dir: Option<PathBuf>) -> std::result::Result<PathBuf, (i32, String)> {
+    if let Some(d) = dir {
+        return Ok(d);
+    }
+    let d = crate::serve::default_socket_dir();
+    if std::fs::symlink_metadata(&d).is_ok() {
+        uzram::frontend::unix_socket::check_private_dir(&d)
+            .map_err(|e| (e.errno(), format!("uzram: {}", e.message())))?;
+    }
+    Ok(d)
+}
+
 /// Runs `uzram ctl`; returns the process's exit status (0, or the errno of the failure).
 pub fn run_ctl(args: CtlArgs) -> i32 {
-    let dir = args.dir.unwrap_or_else(crate::serve::default_socket_dir);
+    let dir = match socket_dir(args.dir) {
+        Ok(d) => d,
+        Err((errno, msg)) => {
+            eprintln!("{msg}");
+            return exit_code(errno);
+        }
+    };
     let mut client = match connect(&dir, &args.dev) {
         Ok(c) => c,
         Err((errno, msg)) => {
@@ -206,7 +226,10 @@ fn query(client: &mut ControlClient, name: &str) -> Result<Row> {
 
 /// Runs `uzram status`: every device with a control socket in the directory, as a table.
 pub fn run_status(args: StatusArgs) -> Result<()> {
-    let dir = args.dir.unwrap_or_else(crate::serve::default_socket_dir);
+    let dir = match socket_dir(args.dir) {
+        Ok(d) => d,
+        Err((_, msg)) => bail!("{}", msg.trim_start_matches("uzram: ")),
+    };
     let mut names: Vec<String> = match std::fs::read_dir(&dir) {
         Ok(rd) => rd
             .filter_map(|e| e.ok())

@@ -1,4 +1,5 @@
-//! `uzram serve`: create devices and export them over NBD until SIGINT/SIGTERM.
+//! `uzram serve`: create devices and export them over NBD until SIGINT, SIGTERM or SIGHUP (a
+//! second one forces the exit).
 //!
 //! With no flags it needs no configuration, as zram-generator does: the embedded default
 //! ([`uzram::config::DEFAULT_CONFIG_TOML`]) is one device `zram0` of min(RAM/2, 4 GiB), lz4,
@@ -14,7 +15,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use uzram::config::{ServeConfig, DEFAULT_CONFIG_TOML};
 use uzram::frontend::control::{self, ControlServer};
-use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig, Tls, TlsFiles, TlsMode};
+use uzram::frontend::unix_socket;
 use uzram::BlockDevice;
 
 #[derive(Debug, Args)]
@@ -42,9 +44,28 @@ pub struct ServeArgs {
     /// Page size in bytes: 4096, 16384 or 65536 [default: 4096].
     #[arg(long)]
     pub page_size: Option<usize>,
-    /// Also listen on TCP at ADDR:PORT (e.g. 127.0.0.1:10809). Unauthenticated: keep it local.
+    /// Also listen on TCP at ADDR:PORT (e.g. 127.0.0.1:10809). Without --tls, unauthenticated
+    /// and unencrypted: keep it on loopback.
     #[arg(long, value_name = "ADDR:PORT")]
     pub listen: Option<SocketAddr>,
+    /// TLS on TCP (NBD STARTTLS): off, on (clients choose) or require [default: off].
+    #[arg(long, value_name = "MODE")]
+    pub tls: Option<TlsMode>,
+    /// The server's certificate chain, PEM (with --tls).
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// The server's private key, PEM (with --tls).
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA, PEM (with --tls).
+    #[arg(long, value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Connections served at once; more are refused [default: 100].
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Request memory budget, server-wide: payload bytes held at once [default: 128M].
+    #[arg(long, value_name = "SIZE")]
+    pub max_inflight: Option<String>,
     /// The unix socket path [default: /run/uzram/NAME.sock as root, else
     /// $XDG_RUNTIME_DIR/uzram/NAME.sock]. The control socket is NAME.ctl beside it.
     #[arg(long)]
@@ -73,7 +94,7 @@ fn ram_bytes() -> Result<u64> {
 }
 
 /// The directory for sockets: /run/uzram as root, $XDG_RUNTIME_DIR/uzram otherwise, else
-/// /tmp/uzram-UID.
+/// /tmp/uzram-UID (created and checked by `unix_socket::ensure_private_dir`: ours, 0700).
 pub fn default_socket_dir() -> PathBuf {
     // SAFETY: geteuid has no preconditions and cannot fail.
     let uid = unsafe { libc::geteuid() };
@@ -135,7 +156,77 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
         cfg.listen = args.listen;
     }
     cfg.swap |= args.swap;
+    if let Some(n) = args.max_connections {
+        cfg.max_connections = Some(n);
+    }
+    if let Some(s) = &args.max_inflight {
+        cfg.max_inflight_bytes =
+            Some(uzram::units::parse_size_bytes(s).with_context(|| format!("--max-inflight {s}"))?);
+    }
+    if let Some(m) = args.tls {
+        cfg.tls = Some(
+            match m {
+                TlsMode::Off => "off",
+                TlsMode::On => "on",
+                TlsMode::Require => "require",
+            }
+            .into(),
+        );
+    }
+    for (flag, dst) in [
+        (&args.tls_cert, &mut cfg.tls_cert),
+        (&args.tls_key, &mut cfg.tls_key),
+        (&args.tls_client_ca, &mut cfg.tls_client_ca),
+    ] {
+        if flag.is_some() {
+            dst.clone_from(flag);
+        }
+    }
     Ok(cfg)
+}
+
+/// The server's settings from the configuration: limits and TLS.
+fn server_config(cfg: &ServeConfig) -> Result<ServerConfig> {
+    let mut sc = ServerConfig::default();
+    if cfg.swap {
+        sc = sc.for_swap();
+    }
+    if let Some(n) = cfg.max_connections {
+        sc.limits.max_connections = n;
+    }
+    if let Some(n) = cfg.max_inflight_bytes {
+        sc.limits.max_inflight_bytes = n;
+    }
+    sc.limits.validate()?;
+    let mode: TlsMode = cfg.tls.as_deref().unwrap_or("off").parse()?;
+    if mode != TlsMode::Off {
+        let (Some(cert), Some(key)) = (&cfg.tls_cert, &cfg.tls_key) else {
+            bail!(
+                "--tls={} needs --tls-cert and --tls-key",
+                cfg.tls.as_deref().unwrap_or("")
+            );
+        };
+        if cfg.listen.is_none() {
+            bail!("--tls is for TCP: give --listen too (the unix socket is owner-only)");
+        }
+        let files = TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: cfg.tls_client_ca.clone(),
+        };
+        sc.tls = Some(Tls::load(mode, &files).context("loading the TLS credentials")?);
+    } else if cfg.tls_cert.is_some() || cfg.tls_key.is_some() || cfg.tls_client_ca.is_some() {
+        bail!("TLS certificates given but --tls is off: add --tls=on or --tls=require");
+    }
+    if let Some(addr) = cfg.listen {
+        if !addr.ip().is_loopback() && mode == TlsMode::Off {
+            eprintln!(
+                "uzram: warning: listening on {addr} without TLS: anyone who can reach it can \
+                 read and write the device; use --tls=require (or a loopback address)"
+            );
+        }
+    }
+    Ok(sc)
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -144,6 +235,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         return Ok(());
     }
     let cfg = config(&args)?;
+    let server_config = server_config(&cfg)?;
     // Before any thread exists: the I/O-flusher mark is inherited by the threads created after.
     let swap = if cfg.swap {
         Some(uzram::frontend::swap::prepare())
@@ -157,15 +249,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     for spec in &cfg.devices {
         let device = Arc::new(spec.build(ram)?);
         let socket = match &spec.socket {
-            Some(p) => p.clone(),
+            Some(p) => {
+                unix_socket::check_socket_parent(p)?;
+                p.clone()
+            }
             None => {
                 let dir = default_socket_dir();
-                use std::os::unix::fs::DirBuilderExt;
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(&dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
+                unix_socket::ensure_private_dir(&dir)?;
                 dir.join(format!("{}.sock", spec.name))
             }
         };
@@ -191,17 +281,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         listen.push(Listen::Tcp(addr));
     }
 
-    // Block SIGINT/SIGTERM delivery to a handler thread before any thread starts.
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-    ])
-    .context("installing signal handlers")?;
+    // SIGINT, SIGTERM and SIGHUP are taken by a handler that only writes a pipe
+    // (signal-hook's self-pipe), read by the signal thread below.
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .context("installing signal handlers")?;
 
-    let server_config = ServerConfig {
-        preallocate: cfg.swap,
-        ..ServerConfig::default()
-    };
     let server =
         Server::start(exports, &listen, server_config).context("starting the NBD server")?;
     let mut controls = Vec::new();
@@ -232,11 +317,41 @@ pub fn run(args: ServeArgs) -> Result<()> {
     use std::io::Write;
     std::io::stdout().flush().ok();
 
-    let sig = signals.forever().next();
+    // The first signal starts a bounded stop; a second one forces the exit at once (after
+    // removing the sockets that are still ours).
+    let mut sockets = server.socket_files();
+    sockets.extend(controls.iter().map(|c| c.socket_file()));
+    let (first_tx, first_rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("uzram-signals".into())
+        .spawn(move || {
+            let name = |s| match s {
+                SIGINT => "SIGINT",
+                SIGHUP => "SIGHUP",
+                _ => "SIGTERM",
+            };
+            let mut first = true;
+            for sig in signals.forever() {
+                if first {
+                    first = false;
+                    let _ = first_tx.send(sig);
+                    continue;
+                }
+                eprintln!("uzram: {} again: exiting now", name(sig));
+                for (path, id) in &sockets {
+                    unix_socket::remove_if_ours(path, *id);
+                }
+                std::process::exit(128 + sig);
+            }
+        })
+        .context("starting the signal thread")?;
+    let sig = first_rx.recv().unwrap_or(SIGTERM);
     eprintln!(
-        "uzram: {} received: stopping (finishing requests in flight)",
+        "uzram: {} received: stopping (finishing requests in flight; a second signal exits at \
+         once)",
         match sig {
-            Some(signal_hook::consts::SIGINT) => "SIGINT",
+            SIGINT => "SIGINT",
+            SIGHUP => "SIGHUP",
             _ => "SIGTERM",
         }
     );

@@ -494,7 +494,9 @@ fn swap_without_privileges_says_what_it_could_not_do_and_serves() {
     require("prlimit");
     require("qemu-io");
     let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    // Writable by the unprivileged user, and sticky so that no other user could replace its
+    // socket (the server refuses a socket directory others can write without the sticky bit).
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
     let r = serve_in(
         dir,
         &[

@@ -25,17 +25,23 @@
 //! `reset` is refused with `EBUSY` while an NBD client has the device open, as zram refuses it
 //! while the disk is open; the check and the reset happen under the export's [`Openers`] lock,
 //! so no client can connect in between.
+//!
+//! Limits (the contract of [`crate::frontend::limits`]): at most [`MAX_CONNECTIONS`] at once
+//! (more are closed at accept); each request line must arrive whole within [`REQUEST_DEADLINE`]
+//! of the connection starting to wait for it, and each answer line must be taken within the
+//! same; the accept loop waits on a quit fd, so a stop never depends on the socket's path.
 
-use super::nbd::server::bind_unix;
+use super::limits::{accept_loop, set_nonblocking, ConnectionCap, QuitFd};
 use super::nbd::Openers;
+use super::unix_socket::{bind_unix, remove_if_ours, SocketId};
 use crate::device::attrs::kstrtou64;
 use crate::device::Device;
 use crate::error::{errno_name, Error, ErrorKind, Result};
 use serde::{Deserialize, Serialize};
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -50,6 +56,14 @@ pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
 /// The longest request line accepted: attribute values are short (the longest, a writeback
 /// `page_indexes=` list or `algorithm_params`, is far below this).
 pub const MAX_REQUEST_BYTES: u64 = 64 << 10;
+
+/// Control connections served at once: `uzram ctl` and `uzram status` open one each and close
+/// it after a request or two; 16 leaves room for scripts running in parallel.
+pub const MAX_CONNECTIONS: usize = 16;
+
+/// How long a control client has to send a whole request line (from when the server starts
+/// waiting for it), and to take each answer line. `uzram ctl` sends its request at once.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
 
 /// A request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,7 +119,8 @@ impl From<&Error> for WireError {
 /// A running control socket for one device. Dropping it stops it.
 pub struct ControlServer {
     path: PathBuf,
-    stopping: Arc<AtomicBool>,
+    id: SocketId,
+    quit: Arc<QuitFd>,
     accept: Option<JoinHandle<()>>,
 }
 
@@ -125,16 +140,40 @@ impl ControlServer {
         device: Arc<Device>,
         openers: Option<Arc<Openers>>,
     ) -> Result<ControlServer> {
-        let listener = bind_unix(path)?;
-        let stopping = Arc::new(AtomicBool::new(false));
-        let stop2 = Arc::clone(&stopping);
+        let (listener, id) = bind_unix(path)?;
+        let fail = |e: io::Error| {
+            remove_if_ours(path, id);
+            Error::from(e)
+        };
+        set_nonblocking(listener.as_raw_fd()).map_err(fail)?;
+        let quit = Arc::new(QuitFd::new().map_err(fail)?);
+        let quit2 = Arc::clone(&quit);
+        let cap = ConnectionCap::new(MAX_CONNECTIONS, "uzram ctl");
         let accept = std::thread::Builder::new()
             .name("uzram-ctl".into())
-            .spawn(move || accept_loop(&listener, &device, openers.as_ref(), &stop2))
-            .map_err(Error::from)?;
+            .spawn(move || {
+                accept_loop(
+                    &listener,
+                    &quit2,
+                    &cap,
+                    Some("uzram ctl"),
+                    |stream, slot| {
+                        let device = Arc::clone(&device);
+                        let openers = openers.clone();
+                        let _ = std::thread::Builder::new()
+                            .name("uzram-ctl-conn".into())
+                            .spawn(move || {
+                                let _slot = slot;
+                                let _ = serve_connection(stream, &device, openers.as_deref());
+                            });
+                    },
+                )
+            })
+            .map_err(fail)?;
         Ok(ControlServer {
             path: path.to_path_buf(),
-            stopping,
+            id,
+            quit,
             accept: Some(accept),
         })
     }
@@ -144,18 +183,24 @@ impl ControlServer {
         &self.path
     }
 
-    /// Stops accepting and removes the socket. Connections already open finish the request
-    /// they are serving on their own threads.
+    /// The socket's path and what it was when bound (for
+    /// [`remove_if_ours`](super::unix_socket::remove_if_ours)).
+    pub fn socket_file(&self) -> (PathBuf, SocketId) {
+        (self.path.clone(), self.id)
+    }
+
+    /// Stops accepting (at once: the accept loop waits on a quit fd) and removes the socket if
+    /// it is still ours. Connections already open finish the request they are serving on their
+    /// own threads, within their deadlines.
     pub fn stop(mut self) {
         self.stop_inner();
     }
 
     fn stop_inner(&mut self) {
         let Some(t) = self.accept.take() else { return };
-        self.stopping.store(true, Ordering::SeqCst);
-        drop(UnixStream::connect(&self.path));
+        self.quit.raise();
         let _ = t.join();
-        let _ = std::fs::remove_file(&self.path);
+        remove_if_ours(&self.path, self.id);
     }
 }
 
@@ -165,36 +210,56 @@ impl Drop for ControlServer {
     }
 }
 
-fn accept_loop(
-    listener: &UnixListener,
-    device: &Arc<Device>,
-    openers: Option<&Arc<Openers>>,
-    stopping: &AtomicBool,
-) {
-    loop {
-        let accepted = listener.accept();
-        if stopping.load(Ordering::SeqCst) {
-            return;
-        }
-        let Ok((stream, _)) = accepted else {
-            // EMFILE and the like: back off rather than spin.
-            std::thread::sleep(Duration::from_millis(50));
-            continue;
-        };
-        let device = Arc::clone(device);
-        let openers = openers.cloned();
-        let _ = std::thread::Builder::new()
-            .name("uzram-ctl-conn".into())
-            .spawn(move || {
-                let _ = serve_connection(stream, &device, openers.as_deref());
-            });
-    }
-}
-
-fn send(w: &mut impl Write, r: &Response) -> io::Result<()> {
+/// Sends one answer line; the client has [`REQUEST_DEADLINE`] to take it.
+fn send(w: &UnixStream, r: &Response) -> io::Result<()> {
     let mut line = serde_json::to_vec(r).map_err(io::Error::other)?;
     line.push(b'\n');
-    w.write_all(&line)
+    let deadline = Instant::now() + REQUEST_DEADLINE;
+    let mut rest = &line[..];
+    while !rest.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        w.set_write_timeout(Some(left))?;
+        match (&mut &*w).write(rest) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads one request line (newline included; shorter only at the end of the stream or past
+/// [`MAX_REQUEST_BYTES`]), all of it by `deadline`.
+fn read_line(
+    stream: &UnixStream,
+    reader: &mut BufReader<&UnixStream>,
+    deadline: Instant,
+) -> io::Result<Vec<u8>> {
+    let mut line = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        let room = MAX_REQUEST_BYTES + 1 - line.len() as u64;
+        match reader.by_ref().take(room).read_until(b'\n', &mut line) {
+            Ok(0) => return Ok(line),
+            Ok(_) if line.last() == Some(&b'\n') || line.len() as u64 > MAX_REQUEST_BYTES => {
+                return Ok(line)
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::ErrorKind::TimedOut.into())
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 fn serve_connection(
@@ -203,25 +268,22 @@ fn serve_connection(
     openers: Option<&Openers>,
 ) -> io::Result<()> {
     let mut reader = BufReader::new(&stream);
-    let mut w = &stream;
+    let w = &stream;
     loop {
-        let mut line = Vec::new();
-        let n = (&mut reader)
-            .take(MAX_REQUEST_BYTES + 1)
-            .read_until(b'\n', &mut line)?;
-        if n == 0 {
+        let line = read_line(&stream, &mut reader, Instant::now() + REQUEST_DEADLINE)?;
+        if line.is_empty() {
             return Ok(());
         }
         if line.last() != Some(&b'\n') {
             let e = Error::invalid("request too long or not ended by a newline");
-            send(&mut w, &Response::Error((&e).into()))?;
+            send(w, &Response::Error((&e).into()))?;
             return Ok(());
         }
         let req: Request = match serde_json::from_slice(&line) {
             Ok(r) => r,
             Err(e) => {
                 let e = Error::invalid(format!("malformed request: {e}"));
-                send(&mut w, &Response::Error((&e).into()))?;
+                send(w, &Response::Error((&e).into()))?;
                 continue;
             }
         };
@@ -230,7 +292,7 @@ fn serve_connection(
             Request::Store { attr, value } => {
                 store(device, openers, &attr, &value, &mut |p| {
                     // A client gone mid-operation does not stop the operation.
-                    let _ = send(&mut w, &Response::Progress(p));
+                    let _ = send(w, &Response::Progress(p));
                 })
                 .map(|()| String::new())
             }
@@ -239,7 +301,7 @@ fn serve_connection(
             Ok(text) => Response::Ok(text),
             Err(e) => Response::Error((&e).into()),
         };
-        send(&mut w, &r)?;
+        send(w, &r)?;
     }
 }
 

@@ -7,7 +7,12 @@
 //!   QEMU, qemu-img/qemu-io, libnbd's tools, fio's nbd engine, and the kernel through nbdfuse.
 //! - [`swap`]: what a server backing swap does to itself (locked memory, I/O flusher).
 //! - [`control`]: a running device's attributes over a unix socket (`uzram ctl`, `uzram status`).
+//! - [`limits`]: what every frontend bounds and how (connection caps, the request memory
+//!   budget, deadlines, the quit fd its accept loops wait on); [`unix_socket`]: sockets and
+//!   socket directories only their owner controls.
 
 pub mod control;
+pub mod limits;
 pub mod nbd;
 pub mod swap;
+pub mod unix_socket;

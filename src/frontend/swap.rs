@@ -30,8 +30,9 @@
 //!    never start I/O to reclaim memory (`PF_MEMALLOC_NOIO`) and it is not throttled for
 //!    dirty pages it does not own (`PF_LOCAL_THROTTLE`). Threads created afterwards inherit
 //!    it, which is why this runs first.
-//! 3. The NBD server preallocates request buffers per connection (faulted in, hence locked)
-//!    and recycles them ([`ServerConfig::preallocate`](super::nbd::ServerConfig)), so the
+//! 3. The NBD server preallocates request buffers (8 MiB server-wide, faulted in, hence
+//!    locked, inside its request memory budget:
+//!    [`ServerConfig::for_swap`](super::nbd::ServerConfig::for_swap)) and recycles them, so the
 //!    request path of a swap client takes no fresh memory from the kernel in the steady state.
 //!
 //! Thread stacks keep their default size (2 MiB of address space): locked on fault, a stack
@@ -201,12 +202,10 @@ pub fn prepare() -> Vec<String> {
              on reclaim that needs this server's own I/O"
         ));
     }
-    use super::nbd::server::{PREALLOCATED_BUFFERS, PREALLOCATED_BUFFER_BYTES};
     report.push(format!(
-        "request buffers preallocated per connection ({} of {} KiB) and recycled; the \
-         device's compressed pages are still allocated on writes, as in zram",
-        PREALLOCATED_BUFFERS,
-        PREALLOCATED_BUFFER_BYTES >> 10
+        "request buffers preallocated ({} MiB, server-wide, inside the request memory budget) \
+         and recycled; the device's compressed pages are still allocated on writes, as in zram",
+        super::limits::SWAP_PREALLOCATED_BYTES >> 20
     ));
     report
 }

@@ -1,9 +1,12 @@
 //! The handshake phase: fixed newstyle negotiation, up to the start of transmission.
 //!
-//! [`negotiate`] runs on the connection's own thread over any byte stream, so the fuzz test can
-//! drive it with in-memory bytes. It answers every option the protocol defines: `GO`, `INFO`,
-//! `EXPORT_NAME`, `LIST`, `ABORT`, `STRUCTURED_REPLY`; everything else (TLS, metadata contexts,
-//! extended headers, unknown codes) gets `NBD_REP_ERR_UNSUP` and the negotiation goes on.
+//! [`negotiate`] runs on the connection's own thread over any [`HandshakeIo`] (a socket, with
+//! the handshake deadline, or in-memory bytes in the fuzz test). It answers every option the
+//! protocol defines: `GO`, `INFO`, `EXPORT_NAME`, `LIST`, `ABORT`, `STRUCTURED_REPLY`,
+//! `STARTTLS` (where the connection offers TLS: see [`TlsPolicy`]); everything else (metadata
+//! contexts, extended headers, unknown codes) gets `NBD_REP_ERR_UNSUP` and the negotiation
+//! goes on. While TLS is required and not yet up, every option but `STARTTLS` and `ABORT` gets
+//! `NBD_REP_ERR_TLS_REQD` (and `EXPORT_NAME`, which cannot fail, closes the connection).
 //! Protocol violations the spec says to drop the connection for (unknown client flags, a bad
 //! option magic, an unknown export named by `EXPORT_NAME`) end it with an error; option data
 //! over [`MAX_OPTION_BYTES`] is swallowed and refused, or, past 1 MiB, ends the connection.
@@ -12,6 +15,64 @@ use super::protocol::*;
 use super::Export;
 use std::io::{self, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// What TLS a connection offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsPolicy {
+    /// None: `STARTTLS` gets `NBD_REP_ERR_POLICY` (unix sockets; TCP without `--tls`).
+    Unavailable,
+    /// The client may upgrade.
+    Optional,
+    /// The client must upgrade before anything else.
+    Required,
+}
+
+/// The byte stream of a handshake, and the TLS upgrade where it can happen.
+pub trait HandshakeIo: Read + Write {
+    /// What TLS this connection offers.
+    fn tls_policy(&self) -> TlsPolicy;
+    /// Whether TLS is up.
+    fn tls_active(&self) -> bool;
+    /// Runs the TLS handshake (after `NBD_REP_ACK` to `STARTTLS` was sent); every byte after
+    /// it goes through TLS. Only called when the policy offers TLS and it is not yet up.
+    fn start_tls(&mut self) -> io::Result<()>;
+}
+
+/// A plain byte stream with no TLS: a reader and a writer (tests, in-memory fuzzing).
+#[derive(Debug)]
+pub struct PlainIo<R, W> {
+    /// Where the client's bytes come from.
+    pub reader: R,
+    /// Where the server's bytes go.
+    pub writer: W,
+}
+
+impl<R: Read, W> Read for PlainIo<R, W> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.reader.read(buf)
+    }
+}
+
+impl<R, W: Write> Write for PlainIo<R, W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.writer.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.writer.flush()
+    }
+}
+
+impl<R: Read, W: Write> HandshakeIo for PlainIo<R, W> {
+    fn tls_policy(&self) -> TlsPolicy {
+        TlsPolicy::Unavailable
+    }
+    fn tls_active(&self) -> bool {
+        false
+    }
+    fn start_tls(&mut self) -> io::Result<()> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
 
 /// What the client chose: the transmission phase starts on this export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,16 +155,15 @@ fn swallow<R: Read>(r: &mut R, len: u64) -> io::Result<()> {
 /// is named after). `Ok(Some(_))`: enter transmission. `Ok(None)`: the client ended the
 /// session cleanly (`NBD_OPT_ABORT`, or hung up between options). `Err(_)`: an I/O error or a
 /// protocol violation; the caller drops the connection.
-pub fn negotiate<R: Read, W: Write>(
-    r: &mut R,
-    w: &mut W,
+pub fn negotiate<S: HandshakeIo>(
+    io: &mut S,
     exports: &[Export],
     default_export: Option<usize>,
     shutting_down: &AtomicBool,
 ) -> io::Result<Option<Negotiated>> {
-    send(w, &encode_greeting())?;
+    send(io, &encode_greeting())?;
     let mut flags = [0u8; 4];
-    r.read_exact(&mut flags)?;
+    io.read_exact(&mut flags)?;
     let client_flags = u32::from_be_bytes(flags);
     if client_flags & !KNOWN_CLIENT_FLAGS != 0 {
         return Err(protocol_error("unknown client flags"));
@@ -115,7 +175,7 @@ pub fn negotiate<R: Read, W: Write>(
 
     loop {
         let mut hdr = [0u8; OPTION_HEADER_BYTES];
-        match r.read_exact(&mut hdr) {
+        match io.read_exact(&mut hdr) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
             Err(e) => return Err(e),
@@ -125,27 +185,43 @@ pub fn negotiate<R: Read, W: Write>(
             if opt.length > MAX_SWALLOWED_OPTION_BYTES || opt.option == OPT_EXPORT_NAME {
                 return Err(protocol_error("option data too large"));
             }
-            swallow(r, u64::from(opt.length))?;
-            reply(w, opt.option, REP_ERR_TOO_BIG, b"option data too large")?;
+            swallow(io, u64::from(opt.length))?;
+            reply(io, opt.option, REP_ERR_TOO_BIG, b"option data too large")?;
             continue;
         }
         let mut data = vec![0u8; opt.length as usize];
-        r.read_exact(&mut data)?;
+        io.read_exact(&mut data)?;
 
         if shutting_down.load(Ordering::Relaxed) {
             if opt.option == OPT_EXPORT_NAME {
                 return Err(protocol_error("server shutting down"));
             }
             if opt.option != OPT_ABORT {
-                reply(w, opt.option, REP_ERR_SHUTDOWN, b"server shutting down")?;
+                reply(io, opt.option, REP_ERR_SHUTDOWN, b"server shutting down")?;
                 continue;
             }
+        }
+
+        if io.tls_policy() == TlsPolicy::Required
+            && !io.tls_active()
+            && !matches!(opt.option, OPT_STARTTLS | OPT_ABORT)
+        {
+            if opt.option == OPT_EXPORT_NAME {
+                return Err(protocol_error("EXPORT_NAME before the required TLS"));
+            }
+            reply(
+                io,
+                opt.option,
+                REP_ERR_TLS_REQD,
+                b"TLS is required: use STARTTLS",
+            )?;
+            continue;
         }
 
         match opt.option {
             OPT_ABORT => {
                 // The client may already have closed; a failed ACK is of no consequence.
-                let _ = reply(w, opt.option, REP_ACK, &[]);
+                let _ = reply(io, opt.option, REP_ACK, &[]);
                 return Ok(None);
             }
             OPT_EXPORT_NAME => {
@@ -162,7 +238,7 @@ pub fn negotiate<R: Read, W: Write>(
                 if !no_zeroes {
                     out.extend_from_slice(&[0u8; 124]);
                 }
-                send(w, &out)?;
+                send(io, &out)?;
                 return Ok(Some(Negotiated {
                     export,
                     structured,
@@ -172,7 +248,7 @@ pub fn negotiate<R: Read, W: Write>(
             }
             OPT_LIST => {
                 if !data.is_empty() {
-                    reply(w, opt.option, REP_ERR_INVALID, b"LIST takes no data")?;
+                    reply(io, opt.option, REP_ERR_INVALID, b"LIST takes no data")?;
                     continue;
                 }
                 let mut out = Vec::new();
@@ -184,12 +260,12 @@ pub fn negotiate<R: Read, W: Write>(
                     encode_option_reply(&mut out, opt.option, REP_SERVER, &d);
                 }
                 encode_option_reply(&mut out, opt.option, REP_ACK, &[]);
-                send(w, &out)?;
+                send(io, &out)?;
             }
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     reply(
-                        w,
+                        io,
                         opt.option,
                         REP_ERR_INVALID,
                         b"STRUCTURED_REPLY takes no data",
@@ -197,16 +273,21 @@ pub fn negotiate<R: Read, W: Write>(
                     continue;
                 }
                 structured = true;
-                reply(w, opt.option, REP_ACK, &[])?;
+                reply(io, opt.option, REP_ACK, &[])?;
             }
             OPT_INFO | OPT_GO => {
                 let Some(req) = InfoRequest::parse(&data) else {
-                    reply(w, opt.option, REP_ERR_INVALID, b"malformed INFO/GO request")?;
+                    reply(
+                        io,
+                        opt.option,
+                        REP_ERR_INVALID,
+                        b"malformed INFO/GO request",
+                    )?;
                     continue;
                 };
                 let Some(export) = find_export(exports, &req.name, default_export) else {
                     let msg = format!("no export named {:?}", req.name);
-                    reply(w, opt.option, REP_ERR_UNKNOWN, msg.as_bytes())?;
+                    reply(io, opt.option, REP_ERR_UNKNOWN, msg.as_bytes())?;
                     continue;
                 };
                 let e = &exports[export];
@@ -232,7 +313,7 @@ pub fn negotiate<R: Read, W: Write>(
                     encode_option_reply(&mut out, opt.option, REP_INFO, &d);
                 }
                 encode_option_reply(&mut out, opt.option, REP_ACK, &[]);
-                send(w, &out)?;
+                send(io, &out)?;
                 if opt.option == OPT_GO {
                     return Ok(Some(Negotiated {
                         export,
@@ -242,8 +323,25 @@ pub fn negotiate<R: Read, W: Write>(
                     }));
                 }
             }
-            OPT_STARTTLS => reply(w, opt.option, REP_ERR_POLICY, b"TLS is not supported")?,
-            _ => reply(w, opt.option, REP_ERR_UNSUP, b"option not supported")?,
+            OPT_STARTTLS => {
+                if io.tls_policy() == TlsPolicy::Unavailable {
+                    reply(io, opt.option, REP_ERR_POLICY, b"TLS is not enabled here")?;
+                } else if io.tls_active() || !data.is_empty() {
+                    reply(
+                        io,
+                        opt.option,
+                        REP_ERR_INVALID,
+                        b"TLS already up, or data given",
+                    )?;
+                } else {
+                    reply(io, opt.option, REP_ACK, &[])?;
+                    io.start_tls()?;
+                    // Whatever was negotiated in the clear could have been tampered with:
+                    // start over, as the protocol's TLS document recommends.
+                    structured = false;
+                }
+            }
+            _ => reply(io, opt.option, REP_ERR_UNSUP, b"option not supported")?,
         }
     }
 }

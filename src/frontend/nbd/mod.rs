@@ -5,8 +5,15 @@
 //! - [`protocol`]: the wire format (constants, message layouts, request validation); pure.
 //! - [`handshake`]: fixed newstyle negotiation (`GO`, `INFO`, `LIST`, `EXPORT_NAME`, `ABORT`,
 //!   `STRUCTURED_REPLY`), over any byte stream.
-//! - [`server`]: listeners, one thread per connection with a small worker pool that answers
-//!   requests as they finish, clean stop.
+//! - [`wire`]: a connection's byte stream, plain or TLS ([`tls`]), every wait bounded.
+//! - [`listener`]: binding, and the accept loops (connection cap, quit fd).
+//! - [`connection`]: one connection's life: the handshake under its deadline, then
+//!   [`transmission`]: requests read under the memory budget, executed by a small worker
+//!   pool, answered as they finish.
+//! - [`server`]: starting, the shared state, a bounded stop.
+//!
+//! The limits every frontend shares (connections, request memory, deadlines, the quit fd) are
+//! in [`crate::frontend::limits`].
 //!
 //! What is negotiated and why is in `docs/nbd.md`. Usage:
 //!
@@ -24,11 +31,17 @@
 //! # Ok(()) }
 //! ```
 
+mod connection;
 pub mod handshake;
+mod listener;
 pub mod protocol;
 pub mod server;
+pub mod tls;
+pub mod transmission;
+pub mod wire;
 
 pub use server::{Endpoint, Openers, Server, ServerConfig};
+pub use tls::{Tls, TlsFiles, TlsMode};
 
 use crate::BlockDevice;
 use std::net::SocketAddr;

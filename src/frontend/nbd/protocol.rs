@@ -57,7 +57,7 @@ pub const OPT_EXPORT_NAME: u32 = 1;
 pub const OPT_ABORT: u32 = 2;
 /// Option: list the exports.
 pub const OPT_LIST: u32 = 3;
-/// Option: upgrade to TLS (not supported).
+/// Option: upgrade to TLS (TCP listeners with `--tls`).
 pub const OPT_STARTTLS: u32 = 5;
 /// Option: describe an export.
 pub const OPT_INFO: u32 = 6;
@@ -78,6 +78,8 @@ pub const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 pub const REP_ERR_POLICY: u32 = (1 << 31) + 2;
 /// Option error: syntactically or semantically invalid.
 pub const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+/// Option error: TLS must be negotiated first.
+pub const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 /// Option error: the export does not exist.
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 /// Option error: the server is shutting down.
