@@ -295,28 +295,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("starting the control socket {}", ctl.display()))?;
         controls.push(c);
     }
-    let uris = server.uris();
-    for (name, device, ctl) in &devices {
-        println!(
-            "{name}: {}, {}, page size {} bytes",
-            human(device.disksize_bytes()),
-            device.comp_algorithm(),
-            device.page_size_bytes()
-        );
-        for (_, uri) in uris.iter().filter(|(n, _)| n == name) {
-            println!("  {uri}");
-        }
-        println!("  control: {}", ctl.display());
-    }
-    if let Some(report) = &swap {
-        for line in report {
-            eprintln!("uzram: --swap: {line}");
-        }
-    }
-    println!("serving; stop with Ctrl-C or SIGTERM");
-    use std::io::Write;
-    std::io::stdout().flush().ok();
-
     // The first signal starts a bounded stop; a second one forces the exit at once (after
     // removing the sockets that are still ours).
     let mut sockets = server.socket_files();
@@ -345,6 +323,28 @@ pub fn run(args: ServeArgs) -> Result<()> {
             }
         })
         .context("starting the signal thread")?;
+    let uris = server.uris();
+    for (name, device, ctl) in &devices {
+        println!(
+            "{name}: {}, {}, page size {} bytes",
+            human(device.disksize_bytes()),
+            device.comp_algorithm(),
+            device.page_size_bytes()
+        );
+        for (_, uri) in uris.iter().filter(|(n, _)| n == name) {
+            println!("  {uri}");
+        }
+        println!("  control: {}", ctl.display());
+    }
+    if let Some(report) = &swap {
+        for line in report {
+            eprintln!("uzram: --swap: {line}");
+        }
+    }
+    println!("serving; stop with Ctrl-C or SIGTERM");
+    use std::io::Write;
+    std::io::stdout().flush().ok();
+
     let sig = first_rx.recv().unwrap_or(SIGTERM);
     eprintln!(
         "uzram: {} received: stopping (finishing requests in flight; a second signal exits at \

@@ -8,8 +8,8 @@
 //! - `charged` is the capacity of every buffer handed out by [`MemoryBudget::take`] and not yet
 //!   given back; `held` the capacity of the buffers kept for reuse in `classes`.
 //! - A buffer kept for reuse is released (unmapped) when a charge needs its room, or by
-//!   [`MemoryBudget::release_idle`] once unused for the idle time, but never below the floor
-//!   (the buffers preallocated for `--swap`).
+//!   [`MemoryBudget::release_idle`] once unused for the idle time, except the floor: as many
+//!   buffers of the floor's class as were preallocated (for `--swap`) stay.
 //!
 //! Buffers come in power-of-two size classes (4 KiB << k of data plus a page for a reply
 //! header, k = 0..=13, up to the 32 MiB maximum payload), so a lookup is a few vector pops and
@@ -49,7 +49,9 @@ pub struct MemoryBudget {
     /// Signalled whenever bytes are refunded.
     refunded: Condvar,
     max_bytes: u64,
-    floor_bytes: u64,
+    /// The floor: this many buffers of this class are never released when idle.
+    floor_class: usize,
+    floor_count: usize,
     idle_release: Duration,
 }
 
@@ -85,14 +87,15 @@ impl MemoryBudget {
         floor_buffer_bytes: usize,
         idle_release: Duration,
     ) -> io::Result<MemoryBudget> {
+        let k = class_of(floor_buffer_bytes);
         let b = MemoryBudget {
             state: Mutex::new(State::default()),
             refunded: Condvar::new(),
             max_bytes,
-            floor_bytes: 0,
+            floor_class: k,
+            floor_count: 0,
             idle_release,
         };
-        let k = class_of(floor_buffer_bytes);
         let mut st = b.lock();
         while st.held + class_capacity(k) as u64 <= floor_bytes {
             let mut buf = ReqBuf::with_capacity(class_capacity(k))?;
@@ -104,12 +107,9 @@ impl MemoryBudget {
             st.held += buf.capacity() as u64;
             st.classes[k].push((buf, Instant::now()));
         }
-        let floor = st.held;
+        let floor_count = st.classes[k].len();
         drop(st);
-        Ok(MemoryBudget {
-            floor_bytes: floor,
-            ..b
-        })
+        Ok(MemoryBudget { floor_count, ..b })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -195,19 +195,27 @@ impl MemoryBudget {
         self.refunded.notify_all();
     }
 
+    /// How many buffers of class `k` are the floor's.
+    fn floor_of(&self, k: usize) -> usize {
+        if k == self.floor_class {
+            self.floor_count
+        } else {
+            0
+        }
+    }
+
     /// Releases recycled buffers given back more than the idle time ago (all of them with
-    /// `all`), down to the floor. Cheap when there is nothing to release.
+    /// `all`), except the floor. Cheap when there is nothing to release.
     pub fn release_idle(&self, all: bool) {
         let now = Instant::now();
         let mut released = Vec::new();
         let mut st = self.lock();
-        // Largest classes first, so the floor's buffers (of one small class) are the last kept.
-        for k in (0..CLASSES).rev() {
+        for k in 0..CLASSES {
             // Oldest first: buffers are pushed as given back.
             while let Some((b, at)) = st.classes[k].first() {
                 let old = all || now.duration_since(*at) >= self.idle_release;
                 let cap = b.capacity() as u64;
-                if !old || st.held - cap < self.floor_bytes {
+                if !old || st.classes[k].len() <= self.floor_of(k) {
                     break;
                 }
                 let (b, _) = st.classes[k].remove(0);
@@ -222,7 +230,8 @@ impl MemoryBudget {
     /// Whether recycled buffers above the floor are kept (which [`MemoryBudget::release_idle`]
     /// will release once they are old enough).
     pub fn has_idle_buffers(&self) -> bool {
-        self.lock().held > self.floor_bytes
+        let st = self.lock();
+        (0..CLASSES).any(|k| st.classes[k].len() > self.floor_of(k))
     }
 
     /// Where the budget stands.
@@ -283,6 +292,21 @@ mod tests {
         let small = b.take(4096, &never).unwrap().unwrap();
         assert_eq!(small.capacity(), class_capacity(0));
         b.give(small);
+    }
+
+    #[test]
+    fn the_floor_stays_even_after_evictions() {
+        let b = MemoryBudget::new(40 * MIB, 2 * MIB, 128 << 10, Duration::ZERO).unwrap();
+        let never = || false;
+        // Two large charges evict some of the floor's buffers to make room.
+        let x = b.take(32 << 20, &never).unwrap().unwrap();
+        assert!(b.stats().held_bytes < 2 * MIB);
+        b.give(x);
+        b.release_idle(false);
+        // The large buffer goes; what is left of the floor stays.
+        let s = b.stats();
+        assert!(s.held_bytes < 2 * MIB, "{s:?}");
+        assert!(!b.has_idle_buffers());
     }
 
     #[test]

@@ -157,6 +157,9 @@ impl Shared {
         drop(active);
         // The last client gone: nothing will reuse the recycled buffers soon.
         self.budget.release_idle(none_left);
+        if none_left {
+            release_heap();
+        }
     }
 
     /// Waits until no connection thread is alive or `until`; true if none is.
@@ -386,6 +389,17 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop_inner();
+    }
+}
+
+/// Returns the C heap's free memory to the kernel. The connection threads' small allocations
+/// (handshake buffers, queues) spread over glibc's per-thread arenas, which keep freed memory
+/// unless asked; once the last connection is gone nothing will reuse it soon.
+fn release_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks the allocator's own free lists; it takes its own locks.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 
