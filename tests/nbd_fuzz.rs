@@ -1,17 +1,23 @@
-//! A seeded fuzzer for the NBD message parsers: random and mutated byte streams through the
-//! handshake and the transmission phase, in memory. Nothing may panic or hang, and whatever
-//! the server answers must itself be well-formed protocol.
+//! A seeded fuzzer for the NBD message parsers and the control protocol, on the stable
+//! toolchain: random and mutated byte streams through the handshake and the transmission
+//! phase in memory, and the same against a running server over its sockets (with the control
+//! socket beside it). Nothing may panic or hang, whatever the server answers must itself be
+//! well-formed protocol, and afterwards the server is alive and 16 reference pages written
+//! before the storm read back intact.
 //!
-//! The seeds are fixed so a failure replays; set `UZRAM_FUZZ_ITERS` to run longer.
+//! The seeds are fixed so a failure replays; set `UZRAM_FUZZ_ITERS` to run longer
+//! (`scripts/fuzz-nbd` does).
 
 mod nbd_support;
+#[allow(dead_code)]
+mod page_support;
 
 use nbd_support::new_device;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::io::{Cursor, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use uzram::frontend::limits::{Deadline, Limits, MemoryBudget};
 use uzram::frontend::nbd::handshake::{negotiate, PlainIo};
 use uzram::frontend::nbd::protocol::*;
@@ -324,4 +330,175 @@ fn fuzz_request_classification() {
             _ => {}
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Against a running server, over its sockets.
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+use uzram::frontend::control::ControlServer;
+use uzram::frontend::nbd::{Listen, Server, ServerConfig};
+
+/// Control requests to mutate: every kind of show, and stores that change nothing lasting
+/// (no paths: a mutated `backing_dev` must not name a real file).
+const CONTROL_LINES: &[&str] = &[
+    r#"{"op":"show","attr":"mm_stat"}"#,
+    r#"{"op":"show","attr":"io_stat"}"#,
+    r#"{"op":"show","attr":"comp_algorithm"}"#,
+    r#"{"op":"show","attr":"disksize"}"#,
+    r#"{"op":"store","attr":"idle","value":"all"}"#,
+    r#"{"op":"store","attr":"compact","value":"1"}"#,
+    r#"{"op":"store","attr":"mem_limit","value":"64M"}"#,
+    r#"{"op":"store","attr":"reset","value":"1"}"#,
+    r#"{"op":"store","attr":"recompress","value":"type=idle"}"#,
+];
+
+fn fuzz_control(rng: &mut SmallRng, socket: &std::path::Path) {
+    let Ok(mut s) = UnixStream::connect(socket) else {
+        panic!("the control socket is gone");
+    };
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut input = Vec::new();
+    for _ in 0..rng.gen_range(1..5) {
+        let line = CONTROL_LINES[rng.gen_range(0..CONTROL_LINES.len())]
+            .as_bytes()
+            .to_vec();
+        let mut line = if rng.gen_bool(0.3) {
+            line
+        } else {
+            mutate(rng, line)
+        };
+        line.retain(|&b| b != b'\n');
+        line.push(b'\n');
+        input.extend_from_slice(&line);
+    }
+    if rng.gen_bool(0.1) {
+        input.truncate(rng.gen_range(0..input.len()));
+    }
+    let _ = s.write_all(&input);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    // Every answer is a JSON line.
+    for line in String::from_utf8_lossy(&out).lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("a JSON answer line");
+        assert!(
+            v.get("ok")
+                .or(v.get("error"))
+                .or(v.get("progress"))
+                .is_some(),
+            "{line}"
+        );
+    }
+}
+
+fn fuzz_nbd(input: &[u8], socket: &std::path::Path) {
+    let mut s = UnixStream::connect(socket).expect("the NBD socket is gone");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).expect("a greeting");
+    // The server may close mid-way (a protocol violation): writes then fail, which is fine.
+    let _ = s.write_all(input);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+}
+
+#[test]
+fn fuzz_a_running_server_and_its_control_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("zram0.sock");
+    let fuzzed = Arc::new(
+        uzram::device::Device::new(uzram::device::DeviceConfig {
+            disksize_bytes: 1 << 20,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let reference = Arc::new(
+        uzram::device::Device::new(uzram::device::DeviceConfig {
+            disksize_bytes: 1 << 20,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let pages: Vec<Vec<u8>> = (0..16).map(|i| page_support::page(i, 1)).collect();
+    for (i, p) in pages.iter().enumerate() {
+        reference.write_at(p, i as u64 * 4096).unwrap();
+    }
+    let mut limits = Limits::default();
+    // Short deadlines, so that truncated sessions end quickly.
+    limits.handshake = Duration::from_secs(2);
+    limits.request = Duration::from_secs(2);
+    limits.reply = Duration::from_secs(2);
+    let server = Server::start(
+        vec![
+            Export::new("zram0", Arc::clone(&fuzzed) as Arc<dyn uzram::BlockDevice>),
+            Export::new(
+                "reference",
+                Arc::clone(&reference) as Arc<dyn uzram::BlockDevice>,
+            ),
+        ],
+        &[Listen::Unix {
+            path: socket.clone(),
+            export: "zram0".into(),
+        }],
+        ServerConfig {
+            log_errors: false,
+            limits,
+            ..ServerConfig::default()
+        },
+    )
+    .unwrap();
+    let ctl = dir.path().join("zram0.ctl");
+    let control = ControlServer::start(&ctl, Arc::clone(&fuzzed), server.openers("zram0")).unwrap();
+    let iters = (iterations() / 5).max(50);
+    for seed in 0..iters as u64 {
+        let mut rng = SmallRng::seed_from_u64(seed ^ 0x50c4e7);
+        if seed % 8 == 7 {
+            fuzz_control(&mut rng, &ctl);
+            continue;
+        }
+        let session = valid_session(&mut rng);
+        let input = if seed % 10 == 0 {
+            session
+        } else {
+            mutate(&mut rng, session)
+        };
+        fuzz_nbd(&input, &socket);
+    }
+    // Alive: a new client negotiates, writes and reads back (after giving the device its size
+    // again if a fuzzed `reset` took it).
+    if fuzzed.disksize_bytes() == 0 {
+        let mut cc = uzram::frontend::control::ControlClient::connect(&ctl).unwrap();
+        let store = uzram::frontend::control::Request::Store {
+            attr: "disksize".into(),
+            value: "1M".into(),
+        };
+        assert_eq!(cc.call(&store, &mut |_| {}).unwrap(), Ok(String::new()));
+    }
+    let (mut c, _) = nbd_support::RawClient::handshake(&socket, true);
+    let data = nbd_support::pattern(8192, 5);
+    assert_eq!(c.write(1, 0, &data), 0);
+    assert_eq!(c.read(2, 0, 8192).data, data);
+    drop(c);
+    // The reference pages, through the server, intact.
+    let (mut r, _) = nbd_support::RawClient::handshake_export(&socket, "reference", true);
+    for (i, p) in pages.iter().enumerate() {
+        assert_eq!(
+            &r.read(10 + i as u64, i as u64 * 4096, 4096).data,
+            p,
+            "page {i}"
+        );
+    }
+    drop(r);
+    let mut cc = uzram::frontend::control::ControlClient::connect(&ctl).unwrap();
+    assert!(cc.show("mm_stat").unwrap().is_ok());
+    drop(cc);
+    control.stop();
+    server.stop();
 }

@@ -209,8 +209,14 @@ impl RawClient {
         d
     }
 
-    /// Full handshake with GO (and structured replies if asked); returns the export size.
+    /// Full handshake with GO on `zram0` (and structured replies if asked); returns the
+    /// export size.
     pub fn handshake(socket: &Path, structured: bool) -> (RawClient, u64) {
+        RawClient::handshake_export(socket, "zram0", structured)
+    }
+
+    /// Full handshake with GO on `export`.
+    pub fn handshake_export(socket: &Path, export: &str, structured: bool) -> (RawClient, u64) {
         let mut c = RawClient::connect(socket);
         c.send_client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
         if structured {
@@ -219,7 +225,7 @@ impl RawClient {
             assert_eq!(ty, REP_ACK);
             c.structured = true;
         }
-        c.send_option(OPT_GO, &RawClient::go_data("zram0", &[INFO_BLOCK_SIZE]));
+        c.send_option(OPT_GO, &RawClient::go_data(export, &[INFO_BLOCK_SIZE]));
         let mut size = None;
         loop {
             let (_, ty, d) = c.read_option_reply();

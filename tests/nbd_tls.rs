@@ -1,0 +1,369 @@
+//! NBD over TLS (`uzram serve --tls`), with real clients: libnbd's `nbdinfo` and `nbdcopy`
+//! with `nbds://` URIs, and `qemu-img` with a `tls-creds-x509` object. Certificates are made
+//! in the test with `openssl` (a CA, a server certificate for 127.0.0.1, a client certificate),
+//! in the file names qemu and libnbd look for.
+
+mod nbd_support;
+
+use nbd_support::*;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use uzram::frontend::nbd::protocol::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_uzram");
+
+/// Credentials: `dir/server` (server-cert.pem, server-key.pem, ca-cert.pem), `dir/client`
+/// (ca-cert.pem, client-cert.pem, client-key.pem) and `dir/anonymous` (ca-cert.pem only).
+struct Creds {
+    dir: tempfile::TempDir,
+}
+
+impl Creds {
+    fn server(&self) -> PathBuf {
+        self.dir.path().join("server")
+    }
+    fn client(&self) -> PathBuf {
+        self.dir.path().join("client")
+    }
+    fn anonymous(&self) -> PathBuf {
+        self.dir.path().join("anonymous")
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    run(Command::new("openssl").current_dir(dir).args(args));
+}
+
+fn make_creds() -> Creds {
+    require("openssl");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    openssl(
+        d,
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca-key.pem",
+                "-out",
+                "ca-cert.pem",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=uzram test CA",
+            ],
+        ]
+        .concat(),
+    );
+    for (who, usage) in [("server", "serverAuth"), ("client", "clientAuth")] {
+        std::fs::write(
+            d.join(format!("{who}.ext")),
+            format!(
+                "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\n\
+                 keyUsage=digitalSignature\n"
+            ),
+        )
+        .unwrap();
+        openssl(
+            d,
+            &[
+                &["req"][..],
+                &ec,
+                &[
+                    "-keyout",
+                    &format!("{who}-key.pem"),
+                    "-out",
+                    &format!("{who}.csr"),
+                    "-subj",
+                    &format!("/CN={who}"),
+                ],
+            ]
+            .concat(),
+        );
+        openssl(
+            d,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &format!("{who}.csr"),
+                "-CA",
+                "ca-cert.pem",
+                "-CAkey",
+                "ca-key.pem",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-out",
+                &format!("{who}-cert.pem"),
+                "-extfile",
+                &format!("{who}.ext"),
+            ],
+        );
+    }
+    for (sub, files) in [
+        (
+            "server",
+            &["ca-cert.pem", "server-cert.pem", "server-key.pem"][..],
+        ),
+        (
+            "client",
+            &["ca-cert.pem", "client-cert.pem", "client-key.pem"][..],
+        ),
+        ("anonymous", &["ca-cert.pem"][..]),
+    ] {
+        std::fs::create_dir(d.join(sub)).unwrap();
+        for f in files {
+            std::fs::copy(d.join(f), d.join(sub).join(f)).unwrap();
+        }
+    }
+    Creds { dir }
+}
+
+struct Running {
+    child: Child,
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+    lines: Vec<String>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Running {
+    /// The TCP port from the printed URIs.
+    fn port(&self) -> u16 {
+        self.lines
+            .iter()
+            .find_map(|l| l.trim().split("127.0.0.1:").nth(1))
+            .and_then(|r| r.split('/').next()?.parse().ok())
+            .expect("a TCP URI")
+    }
+}
+
+fn serve(creds: &Creds, tls: &str, client_ca: bool) -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("zram0.sock");
+    let s = creds.server();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--disksize", "64M", "--listen", "127.0.0.1:0"])
+        .arg("--socket")
+        .arg(&socket)
+        .arg(format!("--tls={tls}"))
+        .arg("--tls-cert")
+        .arg(s.join("server-cert.pem"))
+        .arg("--tls-key")
+        .arg(s.join("server-key.pem"));
+    if client_ca {
+        cmd.arg("--tls-client-ca").arg(s.join("ca-cert.pem"));
+    }
+    let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    let mut lines = Vec::new();
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        let done = line.starts_with("serving");
+        lines.push(line);
+        if done {
+            break;
+        }
+    }
+    assert!(lines.iter().any(|l| l.starts_with("serving")), "{lines:?}");
+    Running {
+        child,
+        _dir: dir,
+        socket,
+        lines,
+    }
+}
+
+fn nbds(port: u16, creds_dir: &Path) -> String {
+    format!(
+        "nbds://127.0.0.1:{port}/zram0?tls-certificates={}",
+        creds_dir.display()
+    )
+}
+
+/// `qemu-img ARGS` with a client `tls-creds-x509` object on `creds_dir`, the image given as
+/// options: `qemu_img(&["info"], ...)`.
+fn qemu_img_tls(verb: &[&str], port: u16, creds_dir: &Path, tail: &[&str]) -> Command {
+    let mut c = Command::new("qemu-img");
+    c.args(verb)
+        .arg("--object")
+        .arg(format!(
+            "tls-creds-x509,id=tls0,endpoint=client,dir={}",
+            creds_dir.display()
+        ))
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=raw,file.driver=nbd,file.host=127.0.0.1,file.port={port},\
+             file.export=zram0,file.tls-creds=tls0"
+        ))
+        .args(tail);
+    c
+}
+
+#[test]
+fn required_tls_serves_libnbd_and_qemu_clients_and_refuses_plain_ones() {
+    require("nbdinfo");
+    require("nbdcopy");
+    require("qemu-img");
+    let creds = make_creds();
+    let r = serve(&creds, "require", false);
+    let port = r.port();
+    assert!(
+        r.lines
+            .iter()
+            .any(|l| l.contains(&format!("nbds://127.0.0.1:{port}/zram0"))),
+        "the printed URI says TLS: {:?}",
+        r.lines
+    );
+    let uri = nbds(port, &creds.anonymous());
+    let out = run(Command::new("nbdinfo").args(["--json", &uri]));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["exports"][0]["export-size"], 64u64 << 20);
+    // nbdcopy both ways through TLS, with 4 connections.
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src.raw");
+    let back = t.path().join("back.raw");
+    std::fs::write(&src, pattern(8 << 20, 42)).unwrap();
+    run(Command::new("nbdcopy")
+        .args(["--connections=4", "--flush"])
+        .arg(&src)
+        .arg(&uri));
+    run(Command::new("nbdcopy").arg(&uri).arg(&back));
+    let b = std::fs::read(&back).unwrap();
+    assert_eq!(&b[..8 << 20], &std::fs::read(&src).unwrap()[..]);
+    assert!(b[8 << 20..].iter().all(|&x| x == 0));
+    // qemu-img reads what nbdcopy wrote, through its own TLS stack.
+    let out = run(&mut qemu_img_tls(
+        &["info", "--output=json"],
+        port,
+        &creds.anonymous(),
+        &[],
+    ));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["virtual-size"], 64u64 << 20);
+    let q = t.path().join("q.raw");
+    run(&mut qemu_img_tls(
+        &["convert", "-O", "raw"],
+        port,
+        &creds.anonymous(),
+        &[q.to_str().unwrap()],
+    ));
+    assert_eq!(std::fs::read(&q).unwrap(), b);
+    // Without TLS: libnbd is refused, and a raw client gets NBD_REP_ERR_TLS_REQD.
+    let out = Command::new("nbdinfo")
+        .arg(format!("nbd://127.0.0.1:{port}/zram0"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a plain client got in: {out:?}");
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    s.write_all(&(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES).to_be_bytes())
+        .unwrap();
+    for (opt, data) in [
+        (OPT_GO, RawClient::go_data("zram0", &[])),
+        (OPT_LIST, vec![]),
+        (OPT_STRUCTURED_REPLY, vec![]),
+    ] {
+        let mut o = IHAVEOPT.to_be_bytes().to_vec();
+        o.extend_from_slice(&opt.to_be_bytes());
+        o.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        o.extend_from_slice(&data);
+        s.write_all(&o).unwrap();
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            u32::from_be_bytes(h[12..16].try_into().unwrap()),
+            REP_ERR_TLS_REQD
+        );
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+        let mut d = vec![0u8; len as usize];
+        s.read_exact(&mut d).unwrap();
+    }
+    // The unix socket (owner-only) stays plain.
+    let (mut c, _) = RawClient::handshake(&r.socket, true);
+    assert_eq!(c.read(1, 0, 4096).data, &b[..4096]);
+}
+
+#[test]
+fn client_certificates_are_verified_when_asked() {
+    require("nbdinfo");
+    require("qemu-img");
+    let creds = make_creds();
+    let r = serve(&creds, "require", true);
+    let port = r.port();
+    run(Command::new("nbdinfo").arg(nbds(port, &creds.client())));
+    run(&mut qemu_img_tls(&["info"], port, &creds.client(), &[]));
+    let out = Command::new("nbdinfo")
+        .arg(nbds(port, &creds.anonymous()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "no client certificate, yet: {out:?}");
+}
+
+#[test]
+fn optional_tls_lets_clients_choose() {
+    require("nbdinfo");
+    let creds = make_creds();
+    let r = serve(&creds, "on", false);
+    let port = r.port();
+    run(Command::new("nbdinfo").arg(nbds(port, &creds.anonymous())));
+    run(Command::new("nbdinfo").arg(format!("nbd://127.0.0.1:{port}/zram0")));
+}
+
+#[test]
+fn tls_needs_its_files_and_tcp() {
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--disksize",
+            "1M",
+            "--tls=require",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --tls-cert and --tls-key"));
+    let t = tempfile::tempdir().unwrap();
+    let bogus = t.path().join("bogus.pem");
+    std::fs::write(&bogus, "not a certificate\n").unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--disksize",
+            "1M",
+            "--tls=on",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--tls-cert")
+        .arg(&bogus)
+        .arg("--tls-key")
+        .arg(&bogus)
+        .arg("--socket")
+        .arg(t.path().join("s.sock"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("bogus.pem"),
+        "{out:?}"
+    );
+}
