@@ -9,7 +9,6 @@
 //! (`scripts/fuzz-nbd` does).
 
 mod nbd_support;
-#[allow(dead_code)]
 mod page_support;
 
 use nbd_support::new_device;
@@ -430,11 +429,13 @@ fn fuzz_a_running_server_and_its_control_socket() {
     for (i, p) in pages.iter().enumerate() {
         reference.write_at(p, i as u64 * 4096).unwrap();
     }
-    let mut limits = Limits::default();
     // Short deadlines, so that truncated sessions end quickly.
-    limits.handshake = Duration::from_secs(2);
-    limits.request = Duration::from_secs(2);
-    limits.reply = Duration::from_secs(2);
+    let limits = Limits {
+        handshake: Duration::from_secs(2),
+        request: Duration::from_secs(2),
+        reply: Duration::from_secs(2),
+        ..Limits::default()
+    };
     let server = Server::start(
         vec![
             Export::new("zram0", Arc::clone(&fuzzed) as Arc<dyn uzram::BlockDevice>),
