@@ -191,3 +191,20 @@ fn a_client_not_taking_its_replies_is_dropped_at_the_reply_deadline() {
     drop(c);
     server.stop();
 }
+
+#[test]
+fn a_stop_ends_handshakes_at_once() {
+    // Default limits: a 10 s handshake deadline, so only the quit fd can end these quickly.
+    let served = Served::new(16 << 20);
+    let mut waiting: Vec<RawClient> = (0..3).map(|_| RawClient::connect(&served.socket)).collect();
+    // One is half-way through its options.
+    waiting[0].send_client_flags(FLAG_C_FIXED_NEWSTYLE);
+    let mut served = served;
+    let t = Instant::now();
+    served.stop();
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(1500), "stop took {took:?}");
+    for c in &mut waiting {
+        assert!(c.is_closed());
+    }
+}

@@ -51,7 +51,7 @@ pub fn accept_loop<L: Listener>(
     loop {
         match wait_fd(listener, Readiness::Read, Deadline::NONE, Some(quit)) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => return, // Stopping.
+            Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => return, // Stopping.
             Err(e) => {
                 if let Some(what) = log {
                     eprintln!("{what}: poll: {e}");

@@ -60,7 +60,8 @@ pub enum Readiness {
 }
 
 /// Waits until `fd` is ready, the deadline passes (`TimedOut`), or `quit` is raised
-/// (`Interrupted`, with the message "stopping"). Signals interrupting `poll` are retried.
+/// (`ConnectionAborted`, with the message "stopping": not `Interrupted`, which `read_exact`
+/// and friends would retry forever). Signals interrupting `poll` are retried.
 pub fn wait_fd(
     fd: &impl AsRawFd,
     what: Readiness,
@@ -111,7 +112,7 @@ pub fn wait_fd(
 }
 
 fn stopping() -> io::Error {
-    io::Error::new(io::ErrorKind::Interrupted, "stopping")
+    io::Error::new(io::ErrorKind::ConnectionAborted, "stopping")
 }
 
 /// Puts a descriptor in non-blocking mode (reads and writes return `WouldBlock` rather than
@@ -154,11 +155,11 @@ mod tests {
                 quit.raise();
             });
             let e = wait_fd(&a, Readiness::Read, Deadline::NONE, Some(&quit)).unwrap_err();
-            assert_eq!(e.kind(), io::ErrorKind::Interrupted);
+            assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted);
         });
         // Raised stays raised.
         let e = wait_fd(&a, Readiness::Read, Deadline::NONE, Some(&quit)).unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::Interrupted);
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted);
         // Writable at once.
         wait_fd(&a, Readiness::Write, Deadline::NONE, None).unwrap();
     }

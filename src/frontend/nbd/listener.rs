@@ -94,7 +94,7 @@ fn is_disconnect(e: &io::Error) -> bool {
         io::ErrorKind::UnexpectedEof
             | io::ErrorKind::ConnectionReset
             | io::ErrorKind::BrokenPipe
-            | io::ErrorKind::Interrupted
+            | io::ErrorKind::ConnectionAborted
     )
 }
 

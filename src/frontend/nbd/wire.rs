@@ -322,9 +322,7 @@ impl Wire {
         if t.raw_at < t.raw_in.len() {
             return true; // Not yet processed: the next recv will look.
         }
-        let mut probe = [0u8; 0];
-        // A zero-length read says nothing; ask rustls how much it holds instead.
-        let _ = t.conn.reader().read(&mut probe);
+        // Ask rustls how much plaintext it holds (processing nothing new).
         t.conn
             .process_new_packets()
             .map(|s| s.plaintext_bytes_to_read() > 0)
