@@ -32,6 +32,7 @@ use crate::BlockDevice;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Condvar, Mutex};
+use std::time::Duration;
 
 /// Requests in flight per connection before the reader stops reading: above qemu's 16 and
 /// libnbd's default 64 per connection, so neither is ever throttled.
@@ -45,6 +46,9 @@ pub const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 pub trait Channel: Sync {
     /// Reads some bytes (0: the client closed), waiting at most until `deadline` (`TimedOut`).
     fn recv(&self, buf: &mut [u8], deadline: Deadline) -> io::Result<usize>;
+    /// Reads some bytes between requests, waiting at most `wait` (`None`: as long as it takes);
+    /// `Ok(None)` when that passed with nothing to read.
+    fn recv_idle(&self, buf: &mut [u8], wait: Option<Duration>) -> io::Result<Option<usize>>;
     /// Waits until a read would not wait (bytes, the end of the stream, or an error).
     fn wait_readable(&self, deadline: Deadline) -> io::Result<()>;
     /// Sends all of `buf` as one unit (no other send interleaves), by `deadline`.
@@ -72,6 +76,8 @@ struct Inbound<'c, C: Channel> {
     buf: Option<ReqBuf>,
     start: usize,
     end: usize,
+    /// The stream ended while waiting between requests.
+    eof: bool,
 }
 
 impl<C: Channel> Inbound<'_, C> {
@@ -80,6 +86,9 @@ impl<C: Channel> Inbound<'_, C> {
     }
 
     fn read(&mut self, out: &mut [u8], deadline: Deadline) -> io::Result<usize> {
+        if self.buffered() == 0 && self.eof {
+            return Ok(0);
+        }
         if self.buffered() == 0 {
             if out.len() >= RECEIVE_BUFFER_BYTES {
                 return self.ch.recv(out, deadline);
@@ -135,6 +144,29 @@ impl<C: Channel> Inbound<'_, C> {
             return Ok(());
         }
         self.ch.wait_readable(deadline)
+    }
+
+    /// Waits up to `wait` for the next request's first bytes, reading them into the buffer;
+    /// `Ok(false)` if none came.
+    fn fill_idle(&mut self, wait: Option<Duration>) -> io::Result<bool> {
+        if self.buffered() > 0 {
+            return Ok(true);
+        }
+        if self.buf.is_none() {
+            // A fresh mapping: no memory is resident until bytes land in it.
+            self.buf = Some(ReqBuf::with_capacity(RECEIVE_BUFFER_BYTES)?);
+        }
+        let buf = self.buf.as_mut().expect("set above");
+        match self.ch.recv_idle(buf.whole_mut(), wait)? {
+            None => Ok(false),
+            Some(n) => {
+                self.start = 0;
+                self.end = n;
+                // At the end of the stream (n == 0) the next read sees it.
+                self.eof = n == 0;
+                Ok(true)
+            }
+        }
     }
 
     /// Gives the receive buffer back when it holds nothing.
@@ -357,6 +389,7 @@ pub fn transmission<C: Channel>(
             buf: None,
             start: 0,
             end: 0,
+            eof: false,
         };
         let r = read_requests(&mut inbound, &conn, &tx, limits);
         drop(tx);
@@ -373,21 +406,15 @@ fn wait_for_request<C: Channel>(
 ) -> io::Result<()> {
     let mut all_released = false;
     loop {
-        let deadline = if all_released {
-            Deadline::NONE
-        } else {
-            Deadline::after(conn.cx.limits.idle_release)
-        };
-        match inbound.wait_readable(deadline) {
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                if conn.inflight() == 0 {
-                    inbound.release();
-                }
-                conn.cx.budget.release_idle(false);
-                all_released = inbound.buf.is_none() && !conn.cx.budget.has_idle_buffers();
-            }
-            r => return r,
+        let wait = (!all_released).then_some(conn.cx.limits.idle_release);
+        if inbound.fill_idle(wait)? {
+            return Ok(());
         }
+        if conn.inflight() == 0 {
+            inbound.release();
+        }
+        conn.cx.budget.release_idle(false);
+        all_released = inbound.buf.is_none() && !conn.cx.budget.has_idle_buffers();
     }
 }
 
