@@ -40,10 +40,15 @@ const HELD_REQUEST_BYTES: usize = 128 << 10;
 /// The issue's targets.
 const FULL_SLACK_BYTES: u64 = 32 * MIB;
 const EMPTY_LIMIT_BYTES: u64 = 48 * MIB;
-/// docs/nbd.md, "Memory": what one open connection may hold at most, idle (its pool's retained
-/// buffers, its 256 KiB read buffer, its threads' stacks as deep as they went and their share
-/// of malloc's arenas).
-const CONNECTION_BOUND_BYTES: u64 = uzram::frontend::nbd::server::POOL_RETAINED_BYTES as u64 + MIB;
+/// docs/nbd.md, "Memory": what one open connection may hold at most, idle (its 64 KiB receive
+/// buffer, its threads' stacks as deep as they went and their share of malloc's arenas; request
+/// buffers belong to the server-wide budget and are released once idle).
+const CONNECTION_BOUND_BYTES: u64 =
+    uzram::frontend::nbd::transmission::RECEIVE_BUFFER_BYTES as u64 + MIB;
+/// Longer than the request budget's idle release (`Limits::idle_release`, 1 s): recycled request
+/// buffers are unmapped once nothing has used them for that long, so a snapshot taken after
+/// this much quiet shows what the server keeps, not what it is about to give back.
+const QUIET: std::time::Duration = std::time::Duration::from_millis(2500);
 
 /// The corpus (`uzram corpus`, every program it knows), made once per build directory.
 fn corpus_path() -> &'static Path {
@@ -238,6 +243,7 @@ fn memory_follows_the_pool(swap: bool) {
         let offset = (i * HELD_DEPTH * HELD_REQUEST_BYTES) as u64;
         exercise(c, &corpus, offset, i * HELD_DEPTH * request_pages);
     }
+    std::thread::sleep(QUIET);
     let worked = server.snapshot();
 
     run(Command::new("nbdcopy")
@@ -249,6 +255,7 @@ fn memory_follows_the_pool(swap: bool) {
         .args(["compare", "-q", "-f", "raw", "-F", "raw"])
         .arg(&image)
         .arg(server.uri()));
+    std::thread::sleep(QUIET);
     let full = server.snapshot();
 
     // In two halves: qemu-io takes at most 2 GiB - 512 bytes per request.
@@ -263,6 +270,7 @@ fn memory_follows_the_pool(swap: bool) {
         &server.uri(),
     ]));
     server.ctl(&["compact", "1"]);
+    std::thread::sleep(QUIET);
     let empty = server.snapshot();
     // The held connections are still served.
     for c in &mut held {
@@ -306,16 +314,14 @@ fn memory_follows_the_pool(swap: bool) {
         mib(empty.locked_bytes),
     );
 
-    // Under --swap each connection's preallocated buffers are really there (resident, so
-    // locked) from its first request on.
-    use uzram::frontend::nbd::server::{PREALLOCATED_BUFFERS, PREALLOCATED_BUFFER_BYTES};
+    // Under --swap the server's preallocated request buffers are really there (resident, so
+    // locked) from the start.
     if swap {
-        let preallocated = (PREALLOCATED_BUFFERS * PREALLOCATED_BUFFER_BYTES) as u64;
+        let preallocated = uzram::frontend::limits::SWAP_PREALLOCATED_BYTES;
         assert!(
-            per_conn_bytes(connected) >= preallocated,
-            "{mode}: a connection holds {} after its first request, less than its {} of \
-             preallocated buffers",
-            per_conn(connected),
+            idle.rss_bytes >= preallocated,
+            "{mode}: the idle server holds {}, less than its {} of preallocated buffers",
+            mib(idle.rss_bytes),
             mib(preallocated)
         );
     }

@@ -155,8 +155,10 @@ impl Shared {
         let none_left = *active == 0;
         self.active_cv.notify_all();
         drop(active);
-        // The last client gone: nothing will reuse the recycled buffers soon.
-        self.budget.release_idle(none_left);
+        // A client gone: the buffers it gave back would otherwise wait for another
+        // connection's idle timer, and one idle for long waits without one. Connections end
+        // rarely, so releasing every recycled buffer now costs the others little.
+        self.budget.release_idle(true);
         if none_left {
             release_heap();
         }
