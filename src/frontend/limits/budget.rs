@@ -46,7 +46,8 @@ fn class_of(len: usize) -> usize {
 #[derive(Debug)]
 pub struct MemoryBudget {
     state: Mutex<State>,
-    /// Signalled whenever bytes are refunded.
+    /// Signalled when bytes are refunded and a charge is waiting (`State::waiting`: std's
+    /// `notify_all` is a system call even with no waiter, and this is every request's path).
     refunded: Condvar,
     max_bytes: u64,
     /// The floor: this many buffers of this class are never released when idle.
@@ -60,6 +61,8 @@ struct State {
     charged: u64,
     held: u64,
     peak_charged: u64,
+    /// Charges waiting for room.
+    waiting: usize,
     /// Recycled buffers by class, each with the time it was given back (newest last).
     classes: [Vec<(ReqBuf, Instant)>; CLASSES],
 }
@@ -149,11 +152,13 @@ impl MemoryBudget {
                 st.peak_charged = st.peak_charged.max(st.charged);
                 break (pooled, cap);
             }
+            st.waiting += 1;
             st = self
                 .refunded
                 .wait_timeout(st, WAIT_SLICE)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            st.waiting -= 1;
         };
         drop(st);
         drop(evicted);
@@ -175,8 +180,11 @@ impl MemoryBudget {
     fn refund(&self, cap: u64) {
         let mut st = self.lock();
         st.charged -= cap;
+        let wake = st.waiting > 0;
         drop(st);
-        self.refunded.notify_all();
+        if wake {
+            self.refunded.notify_all();
+        }
     }
 
     /// Gives a buffer from [`MemoryBudget::take`] back: its charge is refunded and it is kept
@@ -191,8 +199,11 @@ impl MemoryBudget {
         st.held += cap;
         st.classes[k].push((buf, Instant::now()));
         debug_assert!(st.charged + st.held <= self.max_bytes.max(cap));
+        let wake = st.waiting > 0;
         drop(st);
-        self.refunded.notify_all();
+        if wake {
+            self.refunded.notify_all();
+        }
     }
 
     /// How many buffers of class `k` are the floor's.

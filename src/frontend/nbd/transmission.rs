@@ -139,11 +139,17 @@ impl<C: Channel> Inbound<'_, C> {
         Ok(())
     }
 
-    fn wait_readable(&self, deadline: Deadline) -> io::Result<()> {
-        if self.buffered() > 0 {
-            return Ok(());
+    /// Waits until bytes are buffered (or the stream ended), by `deadline`. The wait is
+    /// [`Inbound::fill_idle`]'s blocking receive in slices of `slice` (the same timeout as
+    /// between requests, so the socket's timeout is not set again): one system call when the
+    /// bytes come, where `poll` and then `recv` would be two.
+    fn wait_for_bytes(&mut self, deadline: Deadline, slice: Duration) -> io::Result<()> {
+        while !self.fill_idle(Some(slice))? {
+            if deadline.passed() {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+            }
         }
-        self.ch.wait_readable(deadline)
+        Ok(())
     }
 
     /// Waits up to `wait` for the next request's first bytes, reading them into the buffer;
@@ -193,8 +199,9 @@ struct Conn<'a, C: Channel> {
     structured: bool,
     /// Set when a reply could not be sent: the client is gone, stop reading.
     failed: AtomicBool,
-    /// Requests in flight on this connection.
-    inflight: Mutex<usize>,
+    /// Requests in flight on this connection, and whether the reader waits for one to end
+    /// (so that ending one wakes it only then: a condvar's notify is a system call).
+    inflight: Mutex<(usize, bool)>,
     inflight_cv: Condvar,
 }
 
@@ -250,27 +257,35 @@ impl<C: Channel> Conn<'_, C> {
     /// Waits for a request slot on this connection; false if cancelled meanwhile.
     fn begin(&self) -> bool {
         let mut n = lock(&self.inflight);
-        while *n >= MAX_INFLIGHT_REQUESTS {
+        while n.0 >= MAX_INFLIGHT_REQUESTS {
             if self.cancelled() {
+                n.1 = false;
                 return false;
             }
+            n.1 = true;
             n = self
                 .inflight_cv
-                .wait_timeout(n, std::time::Duration::from_millis(50))
+                .wait_timeout(n, Duration::from_millis(50))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        *n += 1;
+        n.0 += 1;
+        n.1 = false;
         true
     }
 
     fn end(&self) {
-        *lock(&self.inflight) -= 1;
-        self.inflight_cv.notify_all();
+        let mut n = lock(&self.inflight);
+        n.0 -= 1;
+        let wake = n.1;
+        drop(n);
+        if wake {
+            self.inflight_cv.notify_all();
+        }
     }
 
     fn inflight(&self) -> usize {
-        *lock(&self.inflight)
+        lock(&self.inflight).0
     }
 
     /// Executes a request, replies, and gives its buffer back.
@@ -370,7 +385,7 @@ pub fn transmission<C: Channel>(
         device,
         structured: neg.structured,
         failed: AtomicBool::new(false),
-        inflight: Mutex::new(0),
+        inflight: Mutex::new((0, false)),
         inflight_cv: Condvar::new(),
     };
     let (tx, rx) = mpsc::channel::<Job>();
@@ -462,7 +477,7 @@ fn read_requests<C: Channel>(
             }
             Action::Write { length, .. } => {
                 // Nothing is charged for a payload that has not started to arrive.
-                inbound.wait_readable(deadline)?;
+                inbound.wait_for_bytes(deadline, conn.cx.limits.idle_release)?;
                 length as usize
             }
             Action::Read { length, .. } => {
