@@ -3,6 +3,7 @@
 //! in the test with `openssl` (a CA, a server certificate for 127.0.0.1, a client certificate),
 //! in the file names qemu and libnbd look for.
 
+#[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
 
 use nbd_support::*;

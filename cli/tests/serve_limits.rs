@@ -4,6 +4,7 @@
 //! the socket directory. Memory is checked from `/proc/PID/status` (deterministic amounts, no
 //! timing asserted); stops are checked to end within seconds.
 
+#[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
 
 use nbd_support::*;
