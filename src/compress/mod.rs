@@ -57,6 +57,40 @@ pub fn algorithms() -> &'static [&'static str] {
     &ALGORITHMS
 }
 
+/// Codec priorities: 0 is the primary codec (`comp_algorithm`), 1..=3 the recompression
+/// codecs (`recomp_algorithm priority=N`), as zram's `ZRAM_MAX_COMPS`. A slot's two priority
+/// bits say which one wrote it.
+pub const MAX_COMPS: usize = 4;
+
+/// The deflate window uzram's deflate compresses with, in bits (`deflate.winbits`):
+/// `miniz_oxide`, the pure-Rust backend, always uses a 32 KiB window and cannot take a smaller
+/// one, so this is the only value `algorithm_params` accepts.
+pub const DEFLATE_WINBITS: i32 = 15;
+
+/// The kernel's algorithms uzram leaves out on purpose: every implementation of lzo and
+/// lzo-rle found is GPL-only, and the crate is MIT OR Apache-2.0; 842 has no Rust
+/// implementation.
+const NOT_PROVIDED: [&str; 3] = ["lzo", "lzo-rle", "842"];
+
+/// Checks that `name` is an algorithm [`new_codec`] accepts; `EINVAL` otherwise, with a message
+/// listing what is supported (and why lzo and lzo-rle, the kernel's defaults, are not).
+pub fn check_algorithm(name: &str) -> Result<()> {
+    let name = name.trim();
+    if ALGORITHMS.contains(&name) {
+        return Ok(());
+    }
+    let why = if NOT_PROVIDED.contains(&name) {
+        " is not provided by uzram (lzo and lzo-rle exist only under the GPL, 842 not in Rust; \
+         uzram is MIT OR Apache-2.0)"
+    } else {
+        " is not a known compression algorithm"
+    };
+    Err(Error::invalid(format!(
+        "{name:?}{why}; supported: {}",
+        ALGORITHMS.join(" ")
+    )))
+}
+
 /// Creates the codec `name` with `params`.
 ///
 /// An unknown name, or a level the algorithm does not accept, is `EINVAL` (what zram's
@@ -68,10 +102,7 @@ pub fn new_codec(name: &str, params: CodecParams) -> Result<Box<dyn Codec>> {
         lz4hc::NAME => Ok(Box::new(Lz4Hc::new(params)?)),
         zstd::NAME => Ok(Box::new(Zstd::new(params)?)),
         deflate::NAME => Ok(Box::new(Deflate::new(params)?)),
-        other => Err(Error::invalid(format!(
-            "unknown compression algorithm {other:?} (known: {})",
-            ALGORITHMS.join(" ")
-        ))),
+        other => Err(check_algorithm(other).expect_err("not one of the names matched above")),
     }
 }
 

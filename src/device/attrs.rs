@@ -5,9 +5,9 @@
 //! Reading a write-only attribute or writing a read-only one is `EACCES`, as sysfs gives root;
 //! an unknown name is `ENOENT`. See `docs/attributes.md` for each attribute.
 
-use super::{Device, IdleCutoff};
+use super::{recompress, Device, IdleCutoff};
 use crate::backing::{FileBacking, FileOptions};
-use crate::compress::{self, CodecParams};
+use crate::compress::{self, CodecParams, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
 pub use crate::units::{kstrtobool, kstrtou64};
 use crate::units::{parse_size_bytes, strip_newline};
@@ -122,6 +122,13 @@ pub const ATTRIBUTES: &[Attr] = &[
     Attr::wo("mem_used_max", store_mem_used_max),
     Attr::ro("meta_stat", |d| d.meta_stats().meta_stat()),
     Attr::ro("mm_stat", |d| d.stats().mm_stat()),
+    Attr::rw(
+        "recomp_algorithm",
+        recompress::show_recomp_algorithm,
+        recompress::store_recomp_algorithm,
+    ),
+    Attr::ro("recomp_stat", recompress::show_recomp_stat),
+    Attr::wo("recompress", Device::recompress_str),
     Attr::wo("reset", store_reset),
     Attr::wo("writeback", Device::writeback_str),
     Attr::rw(
@@ -197,12 +204,18 @@ impl Device {
     }
 
     /// `algorithm_params`: space-separated `key=value`: `algo=NAME` or `priority=N` selects
-    /// the codec (default: the primary), `level=N` sets its level. Unknown keys are ignored, as
-    /// in zram; a key without a value is `EINVAL`. Only before initialisation (`EBUSY`).
+    /// the codec (default: the primary, priority 0; `algo` the first priority with that
+    /// algorithm), `level=N` sets its level, `deflate.winbits=N` deflate's window (only 15,
+    /// the one uzram's deflate uses, is accepted: anything else is `EOPNOTSUPP`, never
+    /// ignored). The priority's parameters are replaced as a whole, as the kernel's
+    /// `comp_params_store` does. Unknown keys are ignored, as in zram; a key without a value,
+    /// a bad number, a priority outside 0..=3 or without an algorithm, or a level the
+    /// algorithm refuses is `EINVAL`. Only before initialisation (`EBUSY`).
     fn store_algorithm_params(&self, value: &str) -> Result<()> {
         let mut prio: i64 = 0;
         let mut algo: Option<&str> = None;
         let mut level: Option<i32> = None;
+        let mut winbits: Option<i32> = None;
         for tok in strip_newline(value).split_ascii_whitespace() {
             let Some((key, val)) = tok.split_once('=') else {
                 return Err(Error::invalid(format!("{tok:?} is not key=value")));
@@ -210,18 +223,14 @@ impl Device {
             if val.is_empty() {
                 return Err(Error::invalid(format!("{key} has no value")));
             }
+            let int = |what: &str| {
+                val.parse::<i32>()
+                    .map_err(|_| Error::invalid(format!("bad {what} {val:?}")))
+            };
             match key {
-                "priority" => {
-                    prio = val
-                        .parse()
-                        .map_err(|_| Error::invalid(format!("bad priority {val:?}")))?
-                }
-                "level" => {
-                    level = Some(
-                        val.parse()
-                            .map_err(|_| Error::invalid(format!("bad level {val:?}")))?,
-                    )
-                }
+                "priority" => prio = int("priority")?.into(),
+                "level" => level = Some(int("level")?),
+                "deflate.winbits" => winbits = Some(int("deflate.winbits")?),
                 "algo" => algo = Some(val),
                 "dict" => {
                     return Err(Error::new(
@@ -233,36 +242,70 @@ impl Device {
             }
         }
         let mut st = self.state.write();
-        if let Some(a) = algo {
-            // The priority of the codec with that name; only the primary (0) exists until
-            // recompression algorithms are configured.
-            prio = if st.settings.comp_algorithm == a {
-                0
+        let configured = |st: &super::State, p: usize| -> Option<String> {
+            if p == 0 {
+                Some(st.settings.comp_algorithm.clone())
             } else {
-                -1
-            };
-        }
-        if prio != 0 {
-            return Err(Error::invalid(
-                "no such algorithm or priority (only the primary algorithm is configured)",
-            ));
-        }
+                st.settings.recomp_algorithms.get(p)?.clone()
+            }
+        };
+        let prio = match algo {
+            Some(a) => (0..MAX_COMPS)
+                .find(|&p| configured(&st, p).as_deref() == Some(a))
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "algorithm_params: {a} is neither comp_algorithm nor a recomp_algorithm"
+                    ))
+                })?,
+            None => usize::try_from(prio)
+                .ok()
+                .filter(|&p| p < MAX_COMPS)
+                .ok_or_else(|| {
+                    Error::invalid(format!("algorithm_params: priority {prio} outside 0..=3"))
+                })?,
+        };
+        let Some(alg) = configured(&st, prio) else {
+            return Err(Error::invalid(format!(
+                "algorithm_params: no algorithm at priority {prio} (set recomp_algorithm first)"
+            )));
+        };
         if st.store.is_some() {
             return Err(Error::busy(
                 "algorithm_params cannot change once initialised",
             ));
         }
+        if let Some(w) = winbits {
+            if alg != "deflate" {
+                return Err(Error::invalid(format!(
+                    "algorithm_params: deflate.winbits is for deflate, not {alg}"
+                )));
+            }
+            if w != compress::DEFLATE_WINBITS {
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "algorithm_params: deflate.winbits={w}: uzram's deflate uses a window of \
+                         {} bits only",
+                        compress::DEFLATE_WINBITS
+                    ),
+                ));
+            }
+        }
         let params = CodecParams { level };
         // Validate now, so a bad level fails here rather than at disksize.
-        compress::new_codec(&st.settings.comp_algorithm, params)?;
-        st.settings.comp_params = params;
+        compress::new_codec(&alg, params)?;
+        if prio == 0 {
+            st.settings.comp_params = params;
+        } else {
+            st.settings.recomp_params[prio] = params;
+        }
         Ok(())
     }
 }
 
-/// `comp_algorithm`: every algorithm, the selected one in brackets.
-fn show_comp_algorithm(d: &Device) -> String {
-    let selected = d.comp_algorithm();
+/// Every algorithm, `selected` in brackets, each followed by a space, then a newline (the
+/// kernel's `zcomp_available_show`).
+pub(super) fn algorithm_list(selected: &str) -> String {
     let mut out = String::new();
     for a in compress::algorithms() {
         if *a == selected {
@@ -275,18 +318,19 @@ fn show_comp_algorithm(d: &Device) -> String {
     out
 }
 
-/// `comp_algorithm`: `EINVAL` for an unknown name, `EBUSY` once initialised. A change of
-/// algorithm drops the parameters set for the old one.
+/// `comp_algorithm`: every algorithm, the selected one in brackets.
+fn show_comp_algorithm(d: &Device) -> String {
+    algorithm_list(&d.comp_algorithm())
+}
+
+/// `comp_algorithm`: `EINVAL` for a name uzram does not have (the message lists those it
+/// has), `EBUSY` once initialised. The parameters set by `algorithm_params` are kept, as the
+/// kernel keeps them; a level the new algorithm refuses fails `disksize` with `EINVAL`.
 fn store_comp_algorithm(d: &Device, value: &str) -> Result<()> {
     let algo = strip_newline(value);
-    if !compress::algorithms().contains(&algo) {
-        return Err(Error::invalid(format!("unknown algorithm {algo:?}")));
-    }
+    compress::check_algorithm(algo)?;
     let mut st = d.settings_for("comp_algorithm")?;
-    if st.settings.comp_algorithm != algo {
-        st.settings.comp_algorithm = algo.to_string();
-        st.settings.comp_params = CodecParams::default();
-    }
+    st.settings.comp_algorithm = algo.to_string();
     Ok(())
 }
 

@@ -18,15 +18,16 @@
 //! - Each slot has its own lock ([`crate::slot`]); a slot's data and its share of the counters
 //!   change only under it, inside the store.
 //! - The allocator has its own per-class locks, never held while taking a slot lock.
-//! - Writeback adds `pp_lock` (one writeback at a time, taken with `state` held shared and
-//!   never waited for: a second writeback gets `EAGAIN`), and leaf locks: the writeback
-//!   target's (the bitmap's, or the zone store's) and the writeback limit's.
+//! - Writeback and recompression share `pp_lock` (one of them at a time, taken with `state`
+//!   held shared and never waited for: a second one gets `EAGAIN`); writeback adds leaf locks:
+//!   the writeback target's (the bitmap's, or the zone store's) and the writeback limit's.
 //!
 //! Lock order: `state` → `pp_lock` → slot lock → allocator locks, target lock, limit lock.
 //! No slot lock is held while waiting for backing I/O.
 
 pub mod attrs;
 pub mod idle;
+mod recompress;
 pub mod request;
 pub mod stats;
 mod writeback;
@@ -35,9 +36,10 @@ pub use idle::IdleCutoff;
 pub use stats::{MetaStats, StatsSnapshot};
 
 use crate::backing::Backing;
-use crate::compress::{self, CodecParams};
+use crate::compress::{self, CodecParams, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
-use crate::store::{BackingLayout, Free, Store, WbTarget};
+use crate::store::{BackingLayout, Codecs, Free, Store, WbTarget};
+pub use crate::store::{RecompressReport, RecompressSpec};
 use crate::units::{BLOCK_SIZE_BYTES, DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
 use crate::writeback::{WbLimit, DEFAULT_WB_BATCH_SIZE};
 use crate::zoned::DEFAULT_ZONE_SIZE_BYTES;
@@ -82,6 +84,12 @@ impl Default for DeviceConfig {
 struct Settings {
     comp_algorithm: String,
     comp_params: CodecParams,
+    /// `recomp_algorithm`: the recompression algorithm of priorities 1..=3 (`[0]` unused:
+    /// the primary is `comp_algorithm`).
+    recomp_algorithms: [Option<String>; MAX_COMPS],
+    /// `algorithm_params priority=N` of priorities 1..=3 (`[0]` unused: `comp_params`). Kept
+    /// when the priority's algorithm changes, as the kernel keeps them.
+    recomp_params: [CodecParams; MAX_COMPS],
     /// `backing_dev`: where writeback puts pages (none until set).
     backing: Option<Arc<dyn Backing>>,
     /// `compressed_writeback`.
@@ -97,6 +105,8 @@ impl Default for Settings {
         Settings {
             comp_algorithm: DEFAULT_COMP_ALGORITHM.to_string(),
             comp_params: CodecParams::default(),
+            recomp_algorithms: Default::default(),
+            recomp_params: [CodecParams::default(); MAX_COMPS],
             backing: None,
             compressed_writeback: false,
             backing_layout: BackingLayout::Bitmap,
@@ -133,7 +143,7 @@ pub struct Device {
     wb_limit: WbLimit,
     /// `writeback_batch_size` (at least 1), read when a writeback starts. Kept by reset.
     wb_batch_size: AtomicU32,
-    /// Held by the running writeback (zram's `pp_in_progress`).
+    /// Held by the running writeback or recompression (zram's `pp_in_progress`).
     pp_lock: Mutex<()>,
 }
 
@@ -247,7 +257,7 @@ impl Device {
             .ok_or_else(|| Error::invalid("disksize too large"))?
             / page
             * page;
-        let codec = compress::new_codec(&st.settings.comp_algorithm, st.settings.comp_params)?;
+        let codecs = Self::new_codecs(&st.settings)?;
         #[cfg(any(test, feature = "testing"))]
         let capacity = match self.deferred_capacity.load(Ordering::Relaxed) {
             0 => None,
@@ -269,12 +279,35 @@ impl Device {
         let store = Store::new(
             self.page_size_bytes,
             disksize_bytes / page,
-            codec,
+            codecs,
             pool,
             target,
         )?;
         st.store = Some(store);
         Ok(())
+    }
+
+    /// The codecs `settings` name, each with its parameters: `EINVAL` for parameters an
+    /// algorithm refuses (kept from an earlier algorithm of the same priority).
+    fn new_codecs(settings: &Settings) -> Result<Codecs> {
+        let with_prio = |prio: usize, e: crate::Error| {
+            Error::invalid(format!(
+                "algorithm_params of priority {prio} do not suit its algorithm: {}",
+                e.message()
+            ))
+        };
+        let primary = compress::new_codec(&settings.comp_algorithm, settings.comp_params)
+            .map_err(|e| with_prio(0, e))?;
+        let mut secondary: [Option<Box<dyn compress::Codec>>; MAX_COMPS] = Default::default();
+        for (prio, alg) in settings.recomp_algorithms.iter().enumerate().skip(1) {
+            if let Some(alg) = alg {
+                secondary[prio] = Some(
+                    compress::new_codec(alg, settings.recomp_params[prio])
+                        .map_err(|e| with_prio(prio, e))?,
+                );
+            }
+        }
+        Ok(Codecs::new(primary, secondary))
     }
 
     /// Frees everything and returns to the uninitialised state with default settings, as

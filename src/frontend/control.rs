@@ -369,6 +369,15 @@ fn progress_line(
             now.pages_compacted.saturating_sub(before.pages_compacted),
             now.mem_used_total_bytes
         ),
+        "recompress" => format!(
+            "recompress: {} pages tried, {} recompressed, {} incompressible, compr_data_size {} \
+             ({secs} s)",
+            now.recomp_tried.saturating_sub(before.recomp_tried),
+            now.recomp_done.saturating_sub(before.recomp_done),
+            now.recomp_incompressible
+                .saturating_sub(before.recomp_incompressible),
+            now.compr_data_size_bytes
+        ),
         "gc" => {
             let z = device.zone_stats().unwrap_or_default();
             format!(
@@ -377,8 +386,8 @@ fn progress_line(
             )
         }
         _ => {
-            // Writeback and recompression move bd_stat and mm_stat; bd_stat's third column
-            // is bd_writes (4 KiB units, as zram's FOUR_K).
+            // Writeback moves bd_stat and mm_stat; bd_stat's third column is bd_writes
+            // (4 KiB units, as zram's FOUR_K).
             let bd_writes = device
                 .attr_show("bd_stat")
                 .ok()

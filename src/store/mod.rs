@@ -40,10 +40,15 @@
 //! init lock shared around every call; writeback's caller holds `pp_lock` too.
 
 mod bitmap;
+mod codecs;
+mod recompress;
 mod stats;
 mod target;
 
+pub use recompress::{RecompressReport, RecompressSpec};
 pub use stats::{MetaStats, StatsSnapshot};
+
+pub(crate) use codecs::Codecs;
 pub use target::BackingLayout;
 
 pub(crate) use bitmap::BlockIndex;
@@ -51,7 +56,7 @@ pub(crate) use target::{BitmapTarget, WbTarget, ZonedTarget};
 
 use std::time::Instant;
 
-use crate::compress::{fill_same, same_filled_word, Codec};
+use crate::compress::{fill_same, same_filled_word};
 use crate::error::{Error, ErrorKind, Result};
 use crate::slot::{SlotFlags, SlotGuard, SlotIndex, SlotState, SlotTable};
 use crate::units::units_per_page;
@@ -111,7 +116,9 @@ pub(crate) struct Store {
     page_size_bytes: usize,
     slots: SlotTable,
     pool: ZsPool,
-    codec: Box<dyn Codec>,
+    /// The codec of each priority: `[0]` the primary (always set), `[1..=3]` the recompression
+    /// codecs (`recomp_algorithm`). Fixed for the store's life; a slot's priority bits index it.
+    codecs: Codecs,
     /// Pages whose compressed size is at least this are stored raw (HUGE): the smallest size
     /// class holding one object per zspage, where compression saves nothing.
     huge_threshold_bytes: usize,
@@ -131,12 +138,13 @@ enum Source<'a> {
 }
 
 impl Store {
-    /// A store of `nr_pages` empty slots of `page_size_bytes`, compressing with `codec` into
-    /// `pool`, writing back into `target`.
+    /// A store of `nr_pages` empty slots of `page_size_bytes`, compressing with `codecs`
+    /// (the primary at priority 0, recompression codecs above) into `pool`, writing back into
+    /// `target`.
     pub(crate) fn new(
         page_size_bytes: usize,
         nr_pages: u64,
-        codec: Box<dyn Codec>,
+        codecs: Codecs,
         pool: ZsPool,
         target: Option<WbTarget>,
     ) -> Result<Store> {
@@ -146,7 +154,7 @@ impl Store {
             huge_threshold_bytes: pool.huge_class_size_bytes(),
             slots,
             pool,
-            codec,
+            codecs,
             stats: StoreStats::default(),
             target,
             epoch: Instant::now(),
@@ -207,7 +215,7 @@ impl Store {
         if let Some(word) = same_filled_word(page) {
             return Ok(Prepared::Same(word));
         }
-        let comp_len = self.codec.compress(page, dst)?;
+        let comp_len = self.codecs.primary().compress(page, dst)?;
         let (src, huge) = if comp_len >= self.huge_threshold_bytes {
             (page, true)
         } else {
@@ -353,7 +361,7 @@ impl Store {
                 out.copy_from_slice(obj);
                 Ok(())
             } else {
-                self.codec.decompress(obj, out)
+                self.codecs.get(st.prio())?.decompress(obj, out)
             }
         })?;
         Ok(Source::Done)
@@ -368,7 +376,7 @@ impl Store {
         out: &mut [u8],
         scratch: &mut [u8],
     ) -> Result<()> {
-        pin.read_page(index.0, st, self.codec.as_ref(), out, scratch)?;
+        pin.read_page(index.0, st, self.codecs.get(st.prio())?, out, scratch)?;
         StoreStats::add(&self.stats.bd_reads, 1);
         Ok(())
     }
@@ -499,13 +507,13 @@ impl Store {
     }
 
     /// Selects slot `index` for writeback (zram's `scan_slots_for_writeback`, one slot): if it
-    /// holds an object in RAM, is not selected yet, and `accepts` its flags, sets PP_SLOT under
+    /// holds an object in RAM, is not selected yet, and `accepts` its state, sets PP_SLOT under
     /// its lock and returns the object's size. Empty, same-filled and written-back slots are
     /// never selected.
     pub(crate) fn mark_pp(
         &self,
         index: SlotIndex,
-        accepts: impl Fn(SlotFlags) -> bool,
+        accepts: impl Fn(&SlotState) -> bool,
     ) -> Option<usize> {
         // Look without the lock first, so empty slots cost nothing (and their table pages stay
         // uncommitted); decide again under the lock.
@@ -519,7 +527,7 @@ impl Store {
             || st.has(SlotFlags::SAME)
             || st.has(SlotFlags::WB)
             || st.has(SlotFlags::PP_SLOT)
-            || !accepts(st.flags())
+            || !accepts(&st)
         {
             return None;
         }
@@ -560,7 +568,8 @@ impl Store {
                 Some(obj.len())
             } else {
                 let page = &mut out[..self.page_size_bytes];
-                self.codec.decompress(obj, page).ok().map(|()| page.len())
+                let codec = self.codecs.get(st.prio()).ok()?;
+                codec.decompress(obj, page).ok().map(|()| page.len())
             }
         });
         let Some(len_bytes) = len_bytes else {
@@ -715,6 +724,9 @@ impl Store {
             bd_count: bd_count * units,
             bd_reads: get(&s.bd_reads) * units,
             bd_writes: get(&s.bd_writes) * units,
+            recomp_tried: get(&s.recomp_tried),
+            recomp_done: get(&s.recomp_done),
+            recomp_incompressible: get(&s.recomp_incompressible),
         }
     }
 

@@ -35,6 +35,12 @@ pub(crate) struct StoreStats {
     pub(crate) bd_reads: AtomicU64,
     /// Pages written to the backing device (zram's `bd_writes`).
     pub(crate) bd_writes: AtomicU64,
+    /// Pages recompression tried a secondary codec on (`recomp_stat`).
+    pub(crate) recomp_tried: AtomicU64,
+    /// Pages recompression replaced with a smaller object (`recomp_stat`).
+    pub(crate) recomp_done: AtomicU64,
+    /// Pages recompression marked INCOMPRESSIBLE (`recomp_stat`).
+    pub(crate) recomp_incompressible: AtomicU64,
 }
 
 impl StoreStats {
@@ -97,6 +103,13 @@ pub struct StatsSnapshot {
     pub bd_reads: u64,
     /// Pages written to the backing device, in 4 KiB units.
     pub bd_writes: u64,
+    /// Pages recompression tried a secondary codec on, since initialisation.
+    pub recomp_tried: u64,
+    /// Pages recompression replaced with a smaller object, since initialisation.
+    pub recomp_done: u64,
+    /// Pages recompression marked INCOMPRESSIBLE (no codec shrank them), since
+    /// initialisation.
+    pub recomp_incompressible: u64,
 }
 
 /// What `meta_stat` shows: the device's memory besides `mem_used_total` (the pool's zspages), in

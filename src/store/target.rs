@@ -301,9 +301,9 @@ fn read_record(
     };
     let (h, payload) = t.store.read_record(pin.loc(), slot).map_err(io_err)?;
     if h.is_compressed() {
-        // Only the primary codec exists (no recompression yet): priority 0 is all a record can
-        // hold; anything else would be a record this device did not write.
-        if h.prio != 0 || h.prio != st.prio() {
+        // The record carries the priority the slot had when it was written back; the slot
+        // keeps it while WB, so a mismatch is a record this slot did not write.
+        if h.prio != st.prio() {
             return Err(io_err(Error::io(format!(
                 "record compressed with priority {}, slot says {}",
                 h.prio,

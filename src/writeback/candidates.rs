@@ -13,7 +13,7 @@
 //! device's `pp_lock`), so a PP_SLOT flag always belongs to the current one. [`PpCtl::release`]
 //! clears the flag of every candidate left when the writeback ends.
 
-use crate::slot::{SlotFlags, SlotIndex};
+use crate::slot::{SlotFlags, SlotIndex, SlotState};
 use crate::store::Store;
 
 /// Which slots a writeback takes (zram's `IDLE_WRITEBACK`, `HUGE_WRITEBACK`,
@@ -72,8 +72,20 @@ impl PpCtl {
     /// `scan_slots_for_writeback`). A slot already PP_SLOT (selected by an earlier scan of the
     /// same call) is not selected twice.
     pub(crate) fn scan(&mut self, store: &Store, mode: ModeFilter, lo: u64, hi: u64) {
+        self.scan_with(store, lo, hi, |st| mode.accepts(st.flags()));
+    }
+
+    /// Scans slots `lo..hi`, marking and bucketing those holding an object in RAM that
+    /// `accepts` (shared by writeback and recompression, whose filters differ).
+    pub(crate) fn scan_with(
+        &mut self,
+        store: &Store,
+        lo: u64,
+        hi: u64,
+        accepts: impl Fn(&SlotState) -> bool,
+    ) {
         for i in lo..hi.min(store.nr_pages()) {
-            let Some(size_bytes) = store.mark_pp(SlotIndex(i), |flags| mode.accepts(flags)) else {
+            let Some(size_bytes) = store.mark_pp(SlotIndex(i), &accepts) else {
                 continue;
             };
             let b = (size_bytes / PP_BUCKET_BYTES).min(self.buckets.len() - 1);

@@ -1,0 +1,117 @@
+//! The device's recompression entry points: the `recomp_algorithm`, `recompress` and
+//! `recomp_stat` attributes. The device's part is its settings and locks (the init lock held
+//! shared for the whole run, so `reset` waits for it; `pp_lock`, one post-processing operation
+//! at a time, `EAGAIN` for a second); the work is the store's ([`crate::store`]'s
+//! `recompress`).
+
+use super::Device;
+use crate::compress::{self, MAX_COMPS};
+use crate::error::{Error, ErrorKind, Result};
+use crate::store::{RecompressReport, RecompressSpec};
+use crate::units::strip_newline;
+
+impl Device {
+    /// Recompresses what `spec` selects, as writing `recompress` does. Errors, in the kernel's
+    /// order: `threshold` at or above the huge threshold or an uninitialised device `EINVAL`;
+    /// a writeback or recompression running `EAGAIN`; no recompression algorithm at the
+    /// priorities asked for, or an `algo` not configured, `EINVAL`. A codec or allocation
+    /// failure stops the run with its error, the pages done so far kept.
+    pub fn recompress(&self, spec: &RecompressSpec) -> Result<RecompressReport> {
+        self.recompress_with_progress(spec, &mut |_| {})
+    }
+
+    /// Like [`Device::recompress`], calling `progress` after every page tried. The callback
+    /// must not call into this device (the run holds the init lock shared).
+    pub fn recompress_with_progress(
+        &self,
+        spec: &RecompressSpec,
+        progress: &mut dyn FnMut(&RecompressReport),
+    ) -> Result<RecompressReport> {
+        let store = self.store()?;
+        store.check_threshold(spec)?;
+        let Some(_pp) = self.pp_lock.try_lock() else {
+            return Err(Error::new(
+                ErrorKind::Again,
+                "a writeback or recompression is in progress",
+            ));
+        };
+        store.recompress(spec, progress)
+    }
+
+    /// The `recompress` attribute: parse, then run.
+    pub(crate) fn recompress_str(&self, value: &str) -> Result<()> {
+        let spec = RecompressSpec::parse(value)?;
+        self.recompress(&spec).map(|_| ())
+    }
+
+    /// The recompression algorithm of priority `prio` (1..=3), if set.
+    pub fn recomp_algorithm(&self, prio: usize) -> Option<String> {
+        self.state
+            .read()
+            .settings
+            .recomp_algorithms
+            .get(prio)?
+            .clone()
+    }
+}
+
+/// `recomp_algorithm` shows, for each priority with an algorithm, `#N: ` and the list of
+/// algorithms with the selected one in brackets (the kernel's `recomp_algorithm_show`); nothing
+/// when none is set.
+pub(super) fn show_recomp_algorithm(d: &Device) -> String {
+    let mut out = String::new();
+    for prio in 1..MAX_COMPS {
+        if let Some(alg) = d.recomp_algorithm(prio) {
+            out.push_str(&format!("#{prio}: "));
+            out.push_str(&super::attrs::algorithm_list(&alg));
+        }
+    }
+    out
+}
+
+/// `recomp_algorithm` takes `algo=NAME [priority=N]` (priority default 1, range 1..=3; other
+/// keys ignored). `EINVAL` for a token without value, no `algo`, a bad or out-of-range
+/// priority, or an algorithm uzram does not have (checked before `EBUSY`, as the kernel
+/// does); `EBUSY` once initialised. The priority's `algorithm_params` are kept.
+pub(super) fn store_recomp_algorithm(d: &Device, value: &str) -> Result<()> {
+    let mut algo = None;
+    let mut prio: i64 = 1;
+    for tok in strip_newline(value).split_ascii_whitespace() {
+        let (key, val) = tok.split_once('=').unwrap_or((tok, ""));
+        if val.is_empty() {
+            return Err(Error::invalid(format!(
+                "recomp_algorithm: {key} has no value"
+            )));
+        }
+        match key {
+            "algo" => algo = Some(val),
+            "priority" => {
+                prio = val.parse().map_err(|_| {
+                    Error::invalid(format!("recomp_algorithm: bad priority {val:?}"))
+                })?
+            }
+            _ => {}
+        }
+    }
+    let algo = algo.ok_or_else(|| Error::invalid("recomp_algorithm: algo=NAME is required"))?;
+    if !(1..MAX_COMPS as i64).contains(&prio) {
+        return Err(Error::invalid(format!(
+            "recomp_algorithm: priority {prio} outside 1..={}",
+            MAX_COMPS - 1
+        )));
+    }
+    compress::check_algorithm(algo)?;
+    let mut st = d.settings_for("recomp_algorithm")?;
+    st.settings.recomp_algorithms[prio as usize] = Some(algo.to_string());
+    Ok(())
+}
+
+/// `recomp_stat` (uzram's own): `tried recompressed incompressible`, `%8llu` each, pages since
+/// initialisation.
+pub(super) fn show_recomp_stat(d: &Device) -> String {
+    let s = d.stats();
+    format!(
+        "{:8} {:8} {:8}\n",
+        s.recomp_tried, s.recomp_done, s.recomp_incompressible
+    )
+}
