@@ -61,7 +61,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::slot::{SlotFlags, SlotGuard, SlotIndex, SlotState, SlotTable};
 use crate::units::units_per_page;
 use crate::zoned::{GcOwner, GcReport, ZoneLoc, ZoneStats, GC_QUEUE_DEPTH};
-use crate::zsmalloc::{DeferredStats, Handle, PoolStats, ZsPool};
+use crate::zsmalloc::{DeferredStats, Handle, PoolStats, ZsPool, POOL_PAGE_BYTES};
 use stats::StoreStats;
 use target::WbPin;
 
@@ -223,7 +223,8 @@ impl Store {
         };
         let handle = self.pool.malloc(src.len())?;
         // As zram: allocate, then check the pool against the limit; over it, give the object
-        // back.
+        // back. The pool counts 4 KiB pages; the limit is in device pages.
+        let limit_pages = limit_pages * (self.page_size_bytes / POOL_PAGE_BYTES) as u64;
         let mut total_pages = self.pool.total_pages();
         self.stats.update_max_used(total_pages);
         if limit_pages != 0 && total_pages > limit_pages && self.pool.deferred_stats().pending > 0 {
@@ -699,6 +700,8 @@ impl Store {
     /// The counters, with `mem_limit_bytes` left 0 (a device setting).
     pub(crate) fn snapshot(&self) -> StatsSnapshot {
         let page = self.page_size_bytes as u64;
+        // The pool counts its own pages (4 KiB whatever the device's page size).
+        let pool_page = POOL_PAGE_BYTES as u64;
         let s = &self.stats;
         let get = StoreStats::get;
         // bd_stat counts 4 KiB units whatever the page size.
@@ -709,9 +712,9 @@ impl Store {
         StatsSnapshot {
             orig_data_size_bytes: get(&s.pages_stored) * page,
             compr_data_size_bytes: get(&s.compr_data_size_bytes),
-            mem_used_total_bytes: total_pages * page,
+            mem_used_total_bytes: total_pages * pool_page,
             mem_limit_bytes: 0,
-            mem_used_max_bytes: get(&s.max_used_pages) * page,
+            mem_used_max_bytes: get(&s.max_used_pages) * pool_page,
             same_pages: get(&s.same_pages),
             pages_compacted: self.pool.pages_compacted(),
             huge_pages: get(&s.huge_pages),

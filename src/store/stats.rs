@@ -29,7 +29,7 @@ pub(crate) struct StoreStats {
     pub(crate) notify_free: AtomicU64,
     /// Free notifications that found the slot busy (zram's `miss_free`).
     pub(crate) miss_free: AtomicU64,
-    /// Highest `mem_used_total` seen, in pages (`mem_used_max`).
+    /// Highest `mem_used_total` seen, in pool pages of 4 KiB (`mem_used_max`).
     pub(crate) max_used_pages: AtomicU64,
     /// Pages read back from the backing device (zram's `bd_reads`).
     pub(crate) bd_reads: AtomicU64,

@@ -1,8 +1,10 @@
 //! zsmalloc: the allocator for compressed objects.
 //!
 //! A userspace port of the design of Linux's mm/zsmalloc.c. Objects of 1 byte to one page are
-//! packed into *zspages* (1–8 contiguous pages) of per-size *classes*, named by [`Handle`]s
-//! that stay valid while [`PoolCore::compact`] moves the objects to free whole zspages.
+//! packed into *zspages* (1–8 contiguous 4 KiB pages) of per-size *classes*, named by
+//! [`Handle`]s that stay valid while [`PoolCore::compact`] moves the objects to free whole
+//! zspages. A pool for 16 or 64 KiB device pages stores an object larger than 4 KiB as a *run*:
+//! whole 4 KiB pages plus a tail object in a class (`run`).
 //! `docs/zsmalloc.md` tells the story; this page states the contracts.
 //!
 //! # Parts (one file per concept)
@@ -17,6 +19,7 @@
 //! - `fullness`: the fullness groups (in-use ratio buckets of 10 %).
 //! - `class`: a class at run time: its lock and what it protects.
 //! - `compact`: compaction.
+//! - `run`: objects larger than a pool page (whole pages plus a tail object).
 //! - `deferred_free`: the bounded queue behind [`ZsPool::free_deferred`], drained by a worker
 //!   thread (owned by [`ZsPool`], sharing the pool proper, [`PoolCore`], through an `Arc`;
 //!   `ZsPool` derefs to it for every other operation).
@@ -29,12 +32,15 @@
 //! |------|----------|
 //! | class lock (`SizeClass::state`, a mutex per class) | the class's slot metadata, fullness lists, unused zspage ids, free handle indices, counters; every *change* of a location word of the class's handles |
 //! | migrate lock (`ZspageDesc`, an rwlock per zspage) | the zspage's frame (which memory backs it) and the bytes of its objects: shared to read an object or to copy into a reserved free slot, exclusive to write an object, to move objects out, or to install/take out the frame |
+//! | run table mutex (`RunTable::state`) | free run ids and run handle indices, run counters; every change of a run handle's location word |
+//! | run descriptor (`RunDesc`, an rwlock per run) | the run's frame and tail handle, and the bytes of its whole pages (shared to read, exclusive to write or to take the frame out) |
 //! | frame allocator mutex | chunks and free frames |
 //! | deferred-free queue lock (try-locked only by `free_deferred`) | the queued handles |
 //! | deferred-free drain mutex | the batch a drainer (worker or `flush`) is freeing |
 //!
 //! Lock order: class lock → migrate lock of a compaction source → migrate lock of a destination
-//! → frame allocator mutex. `read` and `write` take exactly one migrate lock and nothing else;
+//! → frame allocator mutex; run table mutex → run descriptor → (a tail's) migrate lock. No run
+//! lock is taken while a class lock is held. `read` and `write` take exactly one migrate lock and nothing else;
 //! `free` takes one class lock (plus, if the zspage empties, its migrate lock briefly and then,
 //! after the class lock is dropped, the frame allocator mutex). `free_deferred` try-locks the
 //! queue lock and holds nothing else with it (or falls back to `free`). A drainer holds the
@@ -70,6 +76,7 @@ mod deferred_free;
 mod fullness;
 mod handle;
 mod page_alloc;
+mod run;
 mod size_class;
 mod zspage;
 
@@ -79,6 +86,7 @@ use std::sync::Arc;
 
 pub use deferred_free::{DeferredStats, DEFERRED_FREE_BUDGET_BYTES};
 pub use handle::Handle;
+pub use run::POOL_PAGE_BYTES;
 pub use size_class::{
     ClassInfo, ClassTable, MAX_PAGES_PER_ZSPAGE, MIN_ALLOC_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES,
 };
@@ -86,8 +94,9 @@ pub use size_class::{
 use class::{Detached, SizeClass};
 use deferred_free::DeferredQueue;
 use fullness::NR_GROUPS;
-use handle::{HandleTable, Location};
-use page_alloc::{Frame, FrameAllocator};
+use handle::{HandleTable, Location, MAX_ZSPAGES_PER_CLASS};
+use page_alloc::{Frame, FrameAllocator, FRAME_CACHE_BYTES};
+use run::{RunObj, RunTable};
 use zspage::obj_offset;
 
 use crate::error::{Error, Result};
@@ -96,14 +105,19 @@ use crate::error::{Error, Result};
 /// deferred-free worker. Shared (`Arc`) between the [`ZsPool`], which derefs to it, and that
 /// worker.
 pub struct PoolCore {
+    /// The largest object (the device's page size).
+    page_size_bytes: usize,
+    /// The classes, always of 4 KiB pages ([`POOL_PAGE_BYTES`]).
     table: ClassTable,
     /// One per merged class, ascending by size. Declared before `frames`: descriptors (the frame
     /// owners) drop before the chunks are unmapped.
     classes: Box<[SizeClass]>,
     handles: HandleTable,
+    /// Objects larger than a pool page. Declared before `frames` (runs own frames).
+    runs: RunTable,
     frames: FrameAllocator,
-    /// Pages of attached zspages (incremented when a zspage is created, decremented when its
-    /// pages were returned).
+    /// Pool pages (4 KiB) of attached zspages and runs (incremented when a zspage or run is
+    /// created, decremented when its pages were returned).
     total_pages: AtomicU64,
     /// Pages freed by compaction, cumulative.
     pages_compacted: AtomicU64,
@@ -134,15 +148,22 @@ impl PoolCore {
                 "zsmalloc: page size {page_size_bytes} not one of {SUPPORTED_PAGE_SIZES_BYTES:?}"
             )));
         }
-        let table = ClassTable::new(page_size_bytes);
+        let table = ClassTable::new(POOL_PAGE_BYTES);
         let classes = table.classes().iter().map(|&c| SizeClass::new(c)).collect();
         let deferred_capacity =
             deferred_capacity.unwrap_or_else(|| deferred_free::default_capacity(page_size_bytes));
         Ok(PoolCore {
+            page_size_bytes,
             table,
             classes,
             handles: HandleTable::new(),
-            frames: FrameAllocator::new(page_size_bytes),
+            runs: RunTable::default(),
+            // Frames of at least a device page, so the largest run fits one.
+            frames: FrameAllocator::with_frame_pages(
+                POOL_PAGE_BYTES,
+                page_size_bytes / POOL_PAGE_BYTES,
+                FRAME_CACHE_BYTES,
+            ),
             total_pages: AtomicU64::new(0),
             pages_compacted: AtomicU64::new(0),
             deferred: DeferredQueue::new(deferred_capacity),
@@ -151,20 +172,22 @@ impl PoolCore {
         })
     }
 
-    /// The page size the pool was built for.
+    /// The page size the pool was built for: its largest object.
     pub fn page_size_bytes(&self) -> usize {
-        self.table.page_size_bytes()
+        self.page_size_bytes
     }
 
-    /// The smallest object size stored in a huge (one object per page) zspage: the largest
-    /// non-huge class size + 1 (3633 for 4 KiB pages). An object this big costs a whole page, so
-    /// the device stores a page raw when its compressed size is at least this. (The kernel's
-    /// value is 8 bytes smaller because its objects carry their handle; ours do not.)
+    /// The smallest object size that costs as much memory as a whole device page, so the
+    /// device stores a page raw when its compressed size is at least this. For 4 KiB pages, the
+    /// largest non-huge class size + 1 (3633: one object per zspage from there; the kernel's
+    /// value is 8 bytes smaller because its objects carry their handle; ours do not). For 16
+    /// and 64 KiB pages, a page less 4 KiB plus that: from there a run's tail would be huge, so
+    /// the run takes as many pages as the raw page (61473 for 64 KiB).
     pub fn huge_class_size_bytes(&self) -> usize {
-        self.table.huge_class_size_bytes()
+        self.page_size_bytes - POOL_PAGE_BYTES + self.table.huge_class_size_bytes()
     }
 
-    /// The class table.
+    /// The class table (always of 4 KiB pages: larger objects are runs).
     pub fn class_table(&self) -> &ClassTable {
         &self.table
     }
@@ -182,6 +205,9 @@ impl PoolCore {
                 "zsmalloc: cannot allocate {size_bytes} bytes (1..={})",
                 self.page_size_bytes()
             )));
+        }
+        if size_bytes > POOL_PAGE_BYTES {
+            return self.malloc_run(size_bytes);
         }
         let class = self.class_for(size_bytes);
         let pages = class.info.pages_per_zspage;
@@ -245,6 +271,69 @@ impl PoolCore {
         Ok(Handle::from_index(handle))
     }
 
+    /// Allocates a run (`size_bytes` > [`POOL_PAGE_BYTES`]): whole pages of a new frame, and a
+    /// tail object when the rest is not a whole page.
+    fn malloc_run(&self, size_bytes: usize) -> Result<Handle> {
+        let (pages, tail_bytes) = run::split(size_bytes, self.table.huge_class_size_bytes());
+        let frame = self.frames.alloc_populated(pages)?;
+        let tail = if tail_bytes == 0 {
+            None
+        } else {
+            match self.malloc(tail_bytes) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    self.frames.release(frame, pages);
+                    return Err(e);
+                }
+            }
+        };
+        let mut st = self.runs.state.lock();
+        let ids = match st.free_handles.pop() {
+            Some(index) => Ok(index),
+            None => self.handles.grow(),
+        }
+        .and_then(|index| match st.free_ids.pop() {
+            Some(id) => Ok((index, id)),
+            None if u64::from(st.next_id) < MAX_ZSPAGES_PER_CLASS => {
+                st.next_id += 1;
+                Ok((index, st.next_id - 1))
+            }
+            None => {
+                st.free_handles.push(index);
+                Err(Error::no_memory("zsmalloc: too many runs"))
+            }
+        });
+        let (index, id) = match ids {
+            Ok(ids) => ids,
+            Err(e) => {
+                drop(st);
+                self.frames.release(frame, pages);
+                if let Some(t) = tail {
+                    self.free(t);
+                }
+                return Err(e);
+            }
+        };
+        *self.runs.descs.get_or_grow(u64::from(id)).write() = Some(RunObj { frame, pages, tail });
+        st.runs += 1;
+        st.pages += pages as u64;
+        if tail.is_some() {
+            st.tails += 1;
+            st.tail_bytes += tail_bytes as u64;
+        }
+        let loc = Location {
+            zspage: id,
+            obj: 0,
+            size_bytes,
+        };
+        self.handles
+            .word_at(index)
+            .store(loc.encode(), Ordering::Release);
+        drop(st);
+        self.total_pages.fetch_add(pages as u64, Ordering::Relaxed);
+        Ok(Handle::from_index(index))
+    }
+
     /// Copies `data` to the start of `h`'s object. `data.len()` must not exceed the size asked
     /// at `malloc` (panics otherwise); bytes past `data.len()` keep their value.
     pub fn write(&self, h: Handle, data: &[u8]) {
@@ -256,6 +345,19 @@ impl PoolCore {
                 data.len(),
                 loc.size_bytes
             );
+            if loc.size_bytes > POOL_PAGE_BYTES {
+                // A run never moves: its descriptor holds it until `free`.
+                let mut guard = self.runs.desc(loc.zspage).write();
+                let run = guard.as_mut().expect("a live run has a frame");
+                let whole = (run.pages * POOL_PAGE_BYTES).min(data.len());
+                run.frame
+                    .bytes_mut(0, whole)
+                    .copy_from_slice(&data[..whole]);
+                if let (Some(tail), true) = (run.tail, data.len() > whole) {
+                    self.write(tail, &data[whole..]);
+                }
+                return;
+            }
             let class = self.class_for(loc.size_bytes);
             let mut guard = class.desc(loc.zspage).write();
             if self.handles.word(h).load(Ordering::Acquire) != word {
@@ -273,6 +375,15 @@ impl PoolCore {
     /// Calls `f` with exactly the bytes of `h`'s object (its `malloc` size). The object cannot
     /// move while `f` runs; `f` must not call into the pool.
     pub fn read<R>(&self, h: Handle, f: impl FnOnce(&[u8]) -> R) -> R {
+        let (_, loc) = self.handles.load(h);
+        if loc.size_bytes > POOL_PAGE_BYTES {
+            return self.read_run(loc, f);
+        }
+        self.read_small(h, f)
+    }
+
+    /// [`read`](Self::read) of an object in a class (not a run).
+    fn read_small<R>(&self, h: Handle, f: impl FnOnce(&[u8]) -> R) -> R {
         loop {
             let (word, loc) = self.handles.load(h);
             let class = self.class_for(loc.size_bytes);
@@ -285,6 +396,64 @@ impl PoolCore {
                 .expect("a zspage holding an object has a frame");
             let offset = obj_offset(class.info.size_bytes, loc.obj);
             return f(frame.bytes(offset, loc.size_bytes));
+        }
+    }
+
+    /// [`read`](Self::read) of a run: its whole pages are handed out in place when it has no
+    /// tail; otherwise pages and tail are copied into a per-thread buffer first.
+    fn read_run<R>(&self, loc: Location, f: impl FnOnce(&[u8]) -> R) -> R {
+        thread_local! {
+            static RUN_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let guard = self.runs.desc(loc.zspage).read();
+        let run = guard.as_ref().expect("a live run has a frame");
+        let Some(tail) = run.tail else {
+            return f(run.frame.bytes(0, loc.size_bytes));
+        };
+        let whole = run.pages * POOL_PAGE_BYTES;
+        RUN_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < loc.size_bytes {
+                buf.resize(loc.size_bytes, 0);
+            }
+            buf[..whole].copy_from_slice(run.frame.bytes(0, whole));
+            self.read_small(tail, |t| buf[whole..loc.size_bytes].copy_from_slice(t));
+            f(&buf[..loc.size_bytes])
+        })
+    }
+
+    /// Frees a run: its handle and descriptor under the run table's mutex, then its pages and
+    /// its tail.
+    fn free_run(&self, h: Handle) {
+        let (run, size_bytes) = {
+            let mut st = self.runs.state.lock();
+            let word = self.handles.word(h);
+            // Every writer of a run's word holds this mutex, so this load sees the last store.
+            let loc = Location::decode(word.load(Ordering::Relaxed))
+                .unwrap_or_else(|| panic!("zsmalloc: double free of {h:?}"));
+            let run = self
+                .runs
+                .desc(loc.zspage)
+                .write()
+                .take()
+                .expect("a live run has a frame");
+            word.store(0, Ordering::Release);
+            st.free_ids.push(loc.zspage);
+            st.free_handles.push(h.index());
+            st.runs -= 1;
+            st.pages -= run.pages as u64;
+            if run.tail.is_some() {
+                st.tails -= 1;
+                st.tail_bytes -= (loc.size_bytes - run.pages * POOL_PAGE_BYTES) as u64;
+            }
+            (run, loc.size_bytes)
+        };
+        debug_assert!(size_bytes > POOL_PAGE_BYTES);
+        self.frames.release(run.frame, run.pages);
+        self.total_pages
+            .fetch_sub(run.pages as u64, Ordering::Relaxed);
+        if let Some(tail) = run.tail {
+            self.free(tail);
         }
     }
 
@@ -302,6 +471,9 @@ impl PoolCore {
     /// held.
     pub fn free(&self, h: Handle) {
         let (_, loc) = self.handles.load(h);
+        if loc.size_bytes > POOL_PAGE_BYTES {
+            return self.free_run(h);
+        }
         let class = self.class_for(loc.size_bytes);
         let mut st = class.state.lock();
         let word = self.handles.word(h);
@@ -386,8 +558,9 @@ impl PoolCore {
         freed_pages
     }
 
-    /// Pages currently held by zspages (`mem_used_total / page_size`), including those of
-    /// objects still waiting in the deferred-free queue.
+    /// Pool pages ([`POOL_PAGE_BYTES`], whatever the device's page size) currently held by
+    /// zspages and runs (`mem_used_total / 4096`), including those of objects still waiting in
+    /// the deferred-free queue.
     pub fn total_pages(&self) -> u64 {
         self.total_pages.load(Ordering::Relaxed)
     }
@@ -420,9 +593,19 @@ impl PoolCore {
                 }
             })
             .collect();
+        let runs = {
+            let st = self.runs.state.lock();
+            RunStats {
+                runs: st.runs,
+                pages: st.pages,
+                tails: st.tails,
+                tail_bytes: st.tail_bytes,
+            }
+        };
         PoolStats {
             page_size_bytes: self.page_size_bytes(),
             huge_class_size_bytes: self.huge_class_size_bytes(),
+            runs,
             total_pages: self.total_pages(),
             pages_compacted: self.pages_compacted(),
             handles: self.handles.indices(),
@@ -437,10 +620,11 @@ impl PoolCore {
         for class in self.classes.iter() {
             zspage_meta_bytes += class.descs.allocated_bytes() + class.state.lock().heap_bytes();
         }
+        zspage_meta_bytes += self.runs.heap_bytes();
         PoolMeta {
             handle_table_bytes: self.handles.allocated_bytes() as u64,
             zspage_meta_bytes: zspage_meta_bytes as u64,
-            frame_cache_bytes: (self.frames.cached_pages() * self.page_size_bytes()) as u64,
+            frame_cache_bytes: (self.frames.cached_pages() * POOL_PAGE_BYTES) as u64,
             deferred_queue_bytes: self.deferred.max_heap_bytes() as u64,
         }
     }
@@ -448,9 +632,17 @@ impl PoolCore {
     /// Checks every class's invariants (expensive; tests).
     #[cfg(test)]
     fn check(&self) {
+        let mut pages = self.runs.state.lock().pages;
         for class in self.classes.iter() {
-            class.state.lock().check(class);
+            let st = class.state.lock();
+            st.check(class);
+            pages += st.zspages * class.info.pages_per_zspage as u64;
         }
+        assert_eq!(
+            pages,
+            self.total_pages(),
+            "zspage and run pages vs total_pages"
+        );
     }
 }
 
@@ -580,8 +772,9 @@ pub struct PoolMeta {
     /// The handle table: 8 bytes per handle index ever used, in segments that double (so up
     /// to twice that); never shrinks (the kernel: its `zs_handle` slab).
     pub handle_table_bytes: u64,
-    /// Zspage descriptors (never shrink), slot tables of live zspages (4 bytes per object slot),
-    /// fullness lists, free ids and handle indices (the kernel: its `zspage` slab).
+    /// Zspage and run descriptors (never shrink), slot tables of live zspages (4 bytes per
+    /// object slot), fullness lists, free ids and handle indices (the kernel: its `zspage`
+    /// slab).
     pub zspage_meta_bytes: u64,
     /// Frames of freed zspages kept resident for reuse (at most 2 MiB; emptied by compaction).
     pub frame_cache_bytes: u64,
@@ -617,13 +810,28 @@ pub struct ClassStats {
     pub inuse_ratio_zspages: [u64; NR_GROUPS - 1],
 }
 
+/// Counters of the runs (objects larger than a pool page; see `run`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunStats {
+    /// Runs allocated.
+    pub runs: u64,
+    /// Their whole 4 KiB pages (counted in `total_pages`).
+    pub pages: u64,
+    /// Runs with a tail object (counted in its class, as any object).
+    pub tails: u64,
+    /// Bytes of those tails.
+    pub tail_bytes: u64,
+}
+
 /// A snapshot of the pool's counters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolStats {
-    /// Page size of the pool.
+    /// Largest object (the device's page size); classes are of 4 KiB pages.
     pub page_size_bytes: usize,
     /// See [`PoolCore::huge_class_size_bytes`].
     pub huge_class_size_bytes: usize,
+    /// Objects larger than a pool page.
+    pub runs: RunStats,
     /// See [`PoolCore::total_pages`].
     pub total_pages: u64,
     /// See [`PoolCore::pages_compacted`].
@@ -685,7 +893,16 @@ impl fmt::Display for PoolStats {
             f,
             " {:>13} {:>10} {:>10} {:>16} {:>8}",
             total.objs_allocated, total.objs_inuse, total.pages_used, "", total.freeable_pages
-        )
+        )?;
+        if self.page_size_bytes > POOL_PAGE_BYTES {
+            let r = &self.runs;
+            writeln!(
+                f,
+                "runs {} pages_used {} tails {} tail_bytes {}",
+                r.runs, r.pages, r.tails, r.tail_bytes
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -791,10 +1008,14 @@ pub(crate) mod tests {
             check_obj(&pool, h, seed, size);
         }
         let stats = pool.stats();
+        // Objects up to a pool page are in classes; larger ones are runs, whose tails are
+        // objects in classes too.
+        let runs = live.iter().filter(|l| l.2 > POOL_PAGE_BYTES).count() as u64;
+        assert_eq!(stats.runs.runs, runs);
         let inuse: u64 = stats.classes.iter().map(|c| c.objs_inuse).sum();
-        assert_eq!(inuse, live.len() as u64);
+        assert_eq!(inuse, live.len() as u64 - runs + stats.runs.tails);
         let pages: u64 = stats.classes.iter().map(|c| c.pages_used).sum();
-        assert_eq!(pages, pool.total_pages());
+        assert_eq!(pages + stats.runs.pages, pool.total_pages());
         // Free every other object, check the rest, then free them too.
         for &(h, _, _) in live.iter().step_by(2) {
             pool.free(h);
@@ -818,7 +1039,14 @@ pub(crate) mod tests {
     fn round_trip_16k() {
         round_trip(
             16384,
-            (1..=16384).step_by(7).chain([16384, 14560, 14561]),
+            (1..=16384).step_by(7).chain([
+                16384,
+                4096,
+                4097,
+                4096 + 3632,
+                4096 + 3633,
+                12288 + 3633,
+            ]),
             2,
         );
     }
@@ -827,7 +1055,9 @@ pub(crate) mod tests {
     fn round_trip_64k() {
         round_trip(
             65536,
-            (1..=65536).step_by(61).chain([65536, 58144, 58145]),
+            (1..=65536)
+                .step_by(61)
+                .chain([65536, 4096, 4097, 61472, 61473, 65535]),
             2,
         );
     }
@@ -1045,7 +1275,7 @@ pub(crate) mod tests {
     /// resident, and compaction gives that back too.
     fn assert_only_the_frame_cache_stays(pool: &ZsPool) {
         assert_eq!(pool.total_pages(), 0);
-        let cached = pool.frames().cached_pages() * pool.page_size_bytes();
+        let cached = pool.frames().cached_pages() * POOL_PAGE_BYTES;
         assert!(cached <= page_alloc::FRAME_CACHE_BYTES);
         assert_eq!(
             pool.frames().resident_bytes(),

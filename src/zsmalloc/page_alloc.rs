@@ -10,8 +10,10 @@
 //! zspage and hit `vm.max_map_count` (65530 by default) at a few hundred MiB. Instead we reserve
 //! address space in chunks of [`CHUNK_BYTES`] with one
 //! `mmap(PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)` each, and cut every
-//! chunk into *frames* of `MAX_PAGES_PER_ZSPAGE` pages. A zspage of `k` pages owns one frame and
-//! touches only its first `k` pages; the untouched tail costs address space, not memory.
+//! chunk into *frames* of `MAX_PAGES_PER_ZSPAGE` pages (or more: a pool for 16 or 64 KiB device
+//! pages makes frames of a device page, so a *run*, an object larger than a page stored on whole
+//! pages, fits one; see `run`). A zspage of `k` pages owns one frame and touches only its first
+//! `k` pages; the untouched tail costs address space, not memory.
 //!
 //! # Life of a frame
 //!
@@ -147,7 +149,7 @@ struct Chunk {
 // frames, and to unmap) under the allocator's mutex or in its `Drop`.
 unsafe impl Send for Chunk {}
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct FrameState {
     chunks: Vec<Chunk>,
     /// Frames released and not yet reused (their pages were dropped, or, if the kernel
@@ -156,20 +158,24 @@ struct FrameState {
     /// Frames released by [`Dropping::Unlock`]: unlocked, pages dropped; relocked on reuse.
     unlocked: Vec<Frame>,
     /// Released frames kept resident for reuse, by the number of pages their zspage used (the
-    /// only pages of the frame that can be resident): `cached[k]` holds frames with `k` pages.
-    cached: [Vec<Frame>; MAX_PAGES_PER_ZSPAGE + 1],
+    /// only pages of the frame that can be resident): `cached[k]` holds frames with `k` pages
+    /// (`k <= frame_pages`).
+    cached: Vec<Vec<Frame>>,
     /// Sum of the pages of the frames in `cached` (at most `cache_limit_pages`).
     cached_pages: usize,
     /// Frames carved from the last chunk so far.
     carved_in_last: usize,
 }
 
-/// Hands out frames of `MAX_PAGES_PER_ZSPAGE` pages; see the module docs.
+/// Hands out frames of `frame_pages` pages (at least `MAX_PAGES_PER_ZSPAGE`); see the module
+/// docs.
 #[derive(Debug)]
 pub(crate) struct FrameAllocator {
     page_size_bytes: usize,
-    /// `MAX_PAGES_PER_ZSPAGE * page_size`, rounded up to the system page size (so `madvise`
-    /// never reaches into a neighbouring frame).
+    /// Pages per frame: the most a zspage or a run may use.
+    frame_pages: usize,
+    /// `frame_pages * page_size`, rounded up to the system page size (so `madvise` never
+    /// reaches into a neighbouring frame).
     frame_bytes: usize,
     frames_per_chunk: usize,
     sys_page_bytes: usize,
@@ -228,20 +234,41 @@ fn sys_page_bytes() -> usize {
 
 impl FrameAllocator {
     /// An allocator for zspages of `page_size_bytes` pages; reserves nothing yet.
+    #[cfg(test)]
     pub(crate) fn new(page_size_bytes: usize) -> FrameAllocator {
         FrameAllocator::with_cache_bytes(page_size_bytes, FRAME_CACHE_BYTES)
     }
 
     /// An allocator whose frame cache holds at most `cache_bytes` (0: no cache).
+    #[cfg(test)]
     pub(crate) fn with_cache_bytes(page_size_bytes: usize, cache_bytes: usize) -> FrameAllocator {
+        FrameAllocator::with_frame_pages(page_size_bytes, MAX_PAGES_PER_ZSPAGE, cache_bytes)
+    }
+
+    /// An allocator of frames of `frame_pages` pages (at least `MAX_PAGES_PER_ZSPAGE`) whose
+    /// frame cache holds at most `cache_bytes`.
+    pub(crate) fn with_frame_pages(
+        page_size_bytes: usize,
+        frame_pages: usize,
+        cache_bytes: usize,
+    ) -> FrameAllocator {
+        let frame_pages = frame_pages.max(MAX_PAGES_PER_ZSPAGE);
         let sys_page_bytes = sys_page_bytes();
-        let frame_bytes = (MAX_PAGES_PER_ZSPAGE * page_size_bytes).next_multiple_of(sys_page_bytes);
+        let frame_bytes = (frame_pages * page_size_bytes).next_multiple_of(sys_page_bytes);
         FrameAllocator {
             page_size_bytes,
+            frame_pages,
             frame_bytes,
             frames_per_chunk: (CHUNK_BYTES / frame_bytes).max(1),
             sys_page_bytes,
-            state: Mutex::new(FrameState::default()),
+            state: Mutex::new(FrameState {
+                chunks: Vec::new(),
+                free: Vec::new(),
+                unlocked: Vec::new(),
+                cached: (0..=frame_pages).map(|_| Vec::new()).collect(),
+                cached_pages: 0,
+                carved_in_last: 0,
+            }),
             populate: AtomicBool::new(true),
             dropping: AtomicU8::new(Dropping::DontneedLocked as u8),
             cache_limit_pages: cache_bytes / page_size_bytes,
@@ -367,7 +394,7 @@ impl FrameAllocator {
     /// has room for `pages` more pages (see [`FRAME_CACHE_BYTES`]); otherwise its pages are
     /// dropped from the resident set and it goes to the free list.
     pub(crate) fn release(&self, frame: Frame, pages: usize) {
-        assert!((1..=MAX_PAGES_PER_ZSPAGE).contains(&pages), "{pages} pages");
+        assert!((1..=self.frame_pages).contains(&pages), "{pages} pages");
         {
             let mut st = self.state.lock();
             if st.cached_pages + pages <= self.cache_limit_pages {
