@@ -282,8 +282,8 @@ impl Store {
         drop(g);
 
         StoreStats::add(&self.stats.recomp_tried, 1);
-        let classes = self.pool.class_table();
-        let class_old = classes.class_of(old_size);
+        // Memory taken in the pool: a size class, or a run's pages plus its tail's class.
+        let footprint_old = self.pool.footprint_bytes(old_size);
         let mut found = None;
         for prio in lo..range.hi {
             let Some(codec) = self.codecs.at(prio) else {
@@ -297,7 +297,7 @@ impl Store {
                 }
             };
             if len < self.huge_threshold_bytes
-                && classes.class_of(len) < class_old
+                && self.pool.footprint_bytes(len) < footprint_old
                 && (threshold == 0 || len < threshold)
             {
                 found = Some((prio, len));

@@ -192,6 +192,22 @@ impl PoolCore {
         &self.table
     }
 
+    /// Bytes an object of `size_bytes` (`1..=page size`) takes in the pool: its class's slot
+    /// size, or for a run its whole pages plus its tail's slot size. Comparing footprints tells
+    /// whether a smaller object saves memory (what the kernel's "smaller size class" test asks).
+    pub fn footprint_bytes(&self, size_bytes: usize) -> usize {
+        if size_bytes <= POOL_PAGE_BYTES {
+            return self.table.classes()[self.table.class_of(size_bytes)].size_bytes;
+        }
+        let (pages, tail) = run::split(size_bytes, self.table.huge_class_size_bytes());
+        let tail_bytes = if tail == 0 {
+            0
+        } else {
+            self.table.classes()[self.table.class_of(tail)].size_bytes
+        };
+        pages * POOL_PAGE_BYTES + tail_bytes
+    }
+
     fn class_for(&self, size_bytes: usize) -> &SizeClass {
         &self.classes[self.table.class_of(size_bytes)]
     }
@@ -1060,6 +1076,25 @@ pub(crate) mod tests {
                 .chain([65536, 4096, 4097, 61472, 61473, 65535]),
             2,
         );
+    }
+
+    #[test]
+    fn footprint_is_the_class_or_the_run() {
+        let pool = ZsPool::new(65536).unwrap();
+        assert_eq!(pool.footprint_bytes(1), 32);
+        assert_eq!(pool.footprint_bytes(3633), 4096);
+        assert_eq!(pool.footprint_bytes(4096), 4096);
+        assert_eq!(pool.footprint_bytes(4097), 4096 + 32);
+        assert_eq!(pool.footprint_bytes(8192 + 100), 8192 + 112);
+        assert_eq!(pool.footprint_bytes(4096 + 3633), 8192);
+        assert_eq!(pool.footprint_bytes(65536), 65536);
+        // Monotone: a smaller object never takes more.
+        let mut last = 0;
+        for size in 1..=65536 {
+            let f = pool.footprint_bytes(size);
+            assert!(f >= last && f >= size, "{size}: {f}");
+            last = f;
+        }
     }
 
     #[test]
