@@ -77,6 +77,8 @@ struct ModelConfig {
     /// The recompression algorithms of priorities 1, 2, ... (`recomp_algorithm`), used by
     /// `recompress` writes from the workers and the chaos thread.
     recomp: &'static [&'static str],
+    /// Give the first recompression priority (zstd) a dictionary (`algorithm_params dict=`).
+    dict: bool,
 }
 
 /// Zones of the zoned configurations' backing: few, so that writeback fills them, GC has
@@ -109,6 +111,7 @@ impl ModelConfig {
             compressed_writeback: false,
             zoned: false,
             recomp: &["zstd", "deflate"],
+            dict: false,
         }
     }
 }
@@ -149,6 +152,9 @@ struct Harness {
     gc_relocated: AtomicU64,
     read_eio: AtomicU64,
     _dir: Option<tempfile::TempDir>,
+    /// The dictionary file (`ModelConfig::dict`), and the directory holding it.
+    dict_path: Option<std::path::PathBuf>,
+    _dict_dir: Option<tempfile::TempDir>,
 }
 
 /// The fault injector over either backing.
@@ -189,19 +195,7 @@ fn gen_page(rng: &mut SmallRng, page_size: usize, index: u64) -> Vec<u8> {
             let half = page_size / 2;
             rng.fill(&mut p[..half]);
         }
-        _ => {
-            // text-like, compressible
-            const WORDS: [&str; 8] = [
-                "zram ", "page ", "slot ", "handle ", "zspage ", "idle ", "huge ", "compact ",
-            ];
-            let mut pos = 0;
-            while pos < page_size {
-                let w = WORDS[rng.gen_range(0..WORDS.len())].as_bytes();
-                let n = w.len().min(page_size - pos);
-                p[pos..pos + n].copy_from_slice(&w[..n]);
-                pos += n;
-            }
-        }
+        _ => p = gen_text(rng, page_size), // text-like, compressible
     }
     if p.iter().any(|&b| b != p[0]) || rng.gen_bool(0.5) {
         let v: u64 = rng.gen();
@@ -211,8 +205,29 @@ fn gen_page(rng: &mut SmallRng, page_size: usize, index: u64) -> Vec<u8> {
     p
 }
 
-/// Sets a fresh device up (also after a reset): backing device, algorithm, size.
-fn init_device(dev: &Device, cfg: &ModelConfig, backing: &Arc<dyn FaultControl>) {
+/// `len` bytes of text-like data: random words.
+fn gen_text(rng: &mut SmallRng, len: usize) -> Vec<u8> {
+    const WORDS: [&str; 8] = [
+        "zram ", "page ", "slot ", "handle ", "zspage ", "idle ", "huge ", "compact ",
+    ];
+    let mut p = vec![0u8; len];
+    let mut pos = 0;
+    while pos < len {
+        let w = WORDS[rng.gen_range(0..WORDS.len())].as_bytes();
+        let n = w.len().min(len - pos);
+        p[pos..pos + n].copy_from_slice(&w[..n]);
+        pos += n;
+    }
+    p
+}
+
+/// Sets a fresh device up (also after a reset): backing device, algorithms, dictionary, size.
+fn init_device(
+    dev: &Device,
+    cfg: &ModelConfig,
+    backing: &Arc<dyn FaultControl>,
+    dict: Option<&std::path::Path>,
+) {
     dev.set_backing(backing.clone().backing()).unwrap();
     dev.set_compressed_writeback(cfg.compressed_writeback)
         .unwrap();
@@ -225,6 +240,13 @@ fn init_device(dev: &Device, cfg: &ModelConfig, backing: &Arc<dyn FaultControl>)
         dev.attr_store(
             "recomp_algorithm",
             &format!("algo={algo} priority={}", i + 1),
+        )
+        .unwrap();
+    }
+    if let Some(path) = dict {
+        dev.attr_store(
+            "algorithm_params",
+            &format!("priority=1 level=3 dict={}", path.display()),
         )
         .unwrap();
     }
@@ -266,7 +288,15 @@ impl Harness {
         };
         let dev = Device::new_uninit(cfg.page_size).expect("create device");
         dev.debug_set_deferred_capacity(cfg.deferred_capacity);
-        init_device(&dev, &cfg, &backing);
+        // A raw-content dictionary of the words text-like pages are made of.
+        let dict_dir = cfg.dict.then(|| tempfile::tempdir().unwrap());
+        let dict_path = dict_dir.as_ref().map(|d| {
+            let path = d.path().join("model.dict");
+            let mut rng = SmallRng::seed_from_u64(cfg.seed);
+            std::fs::write(&path, gen_text(&mut rng, 16384)).unwrap();
+            path
+        });
+        init_device(&dev, &cfg, &backing, dict_path.as_deref());
         let regions = (0..cfg.threads as u64)
             .map(|t| {
                 Mutex::new(Region {
@@ -297,6 +327,8 @@ impl Harness {
             recompressions: AtomicU64::new(0),
             read_eio: AtomicU64::new(0),
             _dir: dir,
+            dict_path,
+            _dict_dir: dict_dir,
         }
     }
 
@@ -713,7 +745,12 @@ impl Harness {
                         }
                     }
                     self.dev.attr_store("reset", "1\n").unwrap();
-                    init_device(&self.dev, &self.cfg, &self.backing);
+                    init_device(
+                        &self.dev,
+                        &self.cfg,
+                        &self.backing,
+                        self.dict_path.as_deref(),
+                    );
                     self.resets.fetch_add(1, Ordering::Relaxed);
                 }
                 86..=91 => {
@@ -970,6 +1007,7 @@ fn run_or_panic(cfg: ModelConfig) {
 fn model_4k_lz4() {
     let mut cfg = ModelConfig::new(4096, "lz4");
     cfg.backing = WbBacking::FileUring;
+    cfg.dict = true;
     run_or_panic(cfg);
 }
 
@@ -1016,6 +1054,7 @@ fn model_4k_lz4_zoned() {
     cfg.ops_per_thread /= 2;
     cfg.pages_per_thread = 160;
     cfg.zoned = true;
+    cfg.dict = true;
     run_or_panic(cfg);
 }
 

@@ -175,9 +175,17 @@ fn recomp_algorithm_syntax_show_and_errnos() {
         errno(dev.attr_store("algorithm_params", "algo=zstd deflate.winbits=15")),
         libc::EINVAL
     );
-    // zstd level 9 kept across a change to lz4hc (which takes 1..=12), then to lz4, which
-    // refuses it at disksize.
+    // A zstd level kept across a change to lz4hc (which takes 1..=12, so 9 still works),
+    // then a negative zstd level kept across a change to lz4, which refuses it (its
+    // acceleration starts at 1) at disksize.
     dev.attr_store("recomp_algorithm", "algo=lz4hc priority=1")
+        .unwrap();
+    assert_eq!(
+        dev.algorithm_params(1),
+        Some(uzram::compress::CodecParams::with_level(Some(9)))
+    );
+    dev.attr_store("recomp_algorithm", "algo=zstd").unwrap();
+    dev.attr_store("algorithm_params", "priority=1 level=-5")
         .unwrap();
     dev.attr_store("recomp_algorithm", "algo=lz4").unwrap();
     let e = dev.attr_store("disksize", "1M").unwrap_err();
@@ -256,7 +264,13 @@ fn incompressible_pages_are_marked_skipped_and_written_back() {
         .unwrap();
     dev.attr_store("disksize", &(32 * PAGE).to_string())
         .unwrap();
-    let mut pages = program_pages(32);
+    // Text pages (compressible whatever the build) with every fourth one random.
+    let mut pages: Vec<Vec<u8>> = (0..32u64)
+        .map(|i| {
+            let text = format!("page {i} of text that compresses well; ");
+            text.bytes().cycle().take(PAGE).collect()
+        })
+        .collect();
     for i in (0..32).step_by(4) {
         pages[i] = random_page(i as u64);
     }

@@ -47,6 +47,7 @@ pub struct Deflate {
 impl Deflate {
     /// Creates the codec; a level outside 0..=9 is `EINVAL`.
     pub fn new(params: CodecParams) -> Result<Deflate> {
+        super::refuse_dict(NAME, &params)?;
         let level = params.level.unwrap_or(DEFAULT_LEVEL);
         if !(0..=MAX_LEVEL).contains(&level) {
             return Err(Error::invalid(format!(

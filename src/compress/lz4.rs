@@ -12,8 +12,16 @@
 //! at exactly one allocation per call so a change is noticed.
 //! Decompression allocates nothing.
 //!
-//! Levels: the kernel's lz4 backend reads `level` as LZ4's acceleration factor; `lz4_flex` has
-//! no acceleration setting, so only the default (`level=1`, or no level) is accepted.
+//! Levels: the kernel's lz4 backend reads `level` as LZ4's *acceleration* (`LZ4_compress_fast`:
+//! 1, the default, compresses best; higher trades ratio for speed, up to liblz4's
+//! `LZ4_ACCELERATION_MAX`, 65537). uzram does the same: no level or level 1 is `lz4_flex`'s
+//! encoder (LZ4's default acceleration), a higher level is liblz4's `LZ4_compress_fast` with
+//! that acceleration (through the `lz4` crate, as lz4hc; it keeps its state on the stack).
+//! Both write the same block format, so decompression is the same. Levels below 1 or above
+//! 65537 are `EINVAL` (liblz4 would silently replace them).
+//!
+//! Dictionaries: not supported (`EOPNOTSUPP`): `lz4_flex` would rebuild its hash table from
+//! the dictionary on every page.
 
 use super::{check_dst, Codec, CodecParams};
 use crate::error::{Error, Result};
@@ -21,19 +29,34 @@ use crate::error::{Error, Result};
 /// The name in `comp_algorithm`.
 pub(super) const NAME: &str = "lz4";
 
-/// LZ4 block compression (`lz4_flex`, safe Rust).
+/// liblz4's `LZ4_ACCELERATION_MAX`.
+pub const MAX_ACCELERATION: i32 = 65537;
+
+/// LZ4 block compression: `lz4_flex` (safe Rust) at the default acceleration, liblz4's
+/// `LZ4_compress_fast` at a higher one.
 #[derive(Debug, Clone, Copy)]
-pub struct Lz4;
+pub struct Lz4 {
+    /// The acceleration (`level`), 1 = LZ4's default.
+    acceleration: i32,
+}
 
 impl Lz4 {
-    /// Creates the codec. Any level other than LZ4's default acceleration (1) is `EINVAL`.
+    /// Creates the codec; `level` is the acceleration, 1..=65537 (default 1), `EINVAL`
+    /// otherwise; a dictionary is `EOPNOTSUPP`.
     pub fn new(params: CodecParams) -> Result<Lz4> {
-        match params.level {
-            None | Some(1) => Ok(Lz4),
-            Some(level) => Err(Error::invalid(format!(
-                "lz4: level {level} not supported (lz4_flex has no acceleration setting; only 1)"
-            ))),
+        super::refuse_dict(NAME, &params)?;
+        let acceleration = params.level.unwrap_or(1);
+        if !(1..=MAX_ACCELERATION).contains(&acceleration) {
+            return Err(Error::invalid(format!(
+                "lz4: level (acceleration) {acceleration} outside 1..={MAX_ACCELERATION}"
+            )));
         }
+        Ok(Lz4 { acceleration })
+    }
+
+    /// The acceleration in use.
+    pub fn acceleration(&self) -> i32 {
+        self.acceleration
     }
 }
 
@@ -44,8 +67,18 @@ impl Codec for Lz4 {
 
     fn compress(&self, src: &[u8], dst: &mut [u8]) -> Result<usize> {
         check_dst(src.len(), dst)?;
-        lz4_flex::block::compress_into(src, dst)
+        if self.acceleration == 1 {
+            lz4_flex::block::compress_into(src, dst)
+                .map_err(|e| Error::io(format!("lz4 compress: {e}")))
+        } else {
+            lz4::block::compress_to_buffer(
+                src,
+                Some(lz4::block::CompressionMode::FAST(self.acceleration)),
+                false,
+                dst,
+            )
             .map_err(|e| Error::io(format!("lz4 compress: {e}")))
+        }
     }
 
     fn decompress(&self, src: &[u8], dst: &mut [u8]) -> Result<()> {

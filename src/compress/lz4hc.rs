@@ -34,6 +34,7 @@ pub struct Lz4Hc {
 impl Lz4Hc {
     /// Creates the codec; a level outside 1..=12 is `EINVAL`.
     pub fn new(params: CodecParams) -> Result<Lz4Hc> {
+        super::refuse_dict(NAME, &params)?;
         let level = params.level.unwrap_or(DEFAULT_LEVEL);
         if !(MIN_LEVEL..=MAX_LEVEL).contains(&level) {
             return Err(Error::invalid(format!(

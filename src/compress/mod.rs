@@ -26,21 +26,33 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     fn decompress(&self, src: &[u8], dst: &mut [u8]) -> Result<()>;
 }
 
-/// Parameters set through `algorithm_params` (`level=N`); `None` means the algorithm's default.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Parameters set through `algorithm_params` (`level=N`, `dict=PATH`); `None` means the
+/// algorithm's default.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CodecParams {
-    /// Compression level (zstd, deflate, lz4hc).
+    /// Compression level (zstd, deflate, lz4hc; lz4's acceleration).
     pub level: Option<i32>,
+    /// A compression dictionary (zstd only).
+    pub dict: Option<Dictionary>,
+}
+
+impl CodecParams {
+    /// Parameters with a level only.
+    pub fn with_level(level: Option<i32>) -> CodecParams {
+        CodecParams { level, dict: None }
+    }
 }
 
 mod context;
 mod deflate;
+mod dict;
 mod lz4;
 mod lz4hc;
 mod same_filled;
 mod zstd;
 
 pub use self::deflate::Deflate;
+pub use self::dict::{Dictionary, MAX_DICT_BYTES};
 pub use self::lz4::Lz4;
 pub use self::lz4hc::Lz4Hc;
 pub use self::same_filled::{fill_same, same_filled_word};
@@ -121,6 +133,18 @@ pub fn compress_bound(src_len: usize) -> usize {
     let liblz4 = src_len + src_len / 255 + 16;
     let zstd = ::zstd::zstd_safe::compress_bound(src_len);
     lz4_flex.max(liblz4).max(zstd).max(deflate::bound(src_len))
+}
+
+/// `EOPNOTSUPP` when `params` carry a dictionary, for codecs that take none: the message names
+/// the codec and the one that does.
+fn refuse_dict(name: &str, params: &CodecParams) -> Result<()> {
+    if params.dict.is_some() {
+        return Err(Error::new(
+            crate::error::ErrorKind::Unsupported,
+            format!("{name}: dictionaries are not supported (zstd takes dict=PATH)"),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks that `dst` is large enough for compressing `src_len` bytes, so a too-small buffer is a

@@ -132,14 +132,14 @@ fn incompressible_pages_fit_compress_bound() {
 fn every_level_round_trips() {
     let page = text_page(4096, 7);
     let levels: [(&str, Vec<i32>); 4] = [
-        ("lz4", vec![1]),
+        ("lz4", vec![1, 2, 17, 65537]),
         ("lz4hc", (1..=12).collect()),
         ("zstd", vec![-5, -1, 0, 1, 3, 9, 19, 22]),
         ("deflate", (0..=9).collect()),
     ];
     for (name, levels) in levels {
         for level in levels {
-            let codec = new_codec(name, CodecParams { level: Some(level) }).unwrap();
+            let codec = new_codec(name, CodecParams::with_level(Some(level))).unwrap();
             round_trip(codec.as_ref(), &page);
         }
     }
@@ -147,11 +147,12 @@ fn every_level_round_trips() {
 
 #[test]
 fn invalid_names_and_levels_are_einval() {
-    let bad: [(&str, Option<i32>); 9] = [
+    let bad: [(&str, Option<i32>); 10] = [
         ("lzo", None),
         ("", None),
         ("LZ4", None),
-        ("lz4", Some(2)),
+        ("lz4", Some(0)),
+        ("lz4", Some(65538)),
         ("lz4hc", Some(0)),
         ("lz4hc", Some(13)),
         ("zstd", Some(23)),
@@ -159,7 +160,7 @@ fn invalid_names_and_levels_are_einval() {
         ("deflate", Some(10)),
     ];
     for (name, level) in bad {
-        let err = new_codec(name, CodecParams { level }).unwrap_err();
+        let err = new_codec(name, CodecParams::with_level(level)).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{name} {level:?}");
         assert_eq!(err.errno(), libc::EINVAL);
     }
@@ -280,8 +281,8 @@ fn levels_on_one_thread_do_not_share_state_wrongly() {
     // produces (compression is deterministic for a given level and input).
     let page = text_page(16384, 5);
     for name in ["zstd", "deflate", "lz4hc"] {
-        let low = new_codec(name, CodecParams { level: Some(1) }).unwrap();
-        let high = new_codec(name, CodecParams { level: Some(9) }).unwrap();
+        let low = new_codec(name, CodecParams::with_level(Some(1))).unwrap();
+        let high = new_codec(name, CodecParams::with_level(Some(9))).unwrap();
         let mut a = vec![0u8; compress_bound(page.len())];
         let mut b = a.clone();
         let first_low = low.compress(&page, &mut a).unwrap();

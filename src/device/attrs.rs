@@ -205,7 +205,9 @@ impl Device {
 
     /// `algorithm_params`: space-separated `key=value`: `algo=NAME` or `priority=N` selects
     /// the codec (default: the primary, priority 0; `algo` the first priority with that
-    /// algorithm), `level=N` sets its level, `deflate.winbits=N` deflate's window (only 15,
+    /// algorithm), `level=N` sets its level, `dict=PATH` loads a dictionary (zstd; `EINVAL` for
+    /// a file that cannot be read, is empty, too large or corrupt; `EOPNOTSUPP` for other
+    /// algorithms), `deflate.winbits=N` deflate's window (only 15,
     /// the one uzram's deflate uses, is accepted: anything else is `EOPNOTSUPP`, never
     /// ignored). The priority's parameters are replaced as a whole, as the kernel's
     /// `comp_params_store` does. Unknown keys are ignored, as in zram; a key without a value,
@@ -216,6 +218,7 @@ impl Device {
         let mut algo: Option<&str> = None;
         let mut level: Option<i32> = None;
         let mut winbits: Option<i32> = None;
+        let mut dict_path: Option<&str> = None;
         for tok in strip_newline(value).split_ascii_whitespace() {
             let Some((key, val)) = tok.split_once('=') else {
                 return Err(Error::invalid(format!("{tok:?} is not key=value")));
@@ -232,15 +235,15 @@ impl Device {
                 "level" => level = Some(int("level")?),
                 "deflate.winbits" => winbits = Some(int("deflate.winbits")?),
                 "algo" => algo = Some(val),
-                "dict" => {
-                    return Err(Error::new(
-                        ErrorKind::Unsupported,
-                        "compression dictionaries are not supported",
-                    ))
-                }
+                "dict" => dict_path = Some(val),
                 _ => {}
             }
         }
+        // Read before taking the init lock: file I/O must not hold up requests.
+        let dict = match dict_path {
+            Some(path) => Some(compress::Dictionary::load(std::path::Path::new(path))?),
+            None => None,
+        };
         let mut st = self.state.write();
         let configured = |st: &super::State, p: usize| -> Option<String> {
             if p == 0 {
@@ -291,9 +294,9 @@ impl Device {
                 ));
             }
         }
-        let params = CodecParams { level };
-        // Validate now, so a bad level fails here rather than at disksize.
-        compress::new_codec(&alg, params)?;
+        let params = CodecParams { level, dict };
+        // Validate now, so a bad level or dictionary fails here rather than at disksize.
+        compress::new_codec(&alg, params.clone())?;
         if prio == 0 {
             st.settings.comp_params = params;
         } else {

@@ -106,7 +106,7 @@ impl Default for Settings {
             comp_algorithm: DEFAULT_COMP_ALGORITHM.to_string(),
             comp_params: CodecParams::default(),
             recomp_algorithms: Default::default(),
-            recomp_params: [CodecParams::default(); MAX_COMPS],
+            recomp_params: Default::default(),
             backing: None,
             compressed_writeback: false,
             backing_layout: BackingLayout::Bitmap,
@@ -296,13 +296,13 @@ impl Device {
                 e.message()
             ))
         };
-        let primary = compress::new_codec(&settings.comp_algorithm, settings.comp_params)
+        let primary = compress::new_codec(&settings.comp_algorithm, settings.comp_params.clone())
             .map_err(|e| with_prio(0, e))?;
         let mut secondary: [Option<Box<dyn compress::Codec>>; MAX_COMPS] = Default::default();
         for (prio, alg) in settings.recomp_algorithms.iter().enumerate().skip(1) {
             if let Some(alg) = alg {
                 secondary[prio] = Some(
-                    compress::new_codec(alg, settings.recomp_params[prio])
+                    compress::new_codec(alg, settings.recomp_params[prio].clone())
                         .map_err(|e| with_prio(prio, e))?,
                 );
             }
@@ -557,6 +557,16 @@ impl Device {
             return Err(Error::invalid("device not initialised: set disksize first"));
         }
         Ok(StoreRef { guard })
+    }
+
+    /// The parameters `algorithm_params` set for priority `prio` (0: the primary; 1..=3 the
+    /// recompression algorithms), used by the next `disksize`. `None` outside 0..=3.
+    pub fn algorithm_params(&self, prio: usize) -> Option<CodecParams> {
+        let st = self.state.read();
+        match prio {
+            0 => Some(st.settings.comp_params.clone()),
+            p => st.settings.recomp_params.get(p).cloned(),
+        }
     }
 
     /// The current algorithm name.
