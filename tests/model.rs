@@ -13,7 +13,8 @@
 //!   reads, a backing smaller than the device (ENOSPC), and writeback limit changes. A
 //!   writeback may fail (`EIO`, `ENOSPC`, `EAGAIN` when another one runs) but must never change
 //!   what a page reads back; a read may fail with `EIO` only while read faults are injected (and
-//!   then teaches the model nothing), and a partial write that needs a backing read may fail
+//!   then teaches the model nothing; among them reads the backing answers with a flipped byte,
+//!   which the checksum must turn into `EIO`), and a partial write that needs a backing read may fail
 //!   with `EIO` like a failed `ENOMEM` write. Nothing else may fail.
 //! - Zoned configurations (`backing_layout=zoned`, 1 MiB zones, four of them) write back into
 //!   the append-only store and run garbage collection (`gc` writes from workers and the chaos
@@ -700,7 +701,8 @@ impl Harness {
                         .unwrap();
                 }
                 56..=59 => {
-                    // Backing faults: none, random write faults of one kind, or read faults.
+                    // Backing faults: none, random write faults of one kind, corrupted reads, or
+                    // read faults.
                     let seed = rng.gen();
                     let kind = [
                         FaultKind::Eio,
@@ -708,12 +710,16 @@ impl Harness {
                         FaultKind::Short,
                         FaultKind::NoSpace,
                     ][rng.gen_range(0..4)];
-                    match rng.gen_range(0..4) {
+                    match rng.gen_range(0..5) {
                         0 | 1 => self.set_fault_plan(FaultPlan::new(), false),
                         2 => self.set_fault_plan(
                             FaultPlan::new().fail_writes_randomly(5, kind, seed),
                             false,
                         ),
+                        // A backing that returns other bytes than were written (one read in
+                        // four): the checksum must turn each into EIO, never wrong data.
+                        3 => self
+                            .set_fault_plan(FaultPlan::new().corrupt_reads_randomly(4, seed), true),
                         _ => {
                             let mut plan = FaultPlan::new();
                             for n in 0..64 {
@@ -971,7 +977,8 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
         "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, {} writebacks ({} failed) \
          wrote {} pages, {} gc ({} failed; chaos's reclaimed {} zones, relocated {} records), \
          {} recompressions (recomp_stat since the last reset {}), {} reads failed by injected \
-         faults, mm_stat {}, bd_stat {}, zone_stat {}, deferred (since the last reset) {d:?}",
+         faults, mm_stat {}, bd_stat {}, bd_checksum_errors {} (since the last reset), \
+         zone_stat {}, deferred (since the last reset) {d:?}",
         cfg.seed,
         h.resets.load(Ordering::Relaxed),
         h.enomem.load(Ordering::Relaxed),
@@ -991,6 +998,7 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
         h.read_eio.load(Ordering::Relaxed),
         s.mm_stat().trim(),
         s.bd_stat().trim(),
+        s.bd_checksum_errors,
         zone_stat.trim()
     ))
 }

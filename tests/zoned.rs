@@ -295,6 +295,7 @@ fn a_corrupted_record_reads_as_eio_through_the_device() {
     let e = dev.read_at(&mut buf, 2 * PAGE as u64).unwrap_err();
     assert_eq!(e.errno(), libc::EIO, "{e}");
     assert_eq!(dev.stats().failed_reads, before.failed_reads + 1);
+    assert_eq!(dev.attr_show("bd_checksum_errors").unwrap(), "1\n");
     // The other pages are fine; the bad one can still be overwritten.
     for i in [0, 1, 3, 4, 5, 6, 7] {
         check(&dev, i, 1);
@@ -445,6 +446,54 @@ fn large_pages_write_back_and_read_back() {
         }
         dev.discard(0, n * ps as u64).unwrap();
         assert_eq!(zone_stat(&dev)[3], 0);
+        dev.debug_check_zones();
+    }
+}
+
+/// The device says ENOSPC part-way: `writeback_bytes` (and so `write_amplification`),
+/// `bd_writes` and `bd_count` count only the writes that completed, the writeback limit is
+/// refunded for every page that stayed in RAM, and after the first ENOSPC nothing more is
+/// written (with one write in flight at a time, exactly one write sees it).
+#[test]
+fn enospc_from_the_device_counts_only_completed_writes() {
+    for batch in [1, 16] {
+        let backing = Arc::new(FaultyBacking::new(MemBacking::new(8 * ZONE).unwrap()));
+        let n = 1200;
+        let dev = zoned_device(n, backing.clone());
+        fill(&dev, n, 1);
+        dev.attr_store("writeback_batch_size", &batch.to_string())
+            .unwrap();
+        dev.set_writeback_limit_enable(true);
+        dev.set_writeback_limit(100_000);
+        // Room for a little over 3 stages of 256 KiB.
+        backing.set_plan(FaultPlan::new().no_space_after_bytes(800 << 10));
+        let r = dev
+            .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
+            .unwrap();
+        assert_eq!(
+            r.error.as_ref().map(|e| e.kind()),
+            Some(ErrorKind::NoSpace),
+            "{r:?}"
+        );
+        let zs = zone_stat(&dev);
+        let passed = backing.counts().bytes_written;
+        assert_eq!(
+            zs[4], passed,
+            "writeback_bytes counts completed writes: {zs:?}"
+        );
+        assert!(
+            passed > 512 << 10 && passed <= 800 << 10,
+            "batch {batch}: {passed}"
+        );
+        assert!(r.written > 0 && r.written < stored(n), "{r:?}");
+        assert_eq!(bd(&dev), [r.written, 0, r.written]);
+        assert_eq!(dev.writeback_limit(), 100_000 - r.written);
+        if batch == 1 {
+            assert_eq!(backing.counts().injected, 1, "nothing written after ENOSPC");
+        }
+        let wa = dev.attr_show("zone_stat").unwrap();
+        assert!(wa.trim_end().ends_with("1.000"), "{wa}");
+        check_all(&dev, n, 1);
         dev.debug_check_zones();
     }
 }

@@ -20,7 +20,10 @@
 //!   keep their old contents; the write fails with `Io`. Not a prefix, so a test cannot mistake
 //!   it for a short write.
 //!
-//! Reads fail with `Io` (nothing read) when their number is in the plan.
+//! Reads fail with `Io` (nothing read) when their number is in the plan. With
+//! [`FaultPlan::corrupt_reads_randomly`] a synchronous read succeeds but one byte of what it
+//! returns is flipped (the backing's data is untouched): a device that returns other bytes than
+//! were written, which only a checksum can tell. Queued reads (GC's) are never corrupted.
 //!
 //! # Queues
 //!
@@ -73,6 +76,9 @@ pub struct FaultPlan {
     /// `(one_in, kind, seed)`: each write fails with `kind` with probability 1/`one_in`,
     /// decided by a hash of the seed and the write number (so a seed replays exactly).
     random_writes: Option<(u64, FaultKind, u64)>,
+    /// `(one_in, seed)`: each synchronous read returns one flipped byte with probability
+    /// 1/`one_in`, decided like `random_writes`.
+    corrupt_reads: Option<(u64, u64)>,
 }
 
 impl FaultPlan {
@@ -111,6 +117,16 @@ impl FaultPlan {
     /// write's number, so the same seed injects the same faults.
     pub fn fail_writes_randomly(mut self, one_in: u64, kind: FaultKind, seed: u64) -> FaultPlan {
         self.random_writes = Some((one_in.max(1), kind, seed));
+        self
+    }
+}
+
+impl FaultPlan {
+    /// Each synchronous read (`read_at`, `readv_at`) succeeds with one byte of its data
+    /// flipped with probability `1 / one_in`, chosen by `seed` and the read's number; the
+    /// stored data stays intact, so the next read of it may be correct.
+    pub fn corrupt_reads_randomly(mut self, one_in: u64, seed: u64) -> FaultPlan {
+        self.corrupt_reads = Some((one_in.max(1), seed));
         self
     }
 }
@@ -190,13 +206,20 @@ impl<B: Backing> FaultyBacking<B> {
 
     /// Numbers a write and decides its fate. `None`: pass it on (its bytes are counted now, so
     /// concurrent writes cannot overshoot a byte limit together).
-    /// Counts a read and fails it with an injected `EIO` if the plan says so.
-    fn decide_read(&self, offset: u64, len_bytes: u64) -> Result<()> {
+    /// Counts a read and fails it with an injected `EIO` if the plan says so; otherwise
+    /// returns the byte to flip in what it reads, if the plan corrupts it (the caller counts
+    /// it as injected when it does).
+    fn decide_read(&self, offset: u64, len_bytes: u64) -> Result<Option<u64>> {
         self.reads.fetch_add(1, Ordering::Relaxed);
-        let fail = {
+        let (fail, corrupt) = {
             let mut st = self.state.lock();
             st.reads_since_plan += 1;
-            st.plan.read_faults.contains(&st.reads_since_plan)
+            let nth = st.reads_since_plan;
+            let corrupt = st.plan.corrupt_reads.and_then(|(one_in, seed)| {
+                let h = splitmix64(seed ^ nth.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+                (h % one_in == 0).then(|| (h >> 20) % len_bytes.max(1))
+            });
+            (st.plan.read_faults.contains(&nth), corrupt)
         };
         if fail {
             self.injected.fetch_add(1, Ordering::Relaxed);
@@ -204,7 +227,7 @@ impl<B: Backing> FaultyBacking<B> {
                 "injected EIO: read of {len_bytes} bytes at offset {offset}"
             )));
         }
-        Ok(())
+        Ok(corrupt)
     }
 
     fn decide_write(&self, offset: u64, len_bytes: u64) -> Option<FaultKind> {
@@ -305,13 +328,29 @@ impl<B: Backing> Backing for FaultyBacking<B> {
         // One vectored read counts as one read for the plan.
         let len_bytes: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         check_range(self.inner.size_bytes(), offset, len_bytes, "read")?;
-        self.decide_read(offset, len_bytes)?;
-        self.inner.readv_at(bufs, offset)
+        let corrupt = self.decide_read(offset, len_bytes)?;
+        self.inner.readv_at(bufs, offset)?;
+        if let Some(mut at) = corrupt {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+            for b in bufs.iter_mut() {
+                if let Some(byte) = b.get_mut(at as usize) {
+                    *byte ^= 0x5a;
+                    break;
+                }
+                at -= b.len() as u64;
+            }
+        }
+        Ok(())
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        self.decide_read(offset, buf.len() as u64)?;
-        self.inner.read_at(buf, offset)
+        let corrupt = self.decide_read(offset, buf.len() as u64)?;
+        self.inner.read_at(buf, offset)?;
+        if let Some(at) = corrupt {
+            self.injected.fetch_add(1, Ordering::Relaxed);
+            buf[at as usize] ^= 0x5a;
+        }
+        Ok(())
     }
 
     fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> Result<()> {

@@ -14,6 +14,8 @@
 //!   and, with the `testing` feature, `MemBacking` (in memory) and `FaultyBacking` (wraps any
 //!   backing and injects EIO, ENOSPC, short and torn writes, on synchronous and queued writes
 //!   alike).
+//! - [`verify`]: the checksum of a written-back block and the count (and once-per-device log)
+//!   of data a backing returned that failed verification.
 //! - [`ceiling`]: the 4 KiB write throughput of a backing at a queue depth, the anchor the
 //!   writeback benchmark reports against.
 //!
@@ -52,6 +54,7 @@ mod mem;
 mod sync;
 mod sys;
 mod uring;
+pub mod verify;
 
 use std::fmt::Debug;
 use std::sync::Arc;

@@ -91,6 +91,7 @@ pub const ATTRIBUTES: &[Attr] = &[
         |d| format!("{}\n", d.backing_layout().name()),
         |d, v| d.set_backing_layout(BackingLayout::parse(strip_newline(v).trim())?),
     ),
+    Attr::ro("bd_checksum_errors", |d| d.stats().bd_checksum_errors()),
     Attr::ro("bd_stat", |d| d.stats().bd_stat()),
     Attr::rw("comp_algorithm", show_comp_algorithm, store_comp_algorithm),
     Attr::wo("compact", |d, _| {

@@ -39,6 +39,12 @@ impl StatsSnapshot {
         )
     }
 
+    /// `bd_checksum_errors` (uzram's own): reads of written-back pages that failed
+    /// verification, `"%llu\n"`.
+    pub fn bd_checksum_errors(&self) -> String {
+        format!("{}\n", self.bd_checksum_errors)
+    }
+
     /// `debug_stat`: `"version: 1\n0 %8llu\n"` (the retired writestall column, then miss_free).
     pub fn debug_stat(&self) -> String {
         format!("version: 1\n0 {:8}\n", self.miss_free)

@@ -730,6 +730,7 @@ impl Store {
             recomp_tried: get(&s.recomp_tried),
             recomp_done: get(&s.recomp_done),
             recomp_incompressible: get(&s.recomp_incompressible),
+            bd_checksum_errors: self.target.as_ref().map_or(0, WbTarget::checksum_errors),
         }
     }
 

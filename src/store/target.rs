@@ -2,8 +2,10 @@
 //! `backing_layout` says. One type, [`WbTarget`], with one variant per layout:
 //!
 //! - [`WbTarget::Bitmap`]: one page-sized block per slot from a [`BlockBitmap`] (zram's
-//!   layout); a WB slot's value is a [`BlockIndex`]. With `compressed_writeback` a block holds
-//!   the stored object, else the page.
+//!   layout); a WB slot's value is a packed [`BlockLoc`]: the block index and the CRC-32C of
+//!   the block as written ([`block_crc`]), checked on every read-back. With
+//!   `compressed_writeback` a block holds the stored object (zero-padded to the block), else
+//!   the page.
 //! - [`WbTarget::Zoned`]: records appended to the zones of a [`ZoneStore`], with GC; a WB
 //!   slot's value is a packed [`ZoneLoc`] (`ZoneLoc::to_raw`). A record holds the stored object
 //!   (compressed, or the raw page of a HUGE slot).
@@ -16,6 +18,11 @@
 //! writeback, [`commit`](WbTarget::commit) a written location a slot now points at (under the
 //! slot lock) or [`abort`](WbTarget::abort) one no slot took. So read-back has one path.
 //!
+//! Every read-back is verified, in both layouts (see [`crate::backing::verify`]): a block
+//! against the CRC in its slot, a record against its header's magic, slot, length and CRC. A
+//! mismatch is `EIO`, counted in the target's [`Mismatches`] (`bd_checksum_errors`) and logged
+//! once per device; the slot is left as it was.
+//!
 //! Locks: the bitmap's mutex and the zone store's `zones` mutex are leaves, taken under a slot
 //! lock or without one; no slot lock is held across the backing I/O of `read_page`.
 
@@ -23,6 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::bitmap::{BlockBitmap, BlockIndex, BlockPin};
+use crate::backing::verify::{block_crc, Mismatches};
 use crate::backing::Backing;
 use crate::compress::Codec;
 use crate::error::{Error, Result};
@@ -69,12 +77,43 @@ pub(crate) enum WbTarget {
     Zoned(ZonedTarget),
 }
 
+/// A bitmap-layout WB slot's value: the block in the low 32 bits, the CRC-32C of the block as
+/// written ([`block_crc`]) in the high 32. A block index needs far fewer than 64 bits, so the
+/// checksum costs the slot nothing (it stays 16 bytes); the price is at most 2^32 blocks (16 TiB
+/// of 4 KiB pages) per backing device, which [`WbTarget::new`] enforces by using no more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockLoc {
+    pub(crate) block: BlockIndex,
+    pub(crate) crc: u32,
+}
+
+impl BlockLoc {
+    /// Blocks a [`BlockLoc`] can address.
+    pub(crate) const MAX_BLOCKS: u64 = 1 << 32;
+
+    /// The slot value.
+    pub(crate) fn to_raw(self) -> u64 {
+        debug_assert!(self.block.0 < Self::MAX_BLOCKS);
+        self.block.0 | u64::from(self.crc) << 32
+    }
+
+    /// Unpacks [`to_raw`](Self::to_raw)'s value.
+    pub(crate) fn from_raw(raw: u64) -> BlockLoc {
+        BlockLoc {
+            block: BlockIndex(raw & (Self::MAX_BLOCKS - 1)),
+            crc: (raw >> 32) as u32,
+        }
+    }
+}
+
 /// The bitmap layout: page-sized blocks of the backing device.
 #[derive(Debug)]
 pub(crate) struct BitmapTarget {
     backing: Arc<dyn Backing>,
-    /// One bit per page-sized block of the backing device.
+    /// One bit per page-sized block of the backing device (at most [`BlockLoc::MAX_BLOCKS`]).
     bitmap: BlockBitmap,
+    /// Read-backs whose block did not match its checksum.
+    mismatches: Mismatches,
     /// `compressed_writeback`: blocks hold the stored object (decompressed on read) rather than
     /// the page. Fixed for the life of the initialisation.
     compressed: bool,
@@ -102,7 +141,10 @@ impl WbTarget {
     ) -> Result<WbTarget> {
         Ok(match layout {
             BackingLayout::Bitmap => WbTarget::Bitmap(BitmapTarget {
-                bitmap: BlockBitmap::new(backing.size_bytes() / page_size_bytes as u64),
+                bitmap: BlockBitmap::new(
+                    (backing.size_bytes() / page_size_bytes as u64).min(BlockLoc::MAX_BLOCKS),
+                ),
+                mismatches: Mismatches::default(),
                 backing,
                 compressed,
                 page_size_bytes,
@@ -125,7 +167,10 @@ impl WbTarget {
     /// the pin lives. The caller holds the slot's lock.
     pub(crate) fn pin(&self, location: u64) -> WbPin<'_> {
         match self {
-            WbTarget::Bitmap(t) => WbPin::Block(t, t.bitmap.pin(BlockIndex(location))),
+            WbTarget::Bitmap(t) => {
+                let loc = BlockLoc::from_raw(location);
+                WbPin::Block(t, t.bitmap.pin(loc.block), loc.crc)
+            }
             WbTarget::Zoned(t) => WbPin::Zone(t, t.store.pin(ZoneLoc::from_raw(location))),
         }
     }
@@ -134,7 +179,7 @@ impl WbTarget {
     /// The caller holds the slot's lock and empties the slot: exactly once per location.
     pub(crate) fn release(&self, location: u64) {
         match self {
-            WbTarget::Bitmap(t) => t.bitmap.release(BlockIndex(location)),
+            WbTarget::Bitmap(t) => t.bitmap.release(BlockLoc::from_raw(location).block),
             WbTarget::Zoned(t) => {
                 t.store.release(ZoneLoc::from_raw(location));
                 t.pages.fetch_sub(1, Ordering::Relaxed);
@@ -159,7 +204,7 @@ impl WbTarget {
     /// meanwhile): given back. No slot lock is needed: no slot points there.
     pub(crate) fn abort(&self, location: u64) {
         match self {
-            WbTarget::Bitmap(t) => t.bitmap.release(BlockIndex(location)),
+            WbTarget::Bitmap(t) => t.bitmap.release(BlockLoc::from_raw(location).block),
             WbTarget::Zoned(t) => t.store.abort(ZoneLoc::from_raw(location)),
         }
     }
@@ -170,6 +215,14 @@ impl WbTarget {
         match self {
             WbTarget::Bitmap(t) => t.bitmap.bd_count(),
             WbTarget::Zoned(t) => t.pages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Read-backs whose data failed verification (`bd_checksum_errors`).
+    pub(crate) fn checksum_errors(&self) -> u64 {
+        match self {
+            WbTarget::Bitmap(t) => t.mismatches.count(),
+            WbTarget::Zoned(t) => t.store.checksum_errors(),
         }
     }
 
@@ -198,6 +251,16 @@ impl BitmapTarget {
         self.page_size_bytes
     }
 
+    /// The slot value for `block` holding `data` (the whole block as written).
+    pub(crate) fn location(&self, block: BlockIndex, data: &[u8]) -> u64 {
+        debug_assert_eq!(data.len(), self.page_size_bytes);
+        BlockLoc {
+            block,
+            crc: block_crc(block.0, data),
+        }
+        .to_raw()
+    }
+
     /// Byte offset of `block` on the backing device.
     pub(crate) fn offset(&self, block: BlockIndex) -> u64 {
         block.0 * self.page_size_bytes as u64
@@ -215,8 +278,8 @@ impl ZonedTarget {
 /// to, so the read that follows needs no other lookup.
 #[derive(Debug)]
 pub(crate) enum WbPin<'a> {
-    /// A block of the bitmap layout.
-    Block(&'a BitmapTarget, BlockPin<'a>),
+    /// A block of the bitmap layout, and the CRC-32C it was written with.
+    Block(&'a BitmapTarget, BlockPin<'a>, u32),
     /// A record of the zoned layout (its zone is pinned).
     Zone(&'a ZonedTarget, ZonePin<'a>),
 }
@@ -225,7 +288,11 @@ impl WbPin<'_> {
     /// The pinned location, as a WB slot holds it.
     pub(crate) fn location(&self) -> u64 {
         match self {
-            WbPin::Block(_, pin) => pin.block().0,
+            WbPin::Block(_, pin, crc) => BlockLoc {
+                block: pin.block(),
+                crc: *crc,
+            }
+            .to_raw(),
             WbPin::Zone(_, pin) => pin.loc().to_raw(),
         }
     }
@@ -233,9 +300,9 @@ impl WbPin<'_> {
     /// Reads the written-back page of `slot` (whose state, read under its lock when the pin was
     /// taken, is `st`) into `out` (one page), decompressing it with `codec` when it was written
     /// as a compressed object; `scratch` (at least a page) holds the block read for that. No
-    /// slot lock is held. A backing error, a record that does not verify (magic, slot, length,
-    /// checksum) or an object that does not decompress is `EIO`, never other data, and changes
-    /// nothing.
+    /// slot lock is held. A backing error, a block or record that does not verify (a block's
+    /// CRC; a record's magic, slot, length, CRC) or an object that does not decompress is
+    /// `EIO`, never other data, and changes nothing.
     pub(crate) fn read_page(
         &self,
         slot: u64,
@@ -245,16 +312,18 @@ impl WbPin<'_> {
         scratch: &mut [u8],
     ) -> Result<()> {
         match self {
-            WbPin::Block(t, pin) => read_block(t, pin, st, codec, out, scratch),
+            WbPin::Block(t, pin, crc) => read_block(t, pin, *crc, st, codec, out, scratch),
             WbPin::Zone(t, pin) => read_record(t, slot, pin, st, codec, out),
         }
     }
 }
 
-/// [`WbPin::read_page`] of a block.
+/// [`WbPin::read_page`] of a block, checked against `crc` before anything is decoded or
+/// returned.
 fn read_block(
     t: &BitmapTarget,
     pin: &BlockPin<'_>,
+    crc: u32,
     st: SlotState,
     codec: &dyn Codec,
     out: &mut [u8],
@@ -269,15 +338,34 @@ fn read_block(
             t.backing.describe()
         ))
     };
+    let verify = |blk: &[u8]| {
+        let got = block_crc(pin.block().0, blk);
+        if got == crc {
+            Ok(())
+        } else {
+            Err(t.mismatches.note(
+                &t.backing.describe(),
+                offset,
+                &format!("written-back block {}", pin.block().0),
+                &format!("CRC-32C {got:#010x}, written {crc:#010x}"),
+            ))
+        }
+    };
     if t.compressed && !st.has(SlotFlags::HUGE) {
         let blk = &mut scratch[..page];
         t.backing.read_at(blk, offset).map_err(io_err)?;
+        verify(blk)?;
         let size = st.size_bytes();
         codec
             .decompress(&blk[..size], out)
             .map_err(|e| Error::io(format!("written-back object does not decompress: {e}")))
     } else {
-        t.backing.read_at(out, offset).map_err(io_err)
+        t.backing.read_at(out, offset).map_err(io_err)?;
+        verify(out).inspect_err(|_| {
+            // `out` is the caller's page: leave none of the wrong bytes in it, even though a
+            // failed read's buffer is never sent.
+            out.fill(0);
+        })
     }
 }
 

@@ -75,6 +75,8 @@ pub(super) trait Placement {
     fn ready(&mut self, all: bool) -> Vec<PlacedWrite>;
     /// No more candidates for this pass: close what is open.
     fn finish(&mut self);
+    /// An op's write completed (before its pages are finished): count what reached the device.
+    fn written(&mut self, op: &IoOp);
     /// The buffers of an op that completed or was refused, for reuse.
     fn recycle(&mut self, op: IoOp);
     /// The write of `locations` failed (they are given back next): stop writing where it
@@ -124,6 +126,8 @@ struct Engine<'a, P> {
     write_error: Option<Error>,
     /// The queue cannot be waited on: stop using it.
     broken: bool,
+    /// A write failed with `ENOSPC`: submit nothing more.
+    device_full: bool,
 }
 
 /// Writes back the candidates of `ctl` into `target` (the store's) through `placement`.
@@ -156,6 +160,7 @@ pub(super) fn run<P: Placement>(
         stop: None,
         write_error: None,
         broken: false,
+        device_full: false,
     };
     let mut exhausted = false;
     loop {
@@ -245,7 +250,10 @@ impl<P: Placement> Engine<'_, P> {
             while self.queue.in_flight() >= self.queue.depth() && !self.broken {
                 self.reap(progress);
             }
-            if self.broken {
+            if self.broken || self.device_full {
+                // After the device's first ENOSPC nothing more is written: the pages stay in
+                // RAM, their charges refunded (a full bitmap or zone store stops taking pages
+                // too, but what was placed in it before has its room and is written).
                 self.placement.recycle(w.op);
                 self.fail(&w.locations);
                 continue;
@@ -291,6 +299,7 @@ impl<P: Placement> Engine<'_, P> {
     }
 
     fn note_write_error(&mut self, err: Error) {
+        self.device_full |= err.kind() == ErrorKind::NoSpace;
         note_write_error(&mut self.stop, &mut self.write_error, err);
     }
 
@@ -326,12 +335,14 @@ impl<P: Placement> Engine<'_, P> {
             .remove(&c.op.tag)
             .expect("every completion belongs to an op in flight");
         self.in_flight_pages -= locations.len();
-        self.placement.recycle(c.op);
         if let Err(err) = c.result {
+            self.placement.recycle(c.op);
             self.fail(&locations);
             self.note_write_error(err);
             return;
         }
+        self.placement.written(&c.op);
+        self.placement.recycle(c.op);
         for location in locations {
             let p = self
                 .pending

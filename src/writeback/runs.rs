@@ -5,7 +5,8 @@
 //! idle buffer (the object as stored with `compressed_writeback`, else the page decompressed;
 //! a HUGE page raw either way) and placed in the **first free block** of the bitmap, reserved
 //! before the copy (a candidate that turns out to have changed leaves its block reserved for
-//! the next one, given back when the pass ends). When every buffer is taken (or no more
+//! the next one, given back when the pass ends). The page's location is the block with the
+//! CRC-32C of the whole block buffer (checked on read-back, see `crate::store::target`). When every buffer is taken (or no more
 //! candidates come) the placed pages are sorted by block and go out as runs of adjacent blocks,
 //! up to [`max_run_pages`] per write; a completed write's buffers become idle again.
 
@@ -37,8 +38,8 @@ pub(super) struct Runs<'a> {
     idle: Vec<AlignedBuf>,
     /// A block reserved for the next page.
     reserved: Option<BlockIndex>,
-    /// Placed pages: block and buffer.
-    placed: Vec<(BlockIndex, AlignedBuf)>,
+    /// Placed pages: block, location (the block with the CRC of the buffer) and buffer.
+    placed: Vec<(BlockIndex, u64, AlignedBuf)>,
     max_run: usize,
 }
 
@@ -94,8 +95,11 @@ impl Placement for Runs<'_> {
         let mut buf = self.idle.pop().expect("placed only with room");
         buf[copied.len_bytes..].fill(0);
         let block = self.reserved.take().expect("reserved before the copy");
-        self.placed.push((block, buf));
-        Ok(block.0)
+        // The checksum covers the whole block as written, padding included: what a read-back
+        // reads.
+        let location = self.target.location(block, &buf);
+        self.placed.push((block, location, buf));
+        Ok(location)
     }
 
     fn ready(&mut self, all: bool) -> Vec<PlacedWrite> {
@@ -103,18 +107,20 @@ impl Placement for Runs<'_> {
             return Vec::new();
         }
         let mut placed = std::mem::take(&mut self.placed);
-        placed.sort_by_key(|(block, _)| *block);
+        placed.sort_by_key(|(block, _, _)| *block);
         let page = self.target.page_size_bytes() as u64;
         let mut writes = Vec::new();
         let mut it = placed.into_iter().peekable();
-        while let Some((first, buf)) = it.next() {
-            let mut locations = vec![first.0];
+        while let Some((first, location, buf)) = it.next() {
+            let mut last = first;
+            let mut locations = vec![location];
             let mut bufs = vec![buf];
             while locations.len() < self.max_run {
                 match it.peek() {
-                    Some((b, _)) if b.0 == locations[locations.len() - 1] + 1 => {
-                        let (b, buf) = it.next().expect("peeked");
-                        locations.push(b.0);
+                    Some((b, _, _)) if b.0 == last.0 + 1 => {
+                        let (b, location, buf) = it.next().expect("peeked");
+                        last = b;
+                        locations.push(location);
                         bufs.push(buf);
                     }
                     _ => break,
@@ -129,6 +135,8 @@ impl Placement for Runs<'_> {
     }
 
     fn finish(&mut self) {}
+
+    fn written(&mut self, _op: &IoOp) {}
 
     fn recycle(&mut self, op: IoOp) {
         self.idle.extend(op.bufs);

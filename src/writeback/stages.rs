@@ -98,6 +98,10 @@ impl Placement for Stages<'_> {
         self.writer.finish();
     }
 
+    fn written(&mut self, op: &IoOp) {
+        self.writer.written(op.len_bytes());
+    }
+
     fn recycle(&mut self, op: IoOp) {
         self.writer.recycle(op);
     }

@@ -56,6 +56,7 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::backing::verify::Mismatches;
 use crate::backing::{AlignedBuf, Backing, IoOp};
 use crate::error::{Error, Result};
 use record::{record_span_bytes, RECORD_ALIGN_BYTES};
@@ -244,6 +245,8 @@ struct Counters {
     gc_runs: AtomicU64,
     gc_bytes_relocated: AtomicU64,
     gc_bytes_written: AtomicU64,
+    /// Record reads that did not verify (`bd_checksum_errors`).
+    mismatches: Mismatches,
 }
 
 /// A snapshot for `zone_stat`.
@@ -651,13 +654,26 @@ impl ZoneStore {
     /// Reads and verifies the record of `slot` at `loc`; returns its header and payload.
     /// The caller keeps the zone from being reset meanwhile: it holds a [`ZonePin`] taken
     /// while `slot` pointed at `loc`, or the slot's lock (GC re-points slots under it before
-    /// resetting a victim). A bad record is `EIO`.
+    /// resetting a victim). A bad record (magic, slot, length or CRC) is `EIO`, counted in
+    /// [`checksum_errors`](Self::checksum_errors) and logged once per store.
     pub fn read_record(&self, loc: ZoneLoc, slot: u64) -> Result<(RecordHeader, Vec<u8>)> {
         let mut buf = AlignedBuf::new_zeroed(loc.span_bytes as usize)?;
-        self.backing
-            .read_at(&mut buf, self.zone_base(loc.zone) + loc.offset_bytes)?;
-        let (h, payload) = record::decode(&buf, slot)?;
+        let offset = self.zone_base(loc.zone) + loc.offset_bytes;
+        self.backing.read_at(&mut buf, offset)?;
+        let (h, payload) = record::decode(&buf, slot).map_err(|e| {
+            self.counters.mismatches.note(
+                &self.backing.describe(),
+                offset,
+                &format!("zoned record of slot {slot}"),
+                e.message(),
+            )
+        })?;
         Ok((h, payload.to_vec()))
+    }
+
+    /// Record reads whose record did not verify, since the store was made.
+    pub fn checksum_errors(&self) -> u64 {
+        self.counters.mismatches.count()
     }
 
     /// Whether GC should run: fewer than `gc_free_zones` zones are empty.
@@ -884,10 +900,6 @@ impl ZoneWriter {
             self.spare.push(st.buf);
             copy
         };
-        self.store
-            .counters
-            .writeback_bytes
-            .fetch_add(len as u64, Ordering::Relaxed);
         self.ready.push_back(StagedWrite {
             op: IoOp::new(
                 self.store.zone_base(st.zone) + st.offset_bytes,
@@ -896,6 +908,15 @@ impl ZoneWriter {
             ),
             records: st.records,
         });
+    }
+
+    /// A stage's write of `bytes` completed: counted in `writeback_bytes` (only completed
+    /// writes count, so `write_amplification` is of what reached the device).
+    pub fn written(&self, bytes: u64) {
+        self.store
+            .counters
+            .writeback_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// The next closed stage to write, if any.
