@@ -21,9 +21,10 @@
 //!   it for a short write.
 //!
 //! Reads fail with `Io` (nothing read) when their number is in the plan. With
-//! [`FaultPlan::corrupt_reads_randomly`] a synchronous read succeeds but one byte of what it
-//! returns is flipped (the backing's data is untouched): a device that returns other bytes than
-//! were written, which only a checksum can tell. Queued reads (GC's) are never corrupted.
+//! [`FaultPlan::corrupt_read`] or [`FaultPlan::corrupt_reads_randomly`] a read succeeds but one
+//! byte of what it returns is flipped (the backing's data is untouched): a device that returns
+//! other bytes than were written, which only a checksum can tell. A corrupted queued read is
+//! carried out synchronously at submit, like a faulted write.
 //!
 //! # Queues
 //!
@@ -76,9 +77,11 @@ pub struct FaultPlan {
     /// `(one_in, kind, seed)`: each write fails with `kind` with probability 1/`one_in`,
     /// decided by a hash of the seed and the write number (so a seed replays exactly).
     random_writes: Option<(u64, FaultKind, u64)>,
-    /// `(one_in, seed)`: each synchronous read returns one flipped byte with probability
-    /// 1/`one_in`, decided like `random_writes`.
+    /// `(one_in, seed)`: each read returns one flipped byte with probability 1/`one_in`,
+    /// decided like `random_writes`.
     corrupt_reads: Option<(u64, u64)>,
+    /// Read numbers (from 1) that return one flipped byte.
+    corrupt_read_nths: BTreeSet<u64>,
 }
 
 impl FaultPlan {
@@ -122,11 +125,17 @@ impl FaultPlan {
 }
 
 impl FaultPlan {
-    /// Each synchronous read (`read_at`, `readv_at`) succeeds with one byte of its data
-    /// flipped with probability `1 / one_in`, chosen by `seed` and the read's number; the
-    /// stored data stays intact, so the next read of it may be correct.
+    /// Each read (synchronous or queued) succeeds with one byte of its data flipped with
+    /// probability `1 / one_in`, chosen by `seed` and the read's number; the stored data stays
+    /// intact, so the next read of it may be correct.
     pub fn corrupt_reads_randomly(mut self, one_in: u64, seed: u64) -> FaultPlan {
         self.corrupt_reads = Some((one_in.max(1), seed));
+        self
+    }
+
+    /// The `nth` read (from 1) succeeds with one byte of its data flipped.
+    pub fn corrupt_read(mut self, nth: u64) -> FaultPlan {
+        self.corrupt_read_nths.insert(nth);
         self
     }
 }
@@ -215,10 +224,11 @@ impl<B: Backing> FaultyBacking<B> {
             let mut st = self.state.lock();
             st.reads_since_plan += 1;
             let nth = st.reads_since_plan;
-            let corrupt = st.plan.corrupt_reads.and_then(|(one_in, seed)| {
-                let h = splitmix64(seed ^ nth.wrapping_mul(0xD6E8_FEB8_6659_FD93));
-                (h % one_in == 0).then(|| (h >> 20) % len_bytes.max(1))
-            });
+            let (one_in, seed) = st.plan.corrupt_reads.unwrap_or((0, 0));
+            let h = splitmix64(seed ^ nth.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+            let corrupt = (st.plan.corrupt_read_nths.contains(&nth)
+                || (one_in > 0 && h % one_in == 0))
+                .then(|| (h >> 20) % len_bytes.max(1));
             (st.plan.read_faults.contains(&nth), corrupt)
         };
         if fail {
@@ -261,6 +271,18 @@ impl<B: Backing> FaultyBacking<B> {
             }
         }
         fault
+    }
+
+    /// Flips byte `at` of the bytes of `bufs` taken in order (an injected corrupt read).
+    fn flip(&self, bufs: &mut [&mut [u8]], mut at: u64) {
+        self.injected.fetch_add(1, Ordering::Relaxed);
+        for b in bufs.iter_mut() {
+            if let Some(byte) = b.get_mut(at as usize) {
+                *byte ^= 0x5a;
+                return;
+            }
+            at -= b.len() as u64;
+        }
     }
 
     /// Un-counts the bytes of a write that was decided `None` but never issued (its submit
@@ -330,15 +352,8 @@ impl<B: Backing> Backing for FaultyBacking<B> {
         check_range(self.inner.size_bytes(), offset, len_bytes, "read")?;
         let corrupt = self.decide_read(offset, len_bytes)?;
         self.inner.readv_at(bufs, offset)?;
-        if let Some(mut at) = corrupt {
-            self.injected.fetch_add(1, Ordering::Relaxed);
-            for b in bufs.iter_mut() {
-                if let Some(byte) = b.get_mut(at as usize) {
-                    *byte ^= 0x5a;
-                    break;
-                }
-                at -= b.len() as u64;
-            }
+        if let Some(at) = corrupt {
+            self.flip(bufs, at);
         }
         Ok(())
     }
@@ -419,22 +434,30 @@ impl<B: Backing> IoQueue for FaultyQueue<'_, B> {
         self.inner.depth()
     }
 
-    fn submit(&mut self, op: IoOp) -> SubmitResult {
+    fn submit(&mut self, mut op: IoOp) -> SubmitResult {
         let size_bytes = self.faulty.inner.size_bytes();
         if let Err(e) = check_submit(&op, self.in_flight(), self.depth(), size_bytes) {
             return Err((e, op));
         }
         let len_bytes = op.len_bytes();
         if op.kind == IoKind::Read {
-            // Reads fail as the synchronous ones do (the plan's read faults), else go through.
-            if let Err(err) = self.faulty.decide_read(op.offset, len_bytes) {
-                self.injected.push_back(IoCompletion {
-                    op,
-                    result: Err(err),
-                });
-                return Ok(());
-            }
-            return self.inner.submit(op);
+            // Reads fail or are corrupted as the synchronous ones are (a corrupted one is
+            // carried out now, its completion returned by the next `wait`), else go through.
+            let result = match self.faulty.decide_read(op.offset, len_bytes) {
+                Ok(None) => return self.inner.submit(op),
+                Ok(Some(at)) => {
+                    let offset = op.offset;
+                    let mut slices = op.slices_mut();
+                    let r = self.faulty.inner.readv_at(&mut slices, offset);
+                    if r.is_ok() {
+                        self.faulty.flip(&mut slices, at);
+                    }
+                    r
+                }
+                Err(err) => Err(err),
+            };
+            self.injected.push_back(IoCompletion { op, result });
+            return Ok(());
         }
         match self.faulty.decide_write(op.offset, len_bytes) {
             None => self.inner.submit(op).inspect_err(|_| {

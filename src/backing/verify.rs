@@ -41,8 +41,8 @@ impl Mismatches {
         );
         if !self.logged.swap(true, Ordering::Relaxed) {
             eprintln!(
-                "uzram: {msg}; read refused with EIO (further mismatches on this device are \
-                 counted in bd_checksum_errors, not logged)"
+                "uzram: {msg} (the first on this device; further mismatches are counted in \
+                 bd_checksum_errors, not logged)"
             );
         }
         Error::io(msg)

@@ -25,6 +25,14 @@
 //!    segments, the live records among the bytes it read (plus filler to keep writes 4 KiB
 //!    aligned), and is resubmitted as the write: no copy, no rebuilt buffer (bio_reuse). Dead
 //!    records read along with live ones are simply not named by the write.
+//! 4a. **Verify**: before the read becomes the write, every live record in it is checked
+//!    (magic, slot, length, CRC-32C, as a reader checks it). One that fails is counted and
+//!    logged like a reader's mismatch ([`crate::backing::verify`]) and read again on its own:
+//!    if that copy verifies it replaces the bad bytes; if not, GC stops with `EIO` as for a
+//!    failed read (nothing moves, the victim is not reset). So a fault of the device while GC
+//!    reads never becomes permanent by being copied, and the victim's bytes, the only copy,
+//!    stay for a device that heals (a page whose record stays bad reads as `EIO`; overwriting
+//!    or discarding it lets GC reclaim the zone).
 //! 5. **Complete**: when a write completes, each record in it is re-pointed through
 //!    [`GcOwner::repoint`], which succeeds only if the slot still points at the old location
 //!    (else the copy is dropped as dead); the pieces go back to the scratch (the tail moves).
@@ -34,9 +42,10 @@
 
 use std::time::{Duration, Instant};
 
+use super::record;
 use super::ring::{new_scratch, Scratch, Span};
 use super::{Opener, Rec, RecState, ZoneCondition, ZoneLoc, ZoneStore, PIECE_BYTES};
-use crate::backing::{IoKind, IoOp, IoQueue, Segment};
+use crate::backing::{AlignedBuf, IoKind, IoOp, IoQueue, Segment};
 use crate::error::{Error, Result};
 
 /// A victim must have at least `zone_size / MIN_RECLAIM_DIVISOR` bytes that are not live.
@@ -65,6 +74,12 @@ pub struct GcReport {
     pub bytes_relocated: u64,
     /// Bytes written (chunks rounded up to 4 KiB).
     pub bytes_written: u64,
+    /// Records whose bytes did not verify when GC read them (each counted in
+    /// `bd_checksum_errors`).
+    pub records_unverified: u64,
+    /// Of those, records whose second read verified and was moved instead (when it did not,
+    /// GC stopped with `EIO`).
+    pub records_reread: u64,
     /// Wall time.
     pub elapsed: Duration,
     /// Part of `elapsed` spent flushing the backing before resetting victims.
@@ -294,6 +309,11 @@ impl GcPass<'_> {
                 self.scratch.complete(chunk.span, op.bufs);
                 continue;
             }
+            if let Err(e) = self.verify_chunk(&chunk.plan, &mut op.bufs) {
+                self.scratch.complete(chunk.span, op.bufs);
+                self.first_error.get_or_insert(e);
+                continue;
+            }
             let live_bytes: u64 = chunk
                 .plan
                 .recs
@@ -366,6 +386,38 @@ impl GcPass<'_> {
         Ok(())
     }
 
+    /// Checks each live record of a chunk just read into `bufs` (step 4a of the module docs).
+    fn verify_chunk(&mut self, plan: &ChunkPlan, bufs: &mut [AlignedBuf]) -> Result<()> {
+        let store = self.store;
+        for r in &plan.recs {
+            let pos = (r.offset_bytes - plan.start) as usize;
+            let mut bytes = vec![0u8; r.span_bytes as usize];
+            copy_between(bufs, pos, &mut bytes, Dir::Out);
+            let Err(e) = record::decode(&bytes, r.slot) else {
+                continue;
+            };
+            let offset = store.zone_base(self.victim) + r.offset_bytes;
+            let device = store.backing.describe();
+            let what = format!("zoned record of slot {} (GC read)", r.slot);
+            store
+                .counters
+                .mismatches
+                .note(&device, offset, &what, e.message());
+            self.report.records_unverified += 1;
+            let mut again = AlignedBuf::new_zeroed(r.span_bytes as usize)?;
+            store.backing.read_at(&mut again, offset)?;
+            if let Err(e) = record::decode(&again, r.slot) {
+                return Err(store
+                    .counters
+                    .mismatches
+                    .note(&device, offset, &what, e.message()));
+            }
+            copy_between(bufs, pos, &mut again, Dir::In);
+            self.report.records_reread += 1;
+        }
+        Ok(())
+    }
+
     fn finish_chunk(&mut self, chunk: Chunk, result: Result<()>, op: IoOp) {
         let store = self.store;
         match result {
@@ -422,6 +474,38 @@ impl GcPass<'_> {
         }
         self.scratch.complete(chunk.span, op.bufs);
     }
+}
+
+/// Which way [`copy_between`] copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    /// From the pieces into the slice.
+    Out,
+    /// From the slice into the pieces.
+    In,
+}
+
+/// Copies between `bytes` and the range of the same length at byte `pos` of `bufs` taken as
+/// one run of bytes (a chunk's scratch pieces, in order).
+fn copy_between(bufs: &mut [AlignedBuf], mut pos: usize, bytes: &mut [u8], dir: Dir) {
+    let mut done = 0;
+    for b in bufs.iter_mut() {
+        if done == bytes.len() {
+            break;
+        }
+        if pos >= b.len() {
+            pos -= b.len();
+            continue;
+        }
+        let n = (b.len() - pos).min(bytes.len() - done);
+        match dir {
+            Dir::Out => bytes[done..done + n].copy_from_slice(&b[pos..pos + n]),
+            Dir::In => b[pos..pos + n].copy_from_slice(&bytes[done..done + n]),
+        }
+        done += n;
+        pos = 0;
+    }
+    assert_eq!(done, bytes.len(), "a record inside its chunk's pieces");
 }
 
 /// A GC chunk: a range of the victim read in one go, and the live records in it.
