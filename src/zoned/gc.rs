@@ -25,7 +25,7 @@
 //!    segments, the live records among the bytes it read (plus filler to keep writes 4 KiB
 //!    aligned), and is resubmitted as the write: no copy, no rebuilt buffer (bio_reuse). Dead
 //!    records read along with live ones are simply not named by the write.
-//! 4a. **Verify**: before the read becomes the write, every live record in it is checked
+//! 5. **Verify**: before the read becomes the write, every live record in it is checked
 //!    (magic, slot, length, CRC-32C, as a reader checks it). One that fails is counted and
 //!    logged like a reader's mismatch ([`crate::backing::verify`]) and read again on its own:
 //!    if that copy verifies it replaces the bad bytes; if not, GC stops with `EIO` as for a
@@ -33,11 +33,11 @@
 //!    reads never becomes permanent by being copied, and the victim's bytes, the only copy,
 //!    stay for a device that heals (a page whose record stays bad reads as `EIO`; overwriting
 //!    or discarding it lets GC reclaim the zone).
-//! 5. **Complete**: when a write completes, each record in it is re-pointed through
+//! 6. **Complete**: when a write completes, each record in it is re-pointed through
 //!    [`GcOwner::repoint`], which succeeds only if the slot still points at the old location
 //!    (else the copy is dropped as dead); the pieces go back to the scratch (the tail moves).
 //!    A failed write leaves the records where they were.
-//! 6. **Reset**: after every chunk completed, the backing is flushed (the copies are durable)
+//! 7. **Reset**: after every chunk completed, the backing is flushed (the copies are durable)
 //!    and, if nothing failed and nothing live is left, the victim is reset to empty.
 
 use std::time::{Duration, Instant};
@@ -386,7 +386,7 @@ impl GcPass<'_> {
         Ok(())
     }
 
-    /// Checks each live record of a chunk just read into `bufs` (step 4a of the module docs).
+    /// Checks each live record of a chunk just read into `bufs` (step 5 of the module docs).
     fn verify_chunk(&mut self, plan: &ChunkPlan, bufs: &mut [AlignedBuf]) -> Result<()> {
         let store = self.store;
         for r in &plan.recs {
