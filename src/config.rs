@@ -18,6 +18,7 @@
 //! disksize = "min(ram / 2, 4G)"  # required: a size, or an expression of `ram`
 //! page_size = 4096               # optional: 4096, 16384 or 65536
 //! socket = "/run/uzram/zram0.sock"   # optional: where to listen (default: next to the others)
+//! ublk = true                    # optional: also a kernel block device /dev/ublkbN (docs/ublk.md)
 //! comp_algorithm = "zstd"        # every other key is an attribute, stored in file order
 //! algorithm_params = "level=8"   # before disksize, exactly as `echo VALUE > ATTR` would
 //! mem_limit = "2G"
@@ -44,7 +45,7 @@ comp_algorithm = "lz4"
 "#;
 
 /// Keys of a `[[device]]` table that are not attributes.
-const DEVICE_KEYS: &[&str] = &["name", "disksize", "page_size", "socket"];
+const DEVICE_KEYS: &[&str] = &["name", "disksize", "page_size", "socket", "ublk"];
 
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -80,6 +81,8 @@ pub struct DeviceSpec {
     pub page_size_bytes: usize,
     /// The export socket, if not the default.
     pub socket: Option<PathBuf>,
+    /// Also a kernel block device `/dev/ublkbN` (`uzram serve --ublk`; docs/ublk.md).
+    pub ublk: bool,
     /// Attributes to store before `disksize`, in order: (name, value).
     pub attrs: Vec<(String, String)>,
 }
@@ -226,6 +229,12 @@ impl DeviceSpec {
                     .ok_or_else(|| bad(format!("{}: a path", at("socket"))))?,
             )),
         };
+        let ublk = match t.get("ublk") {
+            None => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| bad(format!("{}: true or false", at("ublk"))))?,
+        };
         let mut attrs = Vec::new();
         for (k, v) in t {
             if DEVICE_KEYS.contains(&k.as_str()) {
@@ -249,6 +258,7 @@ impl DeviceSpec {
             disksize,
             page_size_bytes,
             socket,
+            ublk,
             attrs,
         })
     }

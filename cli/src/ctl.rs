@@ -167,6 +167,8 @@ struct Row {
     meta: u64,
     backing: Option<String>,
     bd_used: Option<u64>,
+    /// The kernel block device (`/dev/ublkbN`), when the server made one.
+    block_dev: Option<String>,
 }
 
 fn query(client: &mut ControlClient, name: &str) -> Result<Row> {
@@ -211,6 +213,11 @@ fn query(client: &mut ControlClient, name: &str) -> Result<Row> {
                 * 4096,
         ),
     };
+    let block_dev = match show(uzram::frontend::control::BLOCK_DEV_ATTR)? {
+        Ok(t) => Some(t.trim().to_string()),
+        Err(e) if e.errno == libc::ENOENT => None,
+        Err(e) => bail!("block_dev: {} ({})", e.message, e.name),
+    };
     Ok(Row {
         name: name.to_string(),
         algorithm,
@@ -221,6 +228,7 @@ fn query(client: &mut ControlClient, name: &str) -> Result<Row> {
         meta,
         backing,
         bd_used,
+        block_dev,
     })
 }
 
@@ -272,8 +280,9 @@ pub fn run_status(args: StatusArgs) -> Result<()> {
         "META",
         "BACKING-DEV",
         "BD-USED",
+        "BLOCK-DEV",
     ])
-    .left_align(&[1, 7]);
+    .left_align(&[1, 7, 9]);
     for r in rows {
         t.row(vec![
             r.name,
@@ -285,6 +294,7 @@ pub fn run_status(args: StatusArgs) -> Result<()> {
             size(r.meta),
             r.backing.unwrap_or_else(|| "-".into()),
             r.bd_used.map_or_else(|| "-".into(), size),
+            r.block_dev.unwrap_or_else(|| "-".into()),
         ]);
     }
     print!("{}", t.render_plain());

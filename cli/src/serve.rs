@@ -6,7 +6,8 @@
 //! 4 KiB pages, on a unix socket (mode 0600) at `/run/uzram/zram0.sock` as root,
 //! `$XDG_RUNTIME_DIR/uzram/zram0.sock` otherwise (or `/tmp/uzram-$UID/zram0.sock` without
 //! `XDG_RUNTIME_DIR`), with its control socket `zram0.ctl` beside it. Device flags change that
-//! one device; `--config FILE` describes several. TCP only with `--listen`.
+//! one device; `--config FILE` describes several. TCP only with `--listen`; a kernel block
+//! device `/dev/ublkbN` per device with `--ublk` (`ublk = true` in the file; docs/ublk.md).
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -16,6 +17,7 @@ use std::sync::Arc;
 use uzram::config::{ServeConfig, DEFAULT_CONFIG_TOML};
 use uzram::frontend::control::{self, ControlServer};
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig, Tls, TlsFiles, TlsMode};
+use uzram::frontend::ublk::{UblkConfig, UblkExport};
 use uzram::frontend::unix_socket;
 use uzram::BlockDevice;
 
@@ -74,6 +76,10 @@ pub struct ServeArgs {
     /// request buffers (docs/nbd.md, "Serving swap").
     #[arg(long)]
     pub swap: bool,
+    /// Also make every device a kernel block device /dev/ublkbN on this host (needs the
+    /// ublk_drv module, Linux 6.0+, and root; docs/ublk.md).
+    #[arg(long)]
+    pub ublk: bool,
 }
 
 /// Total RAM from /proc/meminfo.
@@ -152,6 +158,11 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
             cfg
         }
     };
+    if args.ublk {
+        for d in &mut cfg.devices {
+            d.ublk = true;
+        }
+    }
     if args.listen.is_some() {
         cfg.listen = args.listen;
     }
@@ -242,6 +253,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     } else {
         None
     };
+    // A missing ublk_drv is one clear line, before anything is created.
+    if cfg.devices.iter().any(|d| d.ublk) {
+        if let Err(e) = uzram::frontend::ublk::check_driver() {
+            // Nothing exists yet; one line, no backtrace.
+            eprintln!("uzram: {e}");
+            std::process::exit(1);
+        }
+    }
     let ram = ram_bytes()?;
     let mut devices = Vec::new();
     let mut listen = Vec::new();
@@ -289,10 +308,33 @@ pub fn run(args: ServeArgs) -> Result<()> {
 
     let server =
         Server::start(exports, &listen, server_config).context("starting the NBD server")?;
+    // The ublk block devices: after the NBD server (whose failure to bind leaves no block
+    // device behind), before the control sockets (which name them).
+    let ublk_config = UblkConfig {
+        swap: cfg.swap,
+        ..UblkConfig::default()
+    };
+    let mut ublks: Vec<Option<UblkExport>> = Vec::new();
+    for ((name, device, _), spec) in devices.iter().zip(&cfg.devices) {
+        ublks.push(if spec.ublk {
+            Some(UblkExport::start(
+                name,
+                Arc::clone(device) as Arc<dyn BlockDevice>,
+                &ublk_config,
+            )?)
+        } else {
+            None
+        });
+    }
     let mut controls = Vec::new();
-    for (name, device, ctl) in &devices {
-        let c = ControlServer::start(ctl, Arc::clone(device), server.openers(name))
-            .with_context(|| format!("starting the control socket {}", ctl.display()))?;
+    for ((name, device, ctl), ublk) in devices.iter().zip(&ublks) {
+        let c = ControlServer::start_with_block_dev(
+            ctl,
+            Arc::clone(device),
+            server.openers(name),
+            ublk.as_ref().map(UblkExport::block_dev_path),
+        )
+        .with_context(|| format!("starting the control socket {}", ctl.display()))?;
         controls.push(c);
     }
     // The first signal starts a bounded stop; a second one forces the exit at once (after
@@ -324,7 +366,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         })
         .context("starting the signal thread")?;
     let uris = server.uris();
-    for (name, device, ctl) in &devices {
+    for ((name, device, ctl), ublk) in devices.iter().zip(&ublks) {
         println!(
             "{name}: {}, {}, page size {} bytes",
             human(device.disksize_bytes()),
@@ -333,6 +375,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         );
         for (_, uri) in uris.iter().filter(|(n, _)| n == name) {
             println!("  {uri}");
+        }
+        if let Some(u) = ublk {
+            println!(
+                "  {} ({} queues of depth {})",
+                u.block_dev_path().display(),
+                ublk_config.nr_queues,
+                ublk_config.queue_depth
+            );
         }
         println!("  control: {}", ctl.display());
     }
@@ -357,6 +407,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     );
     for c in controls {
         c.stop();
+    }
+    // The block devices first: their requests in flight complete, then they are removed.
+    for u in ublks.into_iter().flatten() {
+        let path = u.block_dev_path();
+        u.stop();
+        eprintln!("uzram: removed {}", path.display());
     }
     server.stop();
     drop(devices);

@@ -309,7 +309,8 @@ socket = "{d}/zram1.sock"
             "TOTAL",
             "META",
             "BACKING-DEV",
-            "BD-USED"
+            "BD-USED",
+            "BLOCK-DEV"
         ]
     );
     assert_eq!(cols(lines[1])[..4], ["zram0", "zstd", "64M", "0B"]);

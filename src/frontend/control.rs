@@ -140,6 +140,19 @@ impl ControlServer {
         device: Arc<Device>,
         openers: Option<Arc<Openers>>,
     ) -> Result<ControlServer> {
+        Self::start_with_block_dev(path, device, openers, None)
+    }
+
+    /// As [`start`](Self::start), for a device that is also the kernel block device
+    /// `block_dev` (`/dev/ublkbN`): `show block_dev` answers its path (for `uzram status`),
+    /// and `reset` is `EBUSY` while the block device is open exclusively (mounted, swapped
+    /// on, or held by another exclusive opener), as zram refuses it while the disk is open.
+    pub fn start_with_block_dev(
+        path: &Path,
+        device: Arc<Device>,
+        openers: Option<Arc<Openers>>,
+        block_dev: Option<PathBuf>,
+    ) -> Result<ControlServer> {
         let (listener, id) = bind_unix(path)?;
         let fail = |e: io::Error| {
             remove_if_ours(path, id);
@@ -160,11 +173,16 @@ impl ControlServer {
                     |stream, slot| {
                         let device = Arc::clone(&device);
                         let openers = openers.clone();
+                        let block_dev = block_dev.clone();
                         let _ = std::thread::Builder::new()
                             .name("uzram-ctl-conn".into())
                             .spawn(move || {
                                 let _slot = slot;
-                                let _ = serve_connection(stream, &device, openers.as_deref());
+                                let frontends = Frontends {
+                                    openers: openers.as_deref(),
+                                    block_dev: block_dev.as_deref(),
+                                };
+                                let _ = serve_connection(stream, &device, &frontends);
                             });
                     },
                 )
@@ -262,11 +280,35 @@ fn read_line(
     }
 }
 
-fn serve_connection(
-    stream: UnixStream,
-    device: &Device,
-    openers: Option<&Openers>,
-) -> io::Result<()> {
+/// The frontends a control connection knows of: the NBD export's openers and the kernel
+/// block device.
+struct Frontends<'a> {
+    openers: Option<&'a Openers>,
+    block_dev: Option<&'a Path>,
+}
+
+/// The name `show` answers the block device's path to (not a zram attribute: zram's device is
+/// its own block device).
+pub const BLOCK_DEV_ATTR: &str = "block_dev";
+
+/// `Some(EBUSY)` when `block_dev` is open exclusively: mounted, swapped on, or claimed by an
+/// `O_EXCL` opener (the kernel refuses an exclusive open then).
+fn block_dev_busy(block_dev: &Path) -> Option<Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(block_dev)
+    {
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Some(Error::busy(format!(
+            "{} is in use (mounted, swapped on or opened exclusively)",
+            block_dev.display()
+        ))),
+        _ => None,
+    }
+}
+
+fn serve_connection(stream: UnixStream, device: &Device, frontends: &Frontends) -> io::Result<()> {
     let mut reader = BufReader::new(&stream);
     let w = &stream;
     loop {
@@ -288,9 +330,12 @@ fn serve_connection(
             }
         };
         let result = match req {
-            Request::Show { attr } => device.attr_show(&attr),
+            Request::Show { attr } => match frontends.block_dev {
+                Some(b) if attr == BLOCK_DEV_ATTR => Ok(format!("{}\n", b.display())),
+                _ => device.attr_show(&attr),
+            },
             Request::Store { attr, value } => {
-                store(device, openers, &attr, &value, &mut |p| {
+                store(device, frontends, &attr, &value, &mut |p| {
                     // A client gone mid-operation does not stop the operation.
                     let _ = send(w, &Response::Progress(p));
                 })
@@ -308,7 +353,7 @@ fn serve_connection(
 /// Stores `attr`, reporting progress of long operations through `progress`.
 fn store(
     device: &Device,
-    openers: Option<&Openers>,
+    frontends: &Frontends,
     attr: &str,
     value: &str,
     progress: &mut dyn FnMut(String),
@@ -316,7 +361,10 @@ fn store(
     if attr == "reset" {
         // zram checks the value first, then refuses while the disk is open.
         if kstrtou64(value, 10).is_ok_and(|v| v != 0) {
-            if let Some(o) = openers {
+            if let Some(e) = frontends.block_dev.and_then(block_dev_busy) {
+                return Err(e);
+            }
+            if let Some(o) = frontends.openers {
                 return o
                     .while_unused(|| device.attr_store(attr, value))
                     .unwrap_or_else(|n| {

@@ -15,4 +15,5 @@ pub mod control;
 pub mod limits;
 pub mod nbd;
 pub mod swap;
+pub mod ublk;
 pub mod unix_socket;

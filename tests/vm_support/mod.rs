@@ -1,4 +1,5 @@
-//! Tests on a real kernel zoned block device (`mod vm_support;`).
+//! Tests in a VM with a real kernel (`mod vm_support;`): on a zoned block device, or with
+//! kernel modules this host lacks (`ublk_drv`, `nbd`).
 //!
 //! The kernel this suite runs on may have no zoned block device support (the CI machines'
 //! has none), so a test that needs one boots a small VM (`scripts/zoned-vm`: a Debian kernel
@@ -13,6 +14,7 @@ use std::process::Command;
 /// `scripts/zoned-vm` options for a device that completes I/O after 100 us from a timer, with
 /// 4 request slots and no I/O scheduler: there Linux 6.1 reorders several writes in flight to
 /// one zone, so only a writer that keeps one write per zone at the device gets through.
+#[allow(dead_code)]
 pub const REORDERING_DEVICE: &[&str] = &[
     "--scheduler",
     "none",
@@ -27,11 +29,12 @@ pub const REORDERING_DEVICE: &[&str] = &[
 /// Inside the VM: the zoned device to test. Outside: boots the VM with `vm_args` (see
 /// `scripts/zoned-vm --help`), runs test `name` of this binary in it, asserts that it passed,
 /// and returns `None` (the caller's test is then done).
+#[allow(dead_code)]
 pub fn zoned_device_or_boot(name: &str, vm_args: &[&str]) -> Option<PathBuf> {
     if let Some(dev) = std::env::var_os("UZRAM_ZONED_DEV") {
         return Some(PathBuf::from(dev));
     }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/zoned-vm");
+    let script = vm_script();
     let exe = std::env::current_exe().expect("the test binary's path");
     let out = Command::new(&script)
         .args(vm_args)
@@ -55,4 +58,48 @@ pub fn zoned_device_or_boot(name: &str, vm_args: &[&str]) -> Option<PathBuf> {
         "{name} did not run in the VM; its output is above"
     );
     None
+}
+
+/// The VM script: `scripts/zoned-vm` of this repository (found from the crate's directory,
+/// the root or a member such as `cli/`).
+fn vm_script() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    dir.ancestors()
+        .map(|d| d.join("scripts/zoned-vm"))
+        .find(|p| p.exists())
+        .expect("scripts/zoned-vm above the crate's directory")
+}
+
+/// For tests that need only a kernel with modules this host may lack (`ublk_drv`, `nbd`):
+/// inside the VM (`UZRAM_VM` set by `scripts/zoned-vm`) returns true and the caller's body
+/// runs; outside it boots the VM with `vm_args` (e.g. `--kernel 6.12 --no-zoned`), runs test
+/// `name` of this binary in it, asserts that it ran and passed, and returns false.
+#[allow(dead_code)]
+pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
+    if std::env::var_os("UZRAM_VM").is_some() {
+        return true;
+    }
+    let script = vm_script();
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new(&script)
+        .args(vm_args)
+        .arg("--")
+        .arg(&exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("--- {name} in the VM: stdout ---\n{stdout}");
+    eprintln!("--- {name} in the VM: stderr ---\n{stderr}");
+    assert!(
+        out.status.success(),
+        "{name} failed in the VM ({}); its output is above",
+        out.status
+    );
+    assert!(
+        stdout.contains("test result: ok. 1 passed"),
+        "{name} did not run in the VM; its output is above"
+    );
+    false
 }
