@@ -97,7 +97,6 @@ fn serve(extra: &[&str]) -> Server {
         let line = line.unwrap();
         println!("uzram serve: {line}");
         if let Some(p) = line
-            .trim()
             .split_whitespace()
             .find(|w| w.starts_with("/dev/ublkb"))
         {
