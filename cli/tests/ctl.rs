@@ -347,7 +347,7 @@ socket = "{d}/zram1.sock"
     assert_eq!(meta_cols.len(), 5, "{meta_stat}");
     assert_eq!(meta_cols[0], (16 << 20) / 16384 * 16, "{meta_stat}");
     assert_eq!(meta_b, meta_cols.iter().sum::<u64>(), "{b}\n{meta_stat}");
-    assert_eq!(&z1b[7..], ["-", "-"]);
+    assert_eq!(&z1b[7..], ["-", "-", "-"]);
     r.stop();
 }
 
