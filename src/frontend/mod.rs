@@ -6,6 +6,8 @@
 //! - [`nbd`]: a Network Block Device server (fixed newstyle, structured replies), reachable by
 //!   QEMU, qemu-img/qemu-io, libnbd's tools, fio's nbd engine, and the kernel through nbdfuse.
 //! - [`swap`]: what a server backing swap does to itself (locked memory, I/O flusher).
+//! - `ublk` (feature `ublk`, on by default): the device as a kernel block device
+//!   `/dev/ublkbN` on this host, through `ublk_drv` (docs/ublk.md).
 //! - [`control`]: a running device's attributes over a unix socket (`uzram ctl`, `uzram status`).
 //! - [`limits`]: what every frontend bounds and how (connection caps, the request memory
 //!   budget, deadlines, the quit fd its accept loops wait on); [`unix_socket`]: sockets and
@@ -15,5 +17,6 @@ pub mod control;
 pub mod limits;
 pub mod nbd;
 pub mod swap;
+#[cfg(feature = "ublk")]
 pub mod ublk;
 pub mod unix_socket;
