@@ -144,6 +144,8 @@ struct Harness {
     writebacks: AtomicU64,
     /// Recompressions that ran (not refused with EAGAIN).
     recompressions: AtomicU64,
+    /// Dictionaries trained and installed.
+    trainings: AtomicU64,
     written_back: AtomicU64,
     wb_errors: AtomicU64,
     gcs: AtomicU64,
@@ -326,6 +328,7 @@ impl Harness {
             gc_reclaimed: AtomicU64::new(0),
             gc_relocated: AtomicU64::new(0),
             recompressions: AtomicU64::new(0),
+            trainings: AtomicU64::new(0),
             read_eio: AtomicU64::new(0),
             _dir: dir,
             dict_path,
@@ -759,10 +762,33 @@ impl Harness {
                     );
                     self.resets.fetch_add(1, Ordering::Relaxed);
                 }
-                86..=91 => {
+                86..=90 => {
                     let spec = random_recompress(&mut rng, &self.cfg);
                     if self.recompress(&spec).is_err() {
                         return;
+                    }
+                }
+                // Retraining priority 1's dictionary from the pages now stored, racing every
+                // other path: a new generation while pages of the older ones are read,
+                // rewritten, written back, relocated and released.
+                91..=93 if self.cfg.recomp.first() == Some(&"zstd") => {
+                    let size = [1024, 4096, 16384][rng.gen_range(0..3)];
+                    let spec = format!("dict_size={size} samples={}", rng.gen_range(8..256));
+                    match self.dev.attr_store("train_dict", &spec) {
+                        Ok(()) => {
+                            self.trainings.fetch_add(1, Ordering::Relaxed);
+                        }
+                        // EAGAIN: a writeback or recompression runs; EBUSY: every generation
+                        // still holds pages; EINVAL: too few or too alike pages to learn from.
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                ErrorKind::Again | ErrorKind::Busy | ErrorKind::InvalidArgument
+                            ) => {}
+                        Err(e) => {
+                            let _ = self.fail(format!("train_dict {spec:?} failed: {e}"));
+                            return;
+                        }
                     }
                 }
                 81..=85 => {
@@ -835,6 +861,16 @@ impl Harness {
                 s.bd_stat().trim(),
                 objects(&self.dev)
             ));
+        }
+        // No page names a dictionary generation any more: only each priority's current one is
+        // held, by no page (a count left over is a generation leaked or released twice).
+        for prio in 1..=self.cfg.recomp.len() {
+            let g = self.dev.dict_generations(prio).expect("configured");
+            if g.held.len() != 1 || (g.held[0].0, g.held[0].1) != (g.current, 0) {
+                return self.fail(format!(
+                    "after discarding everything, priority {prio} holds generations {g:?}"
+                ));
+            }
         }
         Ok(())
     }
@@ -976,9 +1012,10 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
     Ok(format!(
         "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, {} writebacks ({} failed) \
          wrote {} pages, {} gc ({} failed; chaos's reclaimed {} zones, relocated {} records), \
-         {} recompressions (recomp_stat since the last reset {}), {} reads failed by injected \
-         faults, mm_stat {}, bd_stat {}, bd_checksum_errors {} (since the last reset), \
-         zone_stat {}, deferred (since the last reset) {d:?}",
+         {} recompressions (recomp_stat since the last reset {}), {} dictionaries trained \
+         (dict_stat {:?}), {} reads failed by injected faults, mm_stat {}, bd_stat {}, \
+         bd_checksum_errors {} (since the last reset), zone_stat {}, deferred (since the last \
+         reset) {d:?}",
         cfg.seed,
         h.resets.load(Ordering::Relaxed),
         h.enomem.load(Ordering::Relaxed),
@@ -993,6 +1030,11 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
         h.recompressions.load(Ordering::Relaxed),
         h.dev
             .attr_show("recomp_stat")
+            .map_err(|e| e.to_string())?
+            .trim(),
+        h.trainings.load(Ordering::Relaxed),
+        h.dev
+            .attr_show("dict_stat")
             .map_err(|e| e.to_string())?
             .trim(),
         h.read_eio.load(Ordering::Relaxed),

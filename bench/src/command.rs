@@ -29,6 +29,34 @@ enum BenchCommand {
     Free(FreeArgs),
     /// The NBD server with fio, against nbdkit's memory plugin and the kernel's zram.
     Nbd(NbdArgs),
+    /// Recompression: lz4 -> zstd, then zstd with a dictionary trained from the device, and
+    /// reads of recompressed pages against raw decompression.
+    Recompress(RecompressArgs),
+}
+
+#[derive(Debug, Args)]
+struct RecompressArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Pages to use (the corpus is cycled); default: the whole corpus.
+    #[arg(long)]
+    pages: Option<usize>,
+    /// zstd's level for recompression.
+    #[arg(long, default_value_t = 3)]
+    level: i32,
+    /// Size of the trained dictionary (K/M suffixes).
+    #[arg(long, default_value = "110K")]
+    dict_size: String,
+    /// Pages sampled from the device to train the dictionary.
+    #[arg(long, default_value_t = 4096)]
+    samples: usize,
+    /// Timing repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Where to write the JSON (default: bench/results/recompress-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -261,6 +289,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = crate::nbd::run(&opts)?;
             let path = crate::json_path(a.json.as_deref(), "nbd");
+            crate::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
+        BenchCommand::Recompress(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let opts = crate::recompress::RecompressBenchOptions {
+                pages: a.pages,
+                level: a.level,
+                dict_size_bytes: uzram::units::parse_size_bytes(&a.dict_size)
+                    .with_context(|| format!("--dict-size {}", a.dict_size))?
+                    as usize,
+                samples: a.samples,
+                repeats: a.repeats,
+                ..Default::default()
+            };
+            let doc = crate::recompress::run(&corpus, &opts)?;
+            let path = crate::json_path(a.json.as_deref(), "recompress");
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())

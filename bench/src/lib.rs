@@ -12,6 +12,7 @@ pub mod free;
 pub mod gc;
 pub mod kernel_zram;
 pub mod nbd;
+pub mod recompress;
 pub mod store;
 pub mod writeback;
 

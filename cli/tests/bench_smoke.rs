@@ -168,3 +168,51 @@ fn bench_gc_writes_its_table_and_json() {
     }
     assert!(!backing.exists(), "the backing file is removed");
 }
+
+/// `uzram bench recompress` end to end at a tiny size: the command succeeds, prints its table
+/// and writes JSON with the figures, each finite and positive. No figure is asserted
+/// against its target here (this process's memory is not the corpus the targets are for).
+#[test]
+fn bench_recompress_writes_its_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus_path = self_corpus(dir.path(), 512);
+    let doc = run_bench(
+        dir.path(),
+        "recompress",
+        &[
+            "recompress",
+            "--repeats",
+            "1",
+            "--dict-size",
+            "16K",
+            "--samples",
+            "256",
+        ],
+        &corpus_path,
+        None,
+        &["zstd level 3", "dictionary", "read / raw"],
+    );
+    for key in [
+        "zstd_vs_lz4_saving",
+        "read_vs_raw",
+        "dict_read_vs_raw",
+        "cpu_us_per_recompressed_page",
+    ] {
+        let v = doc[key].as_f64().unwrap_or_else(|| panic!("{key}: {doc}"));
+        assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+    }
+    for stage in ["zstd", "zstd_dict"] {
+        for key in [
+            "compr_data_size",
+            "mem_used_total",
+            "pages_recompressed",
+            "read_mbps",
+            "raw_decompress_mbps",
+        ] {
+            let v = doc[stage][key].as_f64().unwrap_or(f64::NAN);
+            assert!(v.is_finite() && v > 0.0, "{stage}.{key} = {v}");
+        }
+    }
+    assert!(doc["dict_vs_zstd_saving"].as_f64().unwrap().is_finite());
+    assert!(doc["lz4"]["compr_data_size"].as_u64().unwrap() > 0);
+}

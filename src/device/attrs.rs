@@ -105,6 +105,7 @@ pub const ATTRIBUTES: &[Attr] = &[
     ),
     Attr::ro("debug_stat", |d| d.stats().debug_stat()),
     Attr::ro("deferred_stat", |d| deferred_stat(&d.deferred_stats())),
+    Attr::ro("dict_stat", recompress::show_dict_stat),
     Attr::rw(
         "disksize",
         |d| format!("{}\n", d.disksize_bytes()),
@@ -131,6 +132,7 @@ pub const ATTRIBUTES: &[Attr] = &[
     Attr::ro("recomp_stat", recompress::show_recomp_stat),
     Attr::wo("recompress", Device::recompress_str),
     Attr::wo("reset", store_reset),
+    Attr::wo("train_dict", recompress::store_train_dict),
     Attr::wo("writeback", Device::writeback_str),
     Attr::rw(
         "writeback_batch_size",

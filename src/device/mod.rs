@@ -39,7 +39,7 @@ use crate::backing::Backing;
 use crate::compress::{self, CodecParams, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::store::{BackingLayout, Codecs, Free, Store, WbTarget};
-pub use crate::store::{RecompressReport, RecompressSpec};
+pub use crate::store::{GenStat, RecompressReport, RecompressSpec, TrainReport, TrainSpec};
 use crate::units::{BLOCK_SIZE_BYTES, DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
 use crate::writeback::{WbLimit, DEFAULT_WB_BATCH_SIZE};
 use crate::zoned::DEFAULT_ZONE_SIZE_BYTES;
@@ -298,13 +298,14 @@ impl Device {
         };
         let primary = compress::new_codec(&settings.comp_algorithm, settings.comp_params.clone())
             .map_err(|e| with_prio(0, e))?;
-        let mut secondary: [Option<Box<dyn compress::Codec>>; MAX_COMPS] = Default::default();
+        let mut secondary: [Option<(Box<dyn compress::Codec>, CodecParams)>; MAX_COMPS] =
+            Default::default();
         for (prio, alg) in settings.recomp_algorithms.iter().enumerate().skip(1) {
             if let Some(alg) = alg {
-                secondary[prio] = Some(
-                    compress::new_codec(alg, settings.recomp_params[prio].clone())
-                        .map_err(|e| with_prio(prio, e))?,
-                );
+                let params = settings.recomp_params[prio].clone();
+                let codec =
+                    compress::new_codec(alg, params.clone()).map_err(|e| with_prio(prio, e))?;
+                secondary[prio] = Some((codec, params));
             }
         }
         Ok(Codecs::new(primary, secondary))

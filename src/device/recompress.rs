@@ -7,7 +7,7 @@
 use super::Device;
 use crate::compress::{self, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
-use crate::store::{RecompressReport, RecompressSpec};
+use crate::store::{GenStat, RecompressReport, RecompressSpec, TrainReport, TrainSpec};
 use crate::units::strip_newline;
 
 impl Device {
@@ -38,10 +38,39 @@ impl Device {
         store.recompress(spec, progress)
     }
 
+    /// Trains a zstd dictionary from the device's pages and installs it as the new dictionary
+    /// generation of a recompression priority, as writing `train_dict` does (see
+    /// `docs/attributes.md`). `EINVAL` uninitialised or a bad spec; `EAGAIN` while a writeback
+    /// or recompression runs; `EBUSY` when the priority holds every generation.
+    pub fn train_dict(&self, spec: &TrainSpec) -> Result<TrainReport> {
+        let store = self.store()?;
+        let Some(_pp) = self.pp_lock.try_lock() else {
+            return Err(Error::new(
+                ErrorKind::Again,
+                "a writeback or recompression is in progress",
+            ));
+        };
+        store.train_dict(spec)
+    }
+
+    /// The dictionary generations of recompression priority `prio` (`None` without one, or
+    /// uninitialised).
+    pub fn dict_generations(&self, prio: usize) -> Option<GenStat> {
+        self.store().ok()?.codecs_gen_stat(prio)
+    }
+
     /// The `recompress` attribute: parse, then run.
     pub(crate) fn recompress_str(&self, value: &str) -> Result<()> {
         let spec = RecompressSpec::parse(value)?;
         self.recompress(&spec).map(|_| ())
+    }
+
+    /// The codec priority of page `index` when it is held in RAM as an object (`testing`: for
+    /// benchmarks that measure reads of recompressed pages); `None` for empty, same-filled,
+    /// written-back or out-of-range pages and an uninitialised device.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn debug_slot_priority(&self, index: u64) -> Option<u8> {
+        self.store().ok()?.debug_slot_priority(index)
     }
 
     /// The recompression algorithm of priority `prio` (1..=3), if set.
@@ -104,6 +133,28 @@ pub(super) fn store_recomp_algorithm(d: &Device, value: &str) -> Result<()> {
     let mut st = d.settings_for("recomp_algorithm")?;
     st.settings.recomp_algorithms[prio as usize] = Some(algo.to_string());
     Ok(())
+}
+
+/// `train_dict`: parse, then train.
+pub(super) fn store_train_dict(d: &Device, value: &str) -> Result<()> {
+    d.train_dict(&TrainSpec::parse(value)?).map(|_| ())
+}
+
+/// `dict_stat` (uzram's own): one line per recompression priority of an initialised device,
+/// `#N: current=G` then `GEN:PAGES:BYTES` for each generation held (its slots, its dictionary
+/// bytes).
+pub(super) fn show_dict_stat(d: &Device) -> String {
+    let mut out = String::new();
+    for prio in 1..MAX_COMPS {
+        if let Some(g) = d.dict_generations(prio) {
+            out.push_str(&format!("#{prio}: current={}", g.current));
+            for (gen, pages, bytes) in g.held {
+                out.push_str(&format!(" {gen}:{pages}:{bytes}"));
+            }
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// `recomp_stat` (uzram's own): `tried recompressed incompressible`, `%8llu` each, pages since

@@ -6,8 +6,18 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 const SIZE_MASK: u32 = (1 << 17) - 1;
 const FLAGS_SHIFT: u32 = 17;
 const FLAGS_MASK: u32 = 0xff << FLAGS_SHIFT;
-const PRIO_SHIFT: u32 = 25;
-const PRIO_MASK: u32 = 0b11 << PRIO_SHIFT;
+/// Bits 25..=29: the codec that wrote the object, [`codec_id`]: its priority (25..=26) and, for
+/// a recompression priority, its dictionary generation (27..=29).
+const CODEC_SHIFT: u32 = 25;
+const CODEC_MASK: u32 = 0b1_1111 << CODEC_SHIFT;
+
+/// Dictionary generations a recompression priority can hold at once (3 bits of the slot).
+pub const MAX_GENS: usize = 8;
+
+/// The codec id a slot records: priority `prio` (0..=3) and generation `gen` (0..=7).
+pub const fn codec_id(prio: u8, gen: u8) -> u8 {
+    prio | (gen << 2)
+}
 /// The lock bits (owned by [`super::lock`]); everything else is data.
 pub(crate) const LOCKED: u32 = 1 << 30;
 pub(crate) const PARKED: u32 = 1 << 31;
@@ -90,19 +100,20 @@ impl SlotEntry {
             state.value,
             m & SIZE_MASK,
             state.flags(),
-            ((m & PRIO_MASK) >> PRIO_SHIFT) as u8,
+            ((m & CODEC_MASK) >> CODEC_SHIFT) as u8,
         );
         self.ac_time_secs
             .store(state.ac_time_secs, Ordering::Relaxed);
     }
 
     /// Replaces every data field, keeping the lock bits (which waiters may set concurrently).
-    pub(crate) fn store_locked(&self, value: u64, size_bytes: u32, flags: SlotFlags, prio: u8) {
+    /// `codec` is a [`codec_id`].
+    pub(crate) fn store_locked(&self, value: u64, size_bytes: u32, flags: SlotFlags, codec: u8) {
         debug_assert!(size_bytes <= SIZE_MASK);
-        debug_assert!(prio < 4);
+        debug_assert!(codec < 32);
         let data = (size_bytes & SIZE_MASK)
             | (u32::from(flags.0) << FLAGS_SHIFT)
-            | (u32::from(prio) << PRIO_SHIFT);
+            | (u32::from(codec) << CODEC_SHIFT);
         self.value.store(value, Ordering::Relaxed);
         let mut cur = self.meta.load(Ordering::Relaxed);
         loop {
@@ -154,9 +165,17 @@ impl SlotState {
     pub fn size_bytes(&self) -> usize {
         (self.meta & SIZE_MASK) as usize
     }
+    /// The codec that wrote the stored object: a [`codec_id`] (priority and generation).
+    pub fn codec(&self) -> u8 {
+        ((self.meta & CODEC_MASK) >> CODEC_SHIFT) as u8
+    }
     /// Compression priority of the stored object (0 = primary codec).
     pub fn prio(&self) -> u8 {
-        ((self.meta & PRIO_MASK) >> PRIO_SHIFT) as u8
+        self.codec() & 0b11
+    }
+    /// Dictionary generation of the stored object's codec (0 for the primary).
+    pub fn gen(&self) -> u8 {
+        self.codec() >> 2
     }
     /// True when the slot holds no data (zram's `!zram_allocated()`).
     pub fn is_empty(&self) -> bool {
@@ -186,12 +205,12 @@ mod tests {
         let e = SlotEntry::default();
         assert!(e.state_unlocked().is_empty());
         let flags = SlotFlags::HUGE | SlotFlags::IDLE;
-        e.store_locked(0xdead_beef, 65536, flags, 3);
+        e.store_locked(0xdead_beef, 65536, flags, codec_id(3, 7));
         let s = e.state_unlocked();
         assert_eq!(s.value, 0xdead_beef);
         assert_eq!(s.size_bytes(), 65536);
         assert_eq!(s.flags(), flags);
-        assert_eq!(s.prio(), 3);
+        assert_eq!((s.prio(), s.gen(), s.codec()), (3, 7, 31));
         assert_eq!(s.handle_raw(), Some(0xdead_beef));
         assert!(!s.is_empty());
         e.store_locked(0, 0, SlotFlags::SAME, 0);

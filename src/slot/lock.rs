@@ -70,18 +70,19 @@ impl<'a> SlotGuard<'a> {
         self.entry.store_locked(word, 0, SlotFlags::SAME, 0);
     }
 
-    /// Stores a pool object: its raw handle, size and flags (HUGE), compressed with codec `prio`.
-    pub fn set_handle(&mut self, handle_raw: u64, size_bytes: usize, flags: SlotFlags, prio: u8) {
+    /// Stores a pool object: its raw handle, size and flags (HUGE), compressed with codec
+    /// `codec` (a [`codec_id`](super::codec_id)).
+    pub fn set_handle(&mut self, handle_raw: u64, size_bytes: usize, flags: SlotFlags, codec: u8) {
         debug_assert_ne!(handle_raw, 0);
         self.entry
-            .store_locked(handle_raw, size_bytes as u32, flags, prio);
+            .store_locked(handle_raw, size_bytes as u32, flags, codec);
     }
 
     /// Points the slot at a backing location (WB), keeping its size, HUGE/INCOMPRESSIBLE flags
     /// and priority so that read-back knows how it was stored.
-    pub fn set_wb(&mut self, location: u64, size_bytes: usize, flags: SlotFlags, prio: u8) {
+    pub fn set_wb(&mut self, location: u64, size_bytes: usize, flags: SlotFlags, codec: u8) {
         self.entry
-            .store_locked(location, size_bytes as u32, flags | SlotFlags::WB, prio);
+            .store_locked(location, size_bytes as u32, flags | SlotFlags::WB, codec);
     }
 
     /// Puts back a state read earlier (used by testing hooks).

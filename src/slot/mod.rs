@@ -8,6 +8,7 @@
 //! | `meta: u32` | 0..=16 | object size in bytes (0..=65536: 17 bits) |
 //! | | 17..=24 | flags: SAME, WB, PP_SLOT, HUGE, IDLE, INCOMPRESSIBLE |
 //! | | 25..=26 | compression priority (0 = primary codec, 1..=3 = recompression codecs) |
+//! | | 27..=29 | dictionary generation of a recompression codec (0..=7) |
 //! | | 30, 31 | the slot lock: LOCKED and PARKED (see [`lock`]) |
 //! | `ac_time: u32` | 32 | last access, in seconds since the device was initialised |
 //!
@@ -23,7 +24,7 @@
 pub mod entry;
 pub mod lock;
 
-pub use entry::{SlotEntry, SlotFlags, SlotState};
+pub use entry::{codec_id, SlotEntry, SlotFlags, SlotState, MAX_GENS};
 pub use lock::SlotGuard;
 
 use crate::error::{Error, Result};

@@ -44,9 +44,12 @@ mod codecs;
 mod recompress;
 mod stats;
 mod target;
+mod train_dict;
 
+pub use codecs::GenStat;
 pub use recompress::{RecompressReport, RecompressSpec};
 pub use stats::{MetaStats, StatsSnapshot};
+pub use train_dict::{TrainReport, TrainSpec};
 
 pub(crate) use codecs::Codecs;
 pub use target::BackingLayout;
@@ -104,8 +107,8 @@ pub(crate) struct Copied {
     pub(crate) handle: u64,
     /// Bytes copied to the start of the buffer: the object's size, or a page when decompressed.
     pub(crate) len_bytes: usize,
-    /// The codec priority the object was compressed with.
-    pub(crate) prio: u8,
+    /// The codec the object was compressed with (priority and generation, as the slot says).
+    pub(crate) codec: u8,
     /// Whether the object is a raw page (HUGE).
     pub(crate) huge: bool,
 }
@@ -116,8 +119,8 @@ pub(crate) struct Store {
     page_size_bytes: usize,
     slots: SlotTable,
     pool: ZsPool,
-    /// The codec of each priority: `[0]` the primary (always set), `[1..=3]` the recompression
-    /// codecs (`recomp_algorithm`). Fixed for the store's life; a slot's priority bits index it.
+    /// The primary codec and the recompression codecs (`recomp_algorithm`) with their
+    /// dictionary generations; a slot's codec id names one.
     codecs: Codecs,
     /// Pages whose compressed size is at least this are stored raw (HUGE): the smallest size
     /// class holding one object per zspage, where compression saves nothing.
@@ -362,7 +365,7 @@ impl Store {
                 out.copy_from_slice(obj);
                 Ok(())
             } else {
-                self.codecs.get(st.prio())?.decompress(obj, out)
+                self.codecs.get(st.codec())?.decompress(obj, out)
             }
         })?;
         Ok(Source::Done)
@@ -377,7 +380,8 @@ impl Store {
         out: &mut [u8],
         scratch: &mut [u8],
     ) -> Result<()> {
-        pin.read_page(index.0, st, self.codecs.get(st.prio())?, out, scratch)?;
+        let codec = self.codecs.get(st.codec())?;
+        pin.read_page(index.0, st, &*codec, out, scratch)?;
         StoreStats::add(&self.stats.bd_reads, 1);
         Ok(())
     }
@@ -434,6 +438,8 @@ impl Store {
         } else {
             self.release_object(st, how);
         }
+        // A recompressed page (in RAM or written back) no longer holds its codec's generation.
+        self.codecs.release(st.codec());
         StoreStats::sub(&s.pages_stored, 1);
         g.set_empty();
     }
@@ -569,7 +575,7 @@ impl Store {
                 Some(obj.len())
             } else {
                 let page = &mut out[..self.page_size_bytes];
-                let codec = self.codecs.get(st.prio()).ok()?;
+                let codec = self.codecs.get(st.codec()).ok()?;
                 codec.decompress(obj, page).ok().map(|()| page.len())
             }
         });
@@ -580,7 +586,7 @@ impl Store {
         Some(Copied {
             handle: raw,
             len_bytes,
-            prio: st.prio(),
+            codec: st.codec(),
             huge,
         })
     }
@@ -611,7 +617,7 @@ impl Store {
                 keep = keep | f;
             }
         }
-        g.set_wb(location, st.size_bytes(), keep, st.prio());
+        g.set_wb(location, st.size_bytes(), keep, st.codec());
         target.commit(location);
         true
     }
@@ -796,7 +802,7 @@ impl GcOwner for Store {
         if st.wb_location() != Some(old.to_raw()) {
             return false;
         }
-        g.set_wb(new.to_raw(), st.size_bytes(), st.flags(), st.prio());
+        g.set_wb(new.to_raw(), st.size_bytes(), st.flags(), st.codec());
         moved();
         true
     }

@@ -157,7 +157,7 @@ impl Store {
         }
         if let Some(algo) = spec.algo.as_deref() {
             let p = (lo..MAX_COMPS)
-                .find(|&p| self.codecs.at(p).is_some_and(|c| c.name() == algo))
+                .find(|&p| self.codecs.name(p) == Some(algo))
                 .ok_or_else(|| {
                     Error::invalid(format!(
                         "recompress: algo={algo} is not a configured recompression algorithm \
@@ -271,7 +271,7 @@ impl Store {
                 page.copy_from_slice(obj);
                 Ok(())
             } else {
-                self.codecs.get(st.prio())?.decompress(obj, page)
+                self.codecs.get(st.codec())?.decompress(obj, page)
             }
         });
         if let Err(e) = read {
@@ -286,7 +286,9 @@ impl Store {
         let footprint_old = self.pool.footprint_bytes(old_size);
         let mut found = None;
         for prio in lo..range.hi {
-            let Some(codec) = self.codecs.at(prio) else {
+            // The priority's current dictionary generation (stable: installing one takes
+            // `pp_lock`, which this run holds).
+            let Some((id, codec)) = self.codecs.current(prio) else {
                 continue;
             };
             let len = match codec.compress(page, dst) {
@@ -300,11 +302,11 @@ impl Store {
                 && self.pool.footprint_bytes(len) < footprint_old
                 && (threshold == 0 || len < threshold)
             {
-                found = Some((prio, len));
+                found = Some((id, len));
                 break;
             }
         }
-        let Some((prio, len)) = found else {
+        let Some((id, len)) = found else {
             // The kernel marks a page INCOMPRESSIBLE only when the last codec has been tried.
             let last = range.hi > self.codecs.highest();
             let mut g = self.slots.lock(index);
@@ -335,11 +337,29 @@ impl Store {
             return Ok(Outcome::Raced);
         }
         self.release_object(st, Free::Sync);
-        let prio = u8::try_from(prio).expect("priorities are below MAX_COMPS");
-        g.set_handle(new.to_raw(), len, SlotFlags::NONE, prio);
+        self.codecs.release(st.codec());
+        self.codecs.acquire(id);
+        g.set_handle(new.to_raw(), len, SlotFlags::NONE, id);
         StoreStats::add(&self.stats.compr_data_size_bytes, len as u64);
         StoreStats::add(&self.stats.recomp_done, 1);
         Ok(Outcome::Recompressed(old_size, len))
+    }
+
+    /// The priority of slot `index` when it holds an object in RAM (see
+    /// `Device::debug_slot_priority`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn debug_slot_priority(&self, index: u64) -> Option<u8> {
+        if index >= self.nr_pages() {
+            return None;
+        }
+        let g = self.slots.lock(SlotIndex(index));
+        let st = g.state();
+        st.handle_raw().map(|_| st.prio())
+    }
+
+    /// What recompression priority `prio` holds (`dict_stat`).
+    pub(crate) fn codecs_gen_stat(&self, prio: usize) -> Option<super::GenStat> {
+        self.codecs.gen_stat(prio)
     }
 
     /// Clears PP_SLOT of slot `index` if it still holds object `raw` (a run that stops on an

@@ -389,13 +389,14 @@ fn read_record(
     };
     let (h, payload) = t.store.read_record(pin.loc(), slot).map_err(io_err)?;
     if h.is_compressed() {
-        // The record carries the priority the slot had when it was written back; the slot
-        // keeps it while WB, so a mismatch is a record this slot did not write.
-        if h.prio != st.prio() {
+        // The record carries the codec (priority and generation) the slot had when it was
+        // written back; the slot keeps it while WB, so a mismatch is a record this slot did
+        // not write.
+        if h.prio != st.codec() {
             return Err(io_err(Error::io(format!(
-                "record compressed with priority {}, slot says {}",
+                "record compressed with codec {}, slot says {}",
                 h.prio,
-                st.prio()
+                st.codec()
             ))));
         }
         codec

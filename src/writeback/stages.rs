@@ -78,7 +78,7 @@ impl Placement for Stages<'_> {
     fn place(&mut self, slot: SlotIndex, copied: &Copied) -> Result<u64> {
         let flags = if copied.huge { 0 } else { FLAG_COMPRESSED };
         let payload = &self.payload[..copied.len_bytes];
-        match self.writer.append(slot.0, copied.prio, flags, payload) {
+        match self.writer.append(slot.0, copied.codec, flags, payload) {
             Ok(loc) => Ok(loc.to_raw()),
             Err(err) if err.kind() == ErrorKind::NoSpace => Err(err),
             Err(err) => Err(Error::io(format!("zoned writeback: {err}"))),

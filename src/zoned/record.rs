@@ -28,7 +28,8 @@ pub struct RecordHeader {
     pub slot: u64,
     /// Payload bytes.
     pub len_bytes: u32,
-    /// The compression priority the payload was compressed with (0 = primary).
+    /// The codec the payload was compressed with: the slot's codec id, priority (bits 0..=1,
+    /// 0 = primary) and dictionary generation (bits 2..=4).
     pub prio: u8,
     /// [`FLAG_COMPRESSED`] or 0.
     pub flags: u8,
