@@ -95,6 +95,10 @@ struct WritebackArgs {
     /// Where to write the JSON (default: bench/results/writeback-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Measure what the CRC-32C of written-back blocks costs instead: writeback and read-back
+    /// with and without it (bitmap, sequential, the largest batch size), same run.
+    #[arg(long)]
+    checksum_cost: bool,
 }
 
 #[derive(Debug, Args)]
@@ -338,8 +342,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 stores,
                 zone_size_bytes,
             };
-            let doc = crate::writeback::run(&corpus, &opts)?;
-            let path = crate::json_path(a.json.as_deref(), "writeback");
+            let (doc, name) = if a.checksum_cost {
+                (
+                    crate::writeback::run_checksum_cost(&corpus, &opts)?,
+                    "writeback-checksum",
+                )
+            } else {
+                (crate::writeback::run(&corpus, &opts)?, "writeback")
+            };
+            let path = crate::json_path(a.json.as_deref(), name);
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             Ok(())

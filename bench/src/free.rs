@@ -71,7 +71,7 @@ impl Default for FreeBenchOptions {
 }
 
 /// CPU time of the whole process (all threads), in seconds.
-fn process_cpu_secs() -> f64 {
+pub(crate) fn process_cpu_secs() -> f64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

@@ -18,6 +18,9 @@
 //! pages actually written.
 //!
 //! A sample of pages (every 61st) is read back after each run and compared with the corpus.
+//!
+//! With `--checksum-cost`, [`run_checksum_cost`] instead measures what verifying written-back
+//! pages costs: the same writeback and a full read-back with and without block checksums.
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
@@ -30,7 +33,7 @@ use serde_json::{json, Value};
 use crate::corpus::Corpus;
 use crate::{f, median, Table};
 use uzram::backing::ceiling::{self, Pattern};
-use uzram::backing::{Backing, Engine, FileBacking, FileOptions};
+use uzram::backing::{Backing, Engine, FileBacking, FileOptions, MemBacking};
 use uzram::device::{Device, IdleCutoff};
 use uzram::error::{Error, Result};
 use uzram::writeback::{BackingLayout, WritebackMode, WritebackProgress, WritebackSpec};
@@ -575,6 +578,194 @@ pub fn run(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
     Ok(doc)
 }
 
+/// Which figure of a [`CostSample`] a row of the comparison shows.
+type Pick = fn(&CostSample) -> f64;
+
+/// One writeback and read-back of the checksum-cost comparison: wall and CPU seconds of each.
+#[derive(Debug, Clone, Copy)]
+struct CostSample {
+    written: u64,
+    wb_secs: f64,
+    wb_cpu_secs: f64,
+    read_secs: f64,
+    read_cpu_secs: f64,
+}
+
+/// A fresh bitmap device over the sequential backing (or, `in_memory`, a `MemBacking`: no
+/// device time, so the checksum's share is the largest it can be), batch `batch`, filled from the corpus and
+/// marked idle; `checked`: with block checksums (the product), else the baseline without.
+/// Times `writeback idle`, then reading every page back (every written-back one from the
+/// backing, verified when `checked`), and checks what it read.
+fn run_cost_one(
+    corpus: &Corpus,
+    opts: &WritebackBenchOptions,
+    batch: usize,
+    checked: bool,
+    in_memory: bool,
+) -> Result<CostSample> {
+    let ps = corpus.page_size_bytes();
+    let n = opts.pages;
+    let backing: Arc<dyn Backing> = if in_memory {
+        Arc::new(MemBacking::new((n as u64 + 64) * ps as u64)?)
+    } else {
+        Arc::new(open_backing(&opts.backing, engine_for(batch))?)
+    };
+    let dev = Device::new_uninit(ps)?;
+    dev.set_backing(backing)?;
+    dev.set_writeback_batch_size(u32::try_from(batch).map_err(|_| Error::invalid("batch"))?)?;
+    dev.init((n * ps) as u64)?;
+    if !checked {
+        dev.bench_skip_block_checksums()?;
+    }
+    for i in 0..n {
+        dev.write_at(corpus.page(i % corpus.len()), (i * ps) as u64)?;
+    }
+    dev.mark_idle(IdleCutoff::All);
+    let (cpu0, t0) = (crate::free::process_cpu_secs(), Instant::now());
+    let report =
+        dev.writeback_with_progress(&WritebackSpec::mode(WritebackMode::Idle), &mut |_| {})?;
+    let (wb_secs, wb_cpu_secs) = (
+        t0.elapsed().as_secs_f64(),
+        crate::free::process_cpu_secs() - cpu0,
+    );
+    if let Some(e) = report.error {
+        return Err(e);
+    }
+    let mut buf = vec![0u8; ps];
+    let (cpu0, t0) = (crate::free::process_cpu_secs(), Instant::now());
+    let mut same = true;
+    for i in 0..n {
+        dev.read_at(&mut buf, (i * ps) as u64)?;
+        same &= buf == corpus.page(i % corpus.len());
+    }
+    let (read_secs, read_cpu_secs) = (
+        t0.elapsed().as_secs_f64(),
+        crate::free::process_cpu_secs() - cpu0,
+    );
+    if !same {
+        return Err(Error::io("a page read back different"));
+    }
+    Ok(CostSample {
+        written: report.written,
+        wb_secs,
+        wb_cpu_secs,
+        read_secs,
+        read_cpu_secs,
+    })
+}
+
+/// `uzram bench writeback --checksum-cost`: what the CRC-32C of every written-back block costs
+/// (issue 22's goal: at most 3%), measured against the same device without it in the same run.
+/// For each repetition, on the sequential layout at the largest batch size asked for, one run
+/// with and one without (the order alternating between repetitions, so neither always runs
+/// on a warmer cache), each timing `writeback idle` and the read-back of every page: wall and
+/// process CPU seconds. Reports medians and the ratios with / without.
+pub fn run_checksum_cost(corpus: &Corpus, opts: &WritebackBenchOptions) -> Result<Value> {
+    let ps = corpus.page_size_bytes();
+    if corpus.is_empty() || opts.pages == 0 {
+        return Err(Error::invalid("no pages to write back"));
+    }
+    let batch = opts.batch_sizes.iter().copied().max().unwrap_or(32).max(1);
+    let reps = opts.repeats.max(1);
+    let backing_bytes = (opts.pages as u64 + 64) * ps as u64;
+    prepare_backing(&opts.backing, backing_bytes)?;
+    let mut table = Table::new(&[
+        "backing",
+        "measure",
+        "checksum on",
+        "checksum off",
+        "on / off",
+    ]);
+    let mut doc = serde_json::Map::new();
+    let mut written = 0;
+    for (backing_name, in_memory) in [("file", false), ("memory", true)] {
+        let mut with: Vec<CostSample> = Vec::new();
+        let mut without: Vec<CostSample> = Vec::new();
+        for rep in 0..reps {
+            let order = if rep % 2 == 0 {
+                [true, false]
+            } else {
+                [false, true]
+            };
+            for checked in order {
+                let s = run_cost_one(corpus, opts, batch, checked, in_memory)?;
+                eprintln!(
+                    "  run {}/{reps}: {backing_name:6} checksum {:3}: writeback {:.3} s ({:.3} s CPU), read-back {:.3} s ({:.3} s CPU), {} pages",
+                    rep + 1,
+                    if checked { "on" } else { "off" },
+                    s.wb_secs,
+                    s.wb_cpu_secs,
+                    s.read_secs,
+                    s.read_cpu_secs,
+                    s.written
+                );
+                if checked { &mut with } else { &mut without }.push(s);
+            }
+        }
+        written = with[0].written;
+        let med = |v: &[CostSample], pick: Pick| median(&v.iter().map(pick).collect::<Vec<_>>());
+        let metrics: [(&str, Pick); 4] = [
+            ("writeback_secs", |s| s.wb_secs),
+            ("writeback_cpu_secs", |s| s.wb_cpu_secs),
+            ("read_back_secs", |s| s.read_secs),
+            ("read_back_cpu_secs", |s| s.read_cpu_secs),
+        ];
+        let mut doc_on = serde_json::Map::new();
+        let mut doc_off = serde_json::Map::new();
+        let mut ratios = serde_json::Map::new();
+        for (name, pick) in metrics {
+            let (on, off) = (med(&with, pick), med(&without, pick));
+            table.row(vec![
+                backing_name.to_string(),
+                name.to_string(),
+                format!("{on:.4}"),
+                format!("{off:.4}"),
+                format!("{:.4}", on / off),
+            ]);
+            doc_on.insert(name.into(), json!(on));
+            doc_off.insert(name.into(), json!(off));
+            ratios.insert(name.into(), json!(on / off));
+        }
+        // The checksum's own cost per page: the CPU-time difference of the medians.
+        let per_page_ns =
+            |pick: Pick| (med(&with, pick) - med(&without, pick)) * 1e9 / written as f64;
+        doc.insert(
+            backing_name.into(),
+            json!({
+                "checksum_on": doc_on,
+                "checksum_off": doc_off,
+                "on_over_off": ratios,
+                "writeback_cpu_ns_per_page_added": per_page_ns(|s| s.wb_cpu_secs),
+                "read_back_cpu_ns_per_page_added": per_page_ns(|s| s.read_cpu_secs),
+                "writeback_pages_per_s_on": written as f64 / med(&with, |s| s.wb_secs),
+                "writeback_pages_per_s_off": written as f64 / med(&without, |s| s.wb_secs),
+                "read_back_pages_per_s_on": written as f64 / med(&with, |s| s.read_secs),
+                "read_back_pages_per_s_off": written as f64 / med(&without, |s| s.read_secs),
+            }),
+        );
+    }
+    if !is_block_device(&opts.backing) {
+        let _ = std::fs::remove_file(&opts.backing);
+    }
+    println!(
+        "checksum cost: writeback idle of {} pages ({written} written) and read-back of every page, bitmap, sequential, batch {batch}, file {} and in memory, median of {reps}",
+        opts.pages,
+        opts.backing.display()
+    );
+    println!("{}", table.render());
+    let mut out = json!({
+        "benchmark": "writeback_checksum_cost",
+        "backing": opts.backing.display().to_string(),
+        "page_size_bytes": ps,
+        "pages": opts.pages,
+        "written_pages": written,
+        "batch_size": batch,
+        "repeats": reps,
+    });
+    out.as_object_mut().expect("object").extend(doc);
+    Ok(out)
+}
+
 /// The top-level JSON keys comparing the stores, present (positive) when both stores ran on
 /// the fragmented layout with batch 1 and a larger batch.
 pub const COMPARISON_KEYS: [&str; 5] = [
@@ -589,11 +780,9 @@ pub const COMPARISON_KEYS: [&str; 5] = [
 mod tests {
     use super::*;
 
-    #[test]
-    fn tiny_run_writes_json_with_the_required_keys() {
-        let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
-        // Pages of several kinds (text-like, half random, random), none same-filled, so every
-        // page is a candidate.
+    /// Pages of several kinds (text-like, half random, random), none same-filled, so every
+    /// page is a candidate.
+    fn test_corpus() -> Corpus {
         let mut corpus = Corpus::new(4096).unwrap();
         let mut pages = vec![0u8; 64 * 4096];
         let mut x = 0x1234_5678_9abc_def1u64;
@@ -611,6 +800,38 @@ mod tests {
             }
         }
         corpus.add_source("test", &pages).unwrap();
+        corpus
+    }
+
+    #[test]
+    fn tiny_checksum_cost_run_reads_back_and_reports_both_backings() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+        let opts = WritebackBenchOptions {
+            backing: dir.path().join("bd"),
+            pages: 200,
+            batch_sizes: vec![8],
+            repeats: 2,
+            progress: false,
+            ..Default::default()
+        };
+        let doc = run_checksum_cost(&test_corpus(), &opts).unwrap();
+        assert_eq!(doc["written_pages"].as_u64().unwrap(), 200);
+        for backing in ["file", "memory"] {
+            for side in ["checksum_on", "checksum_off", "on_over_off"] {
+                for m in ["writeback_secs", "writeback_cpu_secs", "read_back_secs"] {
+                    assert!(
+                        doc[backing][side][m].as_f64().unwrap() > 0.0,
+                        "{backing} {side} {m}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiny_run_writes_json_with_the_required_keys() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+        let corpus = test_corpus();
         let opts = WritebackBenchOptions {
             backing: dir.path().join("bd"),
             pages: 300,

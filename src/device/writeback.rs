@@ -102,6 +102,16 @@ impl Device {
         self.store()?.debug_reserve_blocks(blocks)
     }
 
+    /// Writes back and reads back bitmap blocks without their CRC-32C: the baseline `uzram bench
+    /// writeback --checksum-cost` measures the checksum against. Call it after `disksize` and
+    /// before any writeback; only a `reset` turns checksums back on. Never outside benchmarks:
+    /// the device then trusts its backing as kernel zram does. `ENODEV` without a backing
+    /// device with the bitmap layout.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn bench_skip_block_checksums(&self) -> Result<()> {
+        self.store()?.bench_skip_block_checksums()
+    }
+
     /// Checks the zoned store's bookkeeping (panics on a mismatch). For tests (`testing`).
     #[cfg(any(test, feature = "testing"))]
     pub fn debug_check_zones(&self) {

@@ -784,6 +784,20 @@ impl Store {
         Ok(n)
     }
 
+    /// Stops checksumming written-back blocks (the benchmark's baseline; see
+    /// `Device::bench_skip_block_checksums`). `ENODEV` without a bitmap target.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn bench_skip_block_checksums(&self) -> Result<()> {
+        let Some(WbTarget::Bitmap(t)) = self.target.as_ref() else {
+            return Err(Error::new(
+                ErrorKind::NoDevice,
+                "no backing device with the bitmap layout",
+            ));
+        };
+        t.skip_checksums();
+        Ok(())
+    }
+
     /// Checks the zoned store's bookkeeping (panics on a mismatch); nothing without one.
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn debug_check_zones(&self) {

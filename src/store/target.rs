@@ -26,7 +26,7 @@
 //! Locks: the bitmap's mutex and the zone store's `zones` mutex are leaves, taken under a slot
 //! lock or without one; no slot lock is held across the backing I/O of `read_page`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::bitmap::{BlockBitmap, BlockIndex, BlockPin};
@@ -114,6 +114,9 @@ pub(crate) struct BitmapTarget {
     bitmap: BlockBitmap,
     /// Read-backs whose block did not match its checksum.
     mismatches: Mismatches,
+    /// Blocks are checksummed and verified: always, except in the benchmark's baseline
+    /// (`Device::bench_skip_block_checksums`), which measures what the checksum costs.
+    checked: AtomicBool,
     /// `compressed_writeback`: blocks hold the stored object (decompressed on read) rather than
     /// the page. Fixed for the life of the initialisation.
     compressed: bool,
@@ -145,6 +148,7 @@ impl WbTarget {
                     (backing.size_bytes() / page_size_bytes as u64).min(BlockLoc::MAX_BLOCKS),
                 ),
                 mismatches: Mismatches::default(),
+                checked: AtomicBool::new(true),
                 backing,
                 compressed,
                 page_size_bytes,
@@ -254,11 +258,20 @@ impl BitmapTarget {
     /// The slot value for `block` holding `data` (the whole block as written).
     pub(crate) fn location(&self, block: BlockIndex, data: &[u8]) -> u64 {
         debug_assert_eq!(data.len(), self.page_size_bytes);
-        BlockLoc {
-            block,
-            crc: block_crc(block.0, data),
-        }
-        .to_raw()
+        let crc = if self.checked.load(Ordering::Relaxed) {
+            block_crc(block.0, data)
+        } else {
+            0
+        };
+        BlockLoc { block, crc }.to_raw()
+    }
+
+    /// Stops checksumming and verifying blocks, for good: the benchmark's baseline. Called
+    /// before anything is written back (a block written with a checksum is then read without
+    /// its check, never the other way round).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn skip_checksums(&self) {
+        self.checked.store(false, Ordering::Relaxed);
     }
 
     /// Byte offset of `block` on the backing device.
@@ -339,6 +352,9 @@ fn read_block(
         ))
     };
     let verify = |blk: &[u8]| {
+        if !t.checked.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         let got = block_crc(pin.block().0, blk);
         if got == crc {
             Ok(())
