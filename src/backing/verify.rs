@@ -17,9 +17,25 @@ use crate::error::Error;
 
 /// The CRC-32C of a written-back block: `block`'s index (little-endian) then its bytes.
 /// Seeding with the index catches a block read from or written to the wrong place as well as
-/// changed bytes. `crc32c` uses the SSE 4.2 / ARMv8 CRC instructions when the CPU has them.
+/// changed bytes.
 pub fn block_crc(block: u64, data: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(&block.to_le_bytes()), data)
+    crc32c_of(&[&block.to_le_bytes(), data])
+}
+
+/// The CRC-32C (Castagnoli, iSCSI) of `parts` in order: every checksum uzram keeps (blocks
+/// here, zoned records in [`crate::zoned::record`]).
+///
+/// `crc-fast` folds with carry-less multiplication (PCLMULQDQ, VPCLMULQDQ with AVX-512, ARMv8
+/// PMULL) when the CPU has it: 66-77 ns of CPU per 4 KiB page on this workplace's EPYC, where
+/// the `crc32c` crate's SSE 4.2 `crc32` instructions took 157-190 ns (same run); the result is
+/// the same CRC-32C (`tests::crc_fast_is_crc32c`).
+pub fn crc32c_of(parts: &[&[u8]]) -> u32 {
+    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    for p in parts {
+        d.update(p);
+    }
+    // A CRC-32 in the low 32 bits of the digest's u64.
+    d.finalize() as u32
 }
 
 /// Reads whose data failed verification, for one backing device (one initialisation). The
@@ -57,6 +73,14 @@ impl Mismatches {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn crc_fast_is_crc32c() {
+        // The CRC-32C check value (RFC 3720's polynomial, "123456789").
+        assert_eq!(crc32c_of(&[b"123456789"]), 0xE306_9283);
+        assert_eq!(crc32c_of(&[b"1234", b"56789"]), 0xE306_9283);
+        assert_eq!(crc32c_of(&[]), 0);
+    }
 
     #[test]
     fn crc_depends_on_block_and_every_byte() {

@@ -48,7 +48,7 @@ pub fn record_span_bytes(payload_bytes: usize) -> usize {
 }
 
 fn crc(head: &[u8], payload: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(&head[..20]), payload)
+    crate::backing::verify::crc32c_of(&[&head[..20], payload])
 }
 
 /// Writes the record for `header` and `payload` at the start of `out` (which must hold
