@@ -39,8 +39,8 @@ impl StatsSnapshot {
         )
     }
 
-    /// `bd_checksum_errors` (uzram's own): reads of written-back pages that failed
-    /// verification, `"%llu\n"`.
+    /// `bd_checksum_errors` (uzram's own): backing reads (of pages, or of records GC moves) that
+    /// failed verification, `"%llu\n"`.
     pub fn bd_checksum_errors(&self) -> String {
         format!("{}\n", self.bd_checksum_errors)
     }

@@ -110,8 +110,9 @@ pub struct StatsSnapshot {
     /// Pages recompression marked INCOMPRESSIBLE (no codec shrank them), since
     /// initialisation.
     pub recomp_incompressible: u64,
-    /// Reads of written-back pages whose data failed verification (a block's CRC-32C, a zoned
-    /// record's magic, slot, length or CRC-32C): each was `EIO` (`bd_checksum_errors`).
+    /// Backing reads whose data failed verification (a block's CRC-32C, a zoned record's magic,
+    /// slot, length or CRC-32C): page reads, each refused with `EIO`, and zoned GC's reads of
+    /// the records it moves (`bd_checksum_errors`).
     pub bd_checksum_errors: u64,
 }
 
