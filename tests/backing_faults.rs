@@ -174,9 +174,9 @@ fn nbdkit_a_rate_of_failing_slow_writes_loses_nothing_and_counts_what_happened()
         let what = format!("{layout:?}");
         nbd.fail_writes(true);
         // Rounds of new contents written back until some writes failed (10% of NBD writes:
-        // the chance that 12 rounds of at least 4 writes each see none is below 1 in 150).
+        // the chance that 20 rounds of at least 4 writes each see none is below 1 in 4000).
         let (mut total, mut errors, mut version) = (0, 0, 1);
-        while version <= 12 && (errors == 0 || version < 3) {
+        while version <= 20 && (errors == 0 || version < 3) {
             if version > 1 {
                 fill(&dev, n, version);
             }
