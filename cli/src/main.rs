@@ -29,6 +29,11 @@ enum Command {
     Ctl(ctl::CtlArgs),
     /// A table of the running devices, like zramctl's.
     Status(ctl::StatusArgs),
+    /// Delete ublk device ID (/dev/ublkcID) left behind by a server that died (docs/ublk.md).
+    UblkDelete {
+        /// The device number: N of /dev/ublkbN, /dev/ublkcN.
+        id: u32,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -39,5 +44,10 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(a) => serve::run(a),
         Command::Ctl(a) => std::process::exit(ctl::run_ctl(a)),
         Command::Status(a) => ctl::run_status(a),
+        Command::UblkDelete { id } => {
+            uzram::frontend::ublk::delete_device(id)?;
+            println!("deleted ublk device {id}");
+            Ok(())
+        }
     }
 }

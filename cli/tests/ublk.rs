@@ -27,14 +27,16 @@ fn host_program(name: &str) -> String {
 }
 
 /// The VM: Linux 6.12 (ublk_drv), no zoned device, uzram and e2fsprogs inside.
-fn vm_args() -> Vec<String> {
-    let mut a: Vec<String> = ["--kernel", "6.12", "--no-zoned", "--mem-mb", "1024"]
+fn vm_args(mem_mb: u32) -> Vec<String> {
+    let mut a: Vec<String> = ["--kernel", "6.12", "--no-zoned", "--mem-mb"]
         .map(String::from)
         .to_vec();
+    a.push(mem_mb.to_string());
     for inc in [
         UZRAM.to_string(),
         host_program("mkfs.ext4"),
         host_program("e2fsck"),
+        host_program("fio"),
         "/etc/mke2fs.conf".to_string(),
     ] {
         a.push("--include".into());
@@ -172,7 +174,7 @@ fn real_files(server_pid: u32) -> Vec<(&'static str, Vec<u8>)> {
 
 #[test]
 fn ublk_filesystem_in_vm() {
-    if !vm_support::in_vm_or_boot("ublk_filesystem_in_vm", &vm_args()) {
+    if !vm_support::in_vm_or_boot("ublk_filesystem_in_vm", &vm_args(1024)) {
         return;
     }
     let mut s = serve(&["--disksize", "256M"]);
@@ -246,4 +248,265 @@ fn ublk_filesystem_in_vm() {
     assert!(st.success(), "{st}: {err}");
     assert!(err.contains(&format!("removed {}", dev.display())), "{err}");
     assert!(!dev.exists(), "{} still exists", dev.display());
+}
+
+/// SIGTERM: the server removes the block device and exits 0, in seconds.
+fn stop(mut s: Server) {
+    let dev = s.block_dev.clone();
+    run(Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .stdout(Stdio::null()));
+    let st = wait_timeout(&mut s.child, Duration::from_secs(30)).expect("the server stopped");
+    let mut err = String::new();
+    s.child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(st.success(), "{st}: {err}");
+    assert!(err.contains(&format!("removed {}", dev.display())), "{err}");
+    assert!(!dev.exists(), "{} still exists", dev.display());
+}
+
+fn vmstat(name: &str) -> u64 {
+    let v = std::fs::read_to_string("/proc/vmstat").unwrap();
+    v.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /proc/vmstat"))
+}
+
+fn mem_total_bytes() -> u64 {
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib << 10
+}
+
+const PAGE: usize = 4096;
+
+/// Page `i` of the hog, version `v`: half same-filled, three eighths compressible text, one
+/// eighth random, each stamped with its index and version (a misplaced or stale page shows).
+fn hog_page(i: usize, v: u64, out: &mut [u8]) {
+    let mut x =
+        (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    match i % 8 {
+        0..=3 => {
+            let w = x | 1;
+            for c in out.chunks_mut(8) {
+                c.copy_from_slice(&w.to_le_bytes());
+            }
+        }
+        4..=6 => {
+            for (k, c) in out.chunks_mut(32).enumerate() {
+                let line = format!("swap page {i:9} v{v} line {:3}....", k % 50);
+                c.copy_from_slice(&line.as_bytes()[..32]);
+            }
+        }
+        _ => {
+            for c in out.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                c.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// An anonymous mapping of `pages` pages, unmapped when dropped.
+struct Hog {
+    ptr: *mut u8,
+    pages: usize,
+}
+
+impl Hog {
+    fn new(pages: usize) -> Hog {
+        // SAFETY: a fresh private anonymous mapping; no address hint, no file.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+        Hog {
+            ptr: ptr.cast(),
+            pages,
+        }
+    }
+
+    fn page(&mut self, i: usize) -> &mut [u8] {
+        assert!(i < self.pages);
+        // SAFETY: page i lies inside the mapping, which lives as long as `self`, and the
+        // returned slice borrows `self` mutably, so no other slice of it exists meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * PAGE), PAGE) }
+    }
+
+    fn fill(&mut self, v: u64) {
+        for i in 0..self.pages {
+            hog_page(i, v, self.page(i));
+        }
+    }
+
+    /// Every page as [`hog_page`] made it; the number of bad pages.
+    fn bad_pages(&mut self, v: u64) -> usize {
+        let mut want = vec![0u8; PAGE];
+        let mut bad = 0;
+        for i in 0..self.pages {
+            hog_page(i, v, &mut want);
+            if self.page(i) != &want[..] {
+                bad += 1;
+            }
+        }
+        bad
+    }
+
+    /// Asks the kernel to swap the whole mapping out now (MADV_PAGEOUT, Linux 5.4).
+    fn page_out(&mut self) {
+        // SAFETY: the range is exactly the mapping.
+        let rc = unsafe { libc::madvise(self.ptr.cast(), self.pages * PAGE, libc::MADV_PAGEOUT) };
+        assert_eq!(rc, 0, "MADV_PAGEOUT: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, not used after this.
+        unsafe { libc::munmap(self.ptr.cast(), self.pages * PAGE) };
+    }
+}
+
+/// Swap on /dev/ublkb0: a memory hog 1.5 times the guest's RAM, of same-filled, compressible
+/// and random pages, pushed out by MADV_PAGEOUT and by pressure, every page verified, twice
+/// with different contents; swap really used. Then fio's verifying writers at depth 32 on the
+/// device, and a server killed with I/O in flight.
+#[test]
+fn ublk_swap_fio_and_kill_in_vm() {
+    if !vm_support::in_vm_or_boot("ublk_swap_fio_and_kill_in_vm", &vm_args(640)) {
+        return;
+    }
+    let ram = mem_total_bytes();
+    let s = serve(&["--disksize", "1G", "--swap"]);
+    let dev = s.block_dev.clone();
+    let dir = s.dir.path().to_path_buf();
+    run(Command::new("mkswap").arg(&dev));
+    run(Command::new("swapon").arg(&dev));
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    assert!(swaps.contains(dev.to_str().unwrap()), "{swaps}");
+    // While swapped on, reset is EBUSY.
+    let reset = Command::new(UZRAM)
+        .args(["ctl", "--dir"])
+        .arg(&dir)
+        .args(["reset", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(reset.status.code(), Some(libc::EBUSY));
+
+    let (out0, in0) = (vmstat("pswpout"), vmstat("pswpin"));
+    let pages = (ram * 3 / 2) as usize / PAGE;
+    let mut hog = Hog::new(pages);
+    for v in 1..=2 {
+        let t = Instant::now();
+        hog.fill(v);
+        hog.page_out();
+        let bad = hog.bad_pages(v);
+        println!(
+            "swap round {v}: {pages} pages ({} MiB, RAM {} MiB), {} s, pswpout {} pswpin {}",
+            pages * PAGE >> 20,
+            ram >> 20,
+            t.elapsed().as_secs(),
+            vmstat("pswpout") - out0,
+            vmstat("pswpin") - in0
+        );
+        assert_eq!(bad, 0, "{bad} bad pages in round {v}");
+    }
+    let (out, inn) = (vmstat("pswpout") - out0, vmstat("pswpin") - in0);
+    assert!(out as usize > pages / 2, "pswpout {out} for {pages} pages");
+    assert!(inn > 0, "pswpin {inn}");
+    let mm = run(Command::new(UZRAM)
+        .args(["ctl", "--dir"])
+        .arg(&dir)
+        .arg("mm_stat"));
+    println!("mm_stat after the hog: {mm}");
+    drop(hog);
+    run(Command::new("swapoff").arg(&dev));
+
+    // fio: four writers at queue depth 32, each on its own quarter, every block verified
+    // (crc32c) after it is written; buffers half compressible.
+    let fio = run(Command::new("fio")
+        .args([
+            "--name=verify",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=32",
+            "--numjobs=4",
+            "--size=32M",
+            "--offset_increment=256M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--do_verify=1",
+            "--buffer_compress_percentage=50",
+            "--refill_buffers",
+            "--group_reporting",
+        ])
+        .arg(format!("--filename={}", dev.display())));
+    assert!(fio.contains("err= 0"), "{fio}");
+
+    // kill -9 with I/O in flight: the I/O fails, nothing hangs, the block device goes away,
+    // and the device left behind can be deleted.
+    let mut s = s;
+    let mut load = Command::new("fio")
+        .args([
+            "--name=load",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=32",
+            "--numjobs=2",
+            "--time_based",
+            "--runtime=60",
+        ])
+        .arg(format!("--filename={}", dev.display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(load.try_wait().unwrap().is_none(), "fio ended early");
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    let st = wait_timeout(&mut load, Duration::from_secs(30)).expect("fio ended after the kill");
+    assert!(!st.success(), "fio saw no error after the server died");
+    let end = Instant::now() + Duration::from_secs(30);
+    while dev.exists() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!dev.exists(), "{} outlived its server", dev.display());
+    let id = dev
+        .to_str()
+        .unwrap()
+        .trim_start_matches("/dev/ublkb")
+        .to_string();
+    let cdev = format!("/dev/ublkc{id}");
+    assert!(Path::new(&cdev).exists(), "{cdev}");
+    run(Command::new(UZRAM).args(["ublk-delete", &id]));
+    assert!(!Path::new(&cdev).exists(), "{cdev} was not deleted");
+    // A new server gets a block device again.
+    let s2 = serve(&["--disksize", "64M"]);
+    stop(s2);
 }

@@ -107,6 +107,30 @@ fn ublk_error(what: &str, e: UblkError) -> Error {
     )
 }
 
+/// Control commands go through a per-thread io_uring in libublk: makes this thread's.
+fn ensure_ctrl_ring() {
+    let _ = libublk::ctrl::ublk_init_ctrl_task_ring(|ring| {
+        if ring.is_none() {
+            *ring = Some(io_uring::IoUring::builder().build(4)?);
+        }
+        Ok(())
+    });
+}
+
+/// Deletes ublk device `dev_id` left by a server that died (its control node `/dev/ublkcN`
+/// outlives the server and keeps the number taken): stops it if the kernel has not, then
+/// deletes it. `ENOENT` if there is no such device.
+pub fn delete_device(dev_id: u32) -> Result<()> {
+    check_driver()?;
+    ensure_ctrl_ring();
+    let id = i32::try_from(dev_id).map_err(|_| Error::invalid("ublk: no such device number"))?;
+    let ctrl = UblkCtrl::new_simple(id).map_err(|e| ublk_error(&format!("device {dev_id}"), e))?;
+    let _ = ctrl.kill_dev();
+    ctrl.del_dev()
+        .map(|_| ())
+        .map_err(|e| ublk_error(&format!("deleting device {dev_id}"), e))
+}
+
 /// A device served as `/dev/ublkbN`. Dropping it stops it, as [`UblkExport::stop`] does.
 pub struct UblkExport {
     ctrl: Arc<UblkCtrl>,
@@ -244,13 +268,7 @@ impl UblkExport {
 
     fn stop_inner(&mut self) {
         let Some(t) = self.thread.take() else { return };
-        // Control commands need this thread's own control ring.
-        let _ = libublk::ctrl::ublk_init_ctrl_task_ring(|ring| {
-            if ring.is_none() {
-                *ring = Some(io_uring::IoUring::builder().build(4)?);
-            }
-            Ok(())
-        });
+        ensure_ctrl_ring();
         // The device may already be gone (deleted by someone else): nothing to stop then.
         let _ = self.ctrl.kill_dev();
         let _ = t.join();
