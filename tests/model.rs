@@ -36,10 +36,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use uzram::backing::{
     Backing, Engine, FaultKind, FaultPlan, FaultyBacking, FileBacking, FileOptions, MemBacking,
+    NbdBacking, NbdOptions,
 };
 use uzram::device::{Device, IdleCutoff};
 use uzram::ErrorKind;
 
+mod nbdkit_support;
 mod vm_support;
 
 /// Where the model's device writes back.
@@ -52,6 +54,9 @@ enum WbBacking {
     /// The real zoned block device `UZRAM_ZONED_DEV` names (inside the VM of
     /// `tests/vm_support`), through io_uring: its own zones, reset and finished on it.
     ZonedDevice,
+    /// nbdkit's `memory` plugin over a unix socket, through the NBD client (multi-conn pool,
+    /// requests in flight, flushes before completion).
+    Nbd,
 }
 
 #[derive(Debug, Clone)]
@@ -158,6 +163,8 @@ struct Harness {
     /// The dictionary file (`ModelConfig::dict`), and the directory holding it.
     dict_path: Option<std::path::PathBuf>,
     _dict_dir: Option<tempfile::TempDir>,
+    /// The NBD server of [`WbBacking::Nbd`] (killed when the harness drops).
+    _server: Option<nbdkit_support::NbdServer>,
 }
 
 /// The fault injector over either backing.
@@ -265,7 +272,16 @@ impl Harness {
         } else {
             disksize(&cfg) / 4 * 3
         };
+        let mut server = None;
         let (backing, dir): (Arc<dyn FaultControl>, _) = match cfg.backing {
+            WbBacking::Nbd => {
+                let size = format!("size={backing_bytes}");
+                let s = nbdkit_support::NbdServer::nbdkit(&["memory", &size]);
+                let nbd = NbdBacking::open(&s.uri(), &NbdOptions::default())
+                    .expect("connecting to nbdkit");
+                server = Some(s);
+                (Arc::new(FaultyBacking::new(nbd)), None)
+            }
             WbBacking::Mem => (
                 Arc::new(FaultyBacking::new(MemBacking::new(backing_bytes).unwrap())),
                 None,
@@ -333,6 +349,7 @@ impl Harness {
             _dir: dir,
             dict_path,
             _dict_dir: dict_dir,
+            _server: server,
         }
     }
 
@@ -1093,6 +1110,28 @@ fn model_64k_lz4() {
     let mut cfg = ModelConfig::new(65536, "lz4");
     cfg.pages_per_thread = 8;
     cfg.ops_per_thread /= 6;
+    run_or_panic(cfg);
+}
+
+/// Writeback and read-back through the NBD client to nbdkit's memory plugin, with every
+/// injected fault (above the client) and compressed writeback.
+#[test]
+fn model_4k_lz4_nbd() {
+    let mut cfg = ModelConfig::new(4096, "lz4");
+    cfg.ops_per_thread /= 2;
+    cfg.backing = WbBacking::Nbd;
+    cfg.compressed_writeback = cfg.seed % 2 == 0;
+    run_or_panic(cfg);
+}
+
+/// Zoned writeback over NBD: GC's queued reads and writes, and trims of reset zones.
+#[test]
+fn model_4k_lz4_zoned_nbd() {
+    let mut cfg = ModelConfig::new(4096, "lz4");
+    cfg.ops_per_thread /= 3;
+    cfg.pages_per_thread = 160;
+    cfg.backing = WbBacking::Nbd;
+    cfg.zoned = true;
     run_or_panic(cfg);
 }
 

@@ -51,6 +51,7 @@ mod fds;
 mod file;
 #[cfg(any(test, feature = "testing"))]
 mod mem;
+pub mod nbd;
 mod sync;
 mod sys;
 mod uring;
@@ -66,6 +67,7 @@ pub use faulty::{FaultCounts, FaultKind, FaultPlan, FaultyBacking};
 pub use file::{DirectIo, FileBacking, FileOptions};
 #[cfg(any(test, feature = "testing"))]
 pub use mem::MemBacking;
+pub use nbd::{NbdBacking, NbdOptions};
 pub use sync::SyncQueue;
 pub use uring::UringQueue;
 

@@ -6,7 +6,7 @@
 //! an unknown name is `ENOENT`. See `docs/attributes.md` for each attribute.
 
 use super::{recompress, Device, IdleCutoff};
-use crate::backing::{FileBacking, FileOptions};
+use crate::backing::{FileBacking, FileOptions, NbdBacking, NbdOptions};
 use crate::compress::{self, CodecParams, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
 pub use crate::units::{kstrtobool, kstrtou64};
@@ -340,7 +340,8 @@ fn store_comp_algorithm(d: &Device, value: &str) -> Result<()> {
     Ok(())
 }
 
-/// `backing_dev`: a path, opened as a [`FileBacking`]. As zram: refused with `EBUSY` once
+/// `backing_dev`: a path, opened as a [`FileBacking`], or an NBD URI (`nbd://HOST[:PORT]/EXPORT`,
+/// `nbd+unix:///EXPORT?socket=PATH`), connected as an [`NbdBacking`]. As zram: refused with `EBUSY` once
 /// initialised before the path is even looked at.
 fn store_backing_dev(d: &Device, value: &str) -> Result<()> {
     if d.is_initialised() {
@@ -348,7 +349,12 @@ fn store_backing_dev(d: &Device, value: &str) -> Result<()> {
             "backing_dev cannot change once initialised: reset first",
         ));
     }
-    let backing = FileBacking::open(strip_newline(value), &FileOptions::default())?;
+    let value = strip_newline(value);
+    if crate::backing::nbd::uri::is_nbd_uri(value) {
+        let backing = NbdBacking::open(value, &NbdOptions::default())?;
+        return d.set_backing(Arc::new(backing));
+    }
+    let backing = FileBacking::open(value, &FileOptions::default())?;
     d.set_backing(Arc::new(backing))
 }
 
