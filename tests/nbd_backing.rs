@@ -1,11 +1,13 @@
 //! The NBD backing (`backing_dev = nbd://…`) against real servers: nbdkit's `memory` and
 //! `file` plugins and qemu-nbd. The client alone (handshake, sync and queued reads and writes,
-//! bad requests), writeback and read-back through the device, and the errors of
-//! `backing_dev` for bad URIs and servers that cannot serve.
+//! bad requests), writeback and read-back through the device, the errors of `backing_dev`
+//! for bad URIs and servers that cannot serve, server errors (nbdkit's error filter) and a
+//! server killed mid-writeback and started again.
 
 use std::sync::Arc;
 use uzram::backing::{AlignedBuf, Backing, IoOp, NbdBacking, NbdOptions};
 use uzram::device::{Device, IdleCutoff};
+use uzram::writeback::{WritebackMode, WritebackSpec};
 use uzram::ErrorKind;
 
 mod nbdkit_support;
@@ -218,4 +220,216 @@ fn backing_dev_refuses_bad_uris_and_unusable_servers() {
     dev.attr_store("disksize", "1M").unwrap();
     assert_eq!(errno(&mem.uri()), libc::EBUSY);
     let _ = Arc::new(());
+}
+
+fn raw_file(dir: &tempfile::TempDir, bytes: u64) -> std::path::PathBuf {
+    let file = dir.path().join("backing.raw");
+    std::fs::File::create(&file)
+        .unwrap()
+        .set_len(bytes)
+        .unwrap();
+    file
+}
+
+/// Reads every page: each reads back identical or fails with `EIO`; returns the failures.
+fn read_all_or_eio(dev: &Device, pages: u64) -> u64 {
+    let mut eio = 0;
+    for i in 0..pages {
+        let mut buf = vec![0u8; PAGE];
+        match dev.read_at(&mut buf, i * PAGE as u64) {
+            Ok(()) => assert!(buf == page_support::page(i, 1), "page {i} differs"),
+            Err(e) => {
+                assert_eq!(e.errno(), libc::EIO, "page {i}: {e}");
+                eio += 1;
+            }
+        }
+    }
+    eio
+}
+
+/// nbdkit's error filter fails writes, then reads, on demand (while a trigger file exists):
+/// failed writes keep their pages in RAM and refund the limit; failed reads are EIO and change
+/// nothing; both work again once the errors stop, on the same connections.
+#[test]
+fn server_errors_keep_pages_in_ram_and_writeback_resumes() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let file = raw_file(&dir, 4 << 20);
+    let (werr, rerr) = (dir.path().join("werr"), dir.path().join("rerr"));
+    let args = [
+        "--filter=error".to_string(),
+        "file".into(),
+        format!("file={}", file.display()),
+        "error-pwrite=EIO".into(),
+        "error-pwrite-rate=100%".into(),
+        format!("error-pwrite-file={}", werr.display()),
+        "error-pread=EIO".into(),
+        "error-pread-rate=100%".into(),
+        format!("error-pread-file={}", rerr.display()),
+    ];
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let server = NbdServer::nbdkit(&args);
+    let n = 256;
+    let dev = device_on(&server.uri(), n, false);
+    fill(&dev, n, 1);
+    dev.set_writeback_limit_enable(true);
+    dev.set_writeback_limit(10_000);
+    let stats = dev.stats();
+
+    std::fs::write(&werr, b"").unwrap();
+    dev.mark_idle(IdleCutoff::All);
+    let r = dev
+        .writeback_with_progress(&WritebackSpec::mode(WritebackMode::Idle), &mut |_| {})
+        .unwrap();
+    assert_eq!(
+        r.error.as_ref().map(|e| e.errno()),
+        Some(libc::EIO),
+        "{r:?}"
+    );
+    assert_eq!(r.written, 0, "{r:?}");
+    assert!(r.failed > 0, "{r:?}");
+    assert_eq!(bd(&dev), [0, 0, 0]);
+    assert_eq!(dev.writeback_limit(), 10_000);
+    assert_eq!(
+        dev.stats().compr_data_size_bytes,
+        stats.compr_data_size_bytes
+    );
+    check_all(&dev, n, 1);
+
+    std::fs::remove_file(&werr).unwrap();
+    dev.mark_idle(IdleCutoff::All);
+    dev.attr_store("writeback", "idle").unwrap();
+    let written = n - n / 4;
+    assert_eq!(bd(&dev), [written, 0, written]);
+    assert_eq!(dev.writeback_limit(), 10_000 - written);
+
+    std::fs::write(&rerr, b"").unwrap();
+    assert_eq!(read_all_or_eio(&dev, n), written);
+    assert_eq!(bd(&dev), [written, 0, written]);
+    std::fs::remove_file(&rerr).unwrap();
+    check_all(&dev, n, 1);
+    assert_eq!(bd(&dev), [written, written, written]);
+}
+
+/// The server is killed in the middle of a writeback: the pages not yet written stay in RAM
+/// (usable, as are all RAM pages while the server is gone; written-back pages are EIO), the
+/// limit is refunded for them, writebacks fail fast; once the server is back (same file, same
+/// socket) the client reconnects, every page reads back and writeback resumes.
+#[test]
+fn server_killed_mid_writeback_then_back() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let file = raw_file(&dir, 8 << 20);
+    let f = format!("file={}", file.display());
+    let server = NbdServer::nbdkit(&["file", &f]);
+    let uri = server.uri();
+    let n = 1024;
+    let dev = device_on(&uri, n, false);
+    dev.attr_store("writeback_batch_size", "8").unwrap();
+    fill(&dev, n, 1);
+    dev.set_writeback_limit_enable(true);
+    dev.set_writeback_limit(100_000);
+    dev.mark_idle(IdleCutoff::All);
+    let mut server = Some(server);
+    let mut sockdir = None;
+    let r = dev
+        .writeback_with_progress(&WritebackSpec::mode(WritebackMode::Idle), &mut |p| {
+            if p.written >= 64 {
+                if let Some(s) = server.take() {
+                    sockdir = Some(s.kill());
+                }
+            }
+        })
+        .unwrap();
+    let sockdir = sockdir.expect("killed mid-writeback");
+    let candidates = n - n / 4;
+    assert_eq!(
+        r.error.as_ref().map(|e| e.errno()),
+        Some(libc::EIO),
+        "{r:?}"
+    );
+    assert!(r.written >= 64 && r.written < candidates, "{r:?}");
+    assert_eq!(bd(&dev)[0], r.written);
+    assert_eq!(dev.writeback_limit(), 100_000 - r.written);
+
+    // Gone: RAM pages read and write; written-back pages are EIO; writeback fails at once.
+    assert_eq!(read_all_or_eio(&dev, n), r.written);
+    dev.write_at(&page_support::page(3, 1), 3 * PAGE as u64)
+        .unwrap();
+    let start = std::time::Instant::now();
+    dev.mark_idle(IdleCutoff::All);
+    let e = dev.attr_store("writeback", "idle").unwrap_err();
+    assert_eq!(e.errno(), libc::EIO);
+    assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(bd(&dev)[0], r.written);
+
+    // Back, on the same socket and file: reads come back after the backoff.
+    let back = NbdServer::nbdkit_in(sockdir, &["file", &f]);
+    assert_eq!(back.uri(), uri);
+    let start = std::time::Instant::now();
+    while read_all_or_eio(&dev, n) != 0 {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "no reconnection"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    dev.mark_idle(IdleCutoff::All);
+    dev.attr_store("writeback", "idle").unwrap();
+    assert_eq!(bd(&dev)[0], candidates);
+    check_all(&dev, n, 1);
+}
+
+/// A server that stalls (nbdkit's delay filter holds writes for 30 s) misses the request
+/// deadline: the write fails with EIO within the deadline and a tick, queued or synchronous;
+/// reads work again on a new connection.
+#[test]
+fn a_stalled_server_misses_its_deadline() {
+    use std::time::{Duration, Instant};
+    let s = NbdServer::nbdkit(&["--filter=delay", "memory", "size=1M", "delay-write=30"]);
+    let opts = NbdOptions {
+        request_timeout: Duration::from_secs(1),
+        backoff_min: Duration::from_millis(50),
+        // One connection: the next request after the deadline must reconnect.
+        connections: 1,
+        ..NbdOptions::default()
+    };
+    let b = NbdBacking::open(&s.uri(), &opts).unwrap();
+    let start = Instant::now();
+    let e = b.write_at(&[7u8; PAGE], 0).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        start.elapsed()
+    );
+
+    let read_again = || {
+        let start = Instant::now();
+        let mut buf = vec![1u8; PAGE];
+        while b.read_at(&mut buf, 0).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(10), "no reconnection");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            buf.iter().all(|&x| x == 0),
+            "the stalled write never happened"
+        );
+    };
+    read_again();
+    let mut q = b.new_queue(4).unwrap();
+    let start = Instant::now();
+    let mut buf = AlignedBuf::new_zeroed(PAGE).unwrap();
+    buf.fill(9);
+    q.submit(IoOp::new(0, vec![buf], 5)).unwrap();
+    let done = q.wait(1).unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].op.tag, 5);
+    assert_eq!(done[0].result.as_ref().unwrap_err().kind(), ErrorKind::Io);
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        start.elapsed()
+    );
+    drop(q);
+    read_again();
+    assert!(b.connects() > b.connection_count() as u64);
 }

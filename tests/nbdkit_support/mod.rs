@@ -30,11 +30,17 @@ impl NbdServer {
     pub fn nbdkit_in(dir: tempfile::TempDir, args: &[&str]) -> NbdServer {
         let socket = dir.path().join("nbd.sock");
         let _ = std::fs::remove_file(&socket);
+        // nbdkit writes its pid file once it listens: waiting for it (rather than probing the
+        // socket) keeps its log free of probe connections.
+        let pidfile = dir.path().join("nbdkit.pid");
+        let _ = std::fs::remove_file(&pidfile);
         let mut cmd = Command::new("nbdkit");
         cmd.args(["--foreground", "--exit-with-parent", "--unix"])
             .arg(&socket)
+            .arg("--pidfile")
+            .arg(&pidfile)
             .args(args);
-        NbdServer::start(cmd, dir, socket, "")
+        NbdServer::start(cmd, dir, socket, "", Some(pidfile))
     }
 
     /// `qemu-nbd` serving the raw file `file` as export `export`, `connections` clients at once.
@@ -48,10 +54,17 @@ impl NbdServer {
             .arg("--socket")
             .arg(&socket)
             .arg(file);
-        NbdServer::start(cmd, dir, socket, export)
+        NbdServer::start(cmd, dir, socket, export, None)
     }
 
-    fn start(mut cmd: Command, dir: tempfile::TempDir, socket: PathBuf, export: &str) -> NbdServer {
+    /// Runs `cmd` and waits until `ready` exists (when given) or the socket takes connections.
+    fn start(
+        mut cmd: Command,
+        dir: tempfile::TempDir,
+        socket: PathBuf,
+        export: &str,
+        ready: Option<PathBuf>,
+    ) -> NbdServer {
         let program = cmd.get_program().to_string_lossy().into_owned();
         let child = cmd
             .stdin(Stdio::null())
@@ -67,7 +80,11 @@ impl NbdServer {
             dir,
         };
         let start = Instant::now();
-        while UnixStream::connect(&s.socket).is_err() {
+        let is_ready = |s: &NbdServer| match &ready {
+            Some(p) => std::fs::metadata(p).is_ok_and(|m| m.len() > 0),
+            None => UnixStream::connect(&s.socket).is_ok(),
+        };
+        while !is_ready(&s) {
             if let Some(status) = s.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("{program} exited early: {status}");
             }
