@@ -62,9 +62,15 @@ struct RecompressArgs {
 #[derive(Debug, Args)]
 struct WritebackArgs {
     /// Backing file (created and written through once, removed at the end) or block device.
-    /// Use a real disk: tmpfs has no O_DIRECT.
+    /// Use a real disk: tmpfs has no O_DIRECT. Or an NBD URI (`nbd://HOST:PORT/EXPORT`,
+    /// `nbd+unix:///EXPORT?socket=PATH`): writeback to that export against `--compare-file`
+    /// written directly (bitmap store, sequential layout).
     #[arg(long, default_value = "/var/tmp/uzram-writeback-bench.img")]
     backing: PathBuf,
+    /// With an NBD backing: the local file the same writeback goes to directly, for the ratio
+    /// (created, written through, removed at the end); `none` to skip.
+    #[arg(long, default_value = "/var/tmp/uzram-writeback-bench-direct.img")]
+    compare_file: PathBuf,
     /// Page corpus (from `uzram corpus`); built with default settings if missing.
     #[arg(long, default_value = DEFAULT_CORPUS)]
     corpus: PathBuf,
@@ -317,6 +323,22 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         BenchCommand::Writeback(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;
+            let backing = a.backing.to_string_lossy().into_owned();
+            if uzram::backing::nbd::uri::is_nbd_uri(&backing) {
+                let opts = crate::remote::RemoteBenchOptions {
+                    uri: backing,
+                    compare_file: (a.compare_file.as_os_str() != "none").then_some(a.compare_file),
+                    pages: a.pages,
+                    batch_sizes: a.batch_sizes,
+                    repeats: a.repeats,
+                    progress: !a.no_progress,
+                };
+                let doc = crate::remote::run(&corpus, &opts)?;
+                let path = crate::json_path(a.json.as_deref(), "writeback-nbd");
+                crate::write_json(&path, &doc)?;
+                println!("wrote {}", path.display());
+                return Ok(());
+            }
             let layouts = a
                 .layout
                 .iter()

@@ -13,6 +13,7 @@ pub mod gc;
 pub mod kernel_zram;
 pub mod nbd;
 pub mod recompress;
+pub mod remote;
 pub mod store;
 pub mod writeback;
 

@@ -142,7 +142,7 @@ impl Default for WritebackBenchOptions {
 }
 
 /// The engine a batch size runs on.
-fn engine_for(batch: usize) -> Engine {
+pub(crate) fn engine_for(batch: usize) -> Engine {
     if batch == 1 {
         Engine::Sync
     } else {
@@ -158,7 +158,7 @@ fn is_block_device(path: &Path) -> bool {
 
 /// Creates the backing file at `size_bytes` and writes it through with zeroes (see the module
 /// docs). A block device is used as it is.
-fn prepare_backing(path: &Path, size_bytes: u64) -> Result<()> {
+pub(crate) fn prepare_backing(path: &Path, size_bytes: u64) -> Result<()> {
     if is_block_device(path) {
         return Ok(());
     }
@@ -174,16 +174,16 @@ fn prepare_backing(path: &Path, size_bytes: u64) -> Result<()> {
 }
 
 /// Opens the prepared backing with `engine`.
-fn open_backing(path: &Path, engine: Engine) -> Result<FileBacking> {
+pub(crate) fn open_backing(path: &Path, engine: Engine) -> Result<FileBacking> {
     FileBacking::open(path, &FileOptions::with_engine(engine))
 }
 
 /// One timed writeback.
 #[derive(Debug, Clone, Copy)]
-struct Sample {
-    pages_per_s: f64,
-    written: u64,
-    ops: u64,
+pub(crate) struct Sample {
+    pub(crate) pages_per_s: f64,
+    pub(crate) written: u64,
+    pub(crate) ops: u64,
 }
 
 /// A progress bar on stderr, drawn only on a terminal and only once a run passed a second.
@@ -246,7 +246,7 @@ fn zone_size_for(opts: &WritebackBenchOptions, backing_bytes: u64) -> u64 {
 
 /// Where one run writes back: the bitmap on a layout, or the zoned store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Target {
+pub(crate) enum Target {
     Bitmap(Layout),
     Zoned,
 }
@@ -274,17 +274,38 @@ fn run_one(
     batch: usize,
     io_mode: &mut String,
 ) -> Result<Sample> {
-    let ps = corpus.page_size_bytes();
-    let n = opts.pages;
     let backing = open_backing(&opts.backing, engine_for(batch))?;
     *io_mode = backing.io_mode().to_string();
+    let zone_size_bytes = zone_size_for(opts, backing.size_bytes());
+    timed_writeback(
+        corpus,
+        opts.pages,
+        opts.progress,
+        Arc::new(backing),
+        target,
+        batch,
+        zone_size_bytes,
+    )
+}
+
+/// On a fresh device over `backing`: fills `n` pages from the corpus, marks them idle, times
+/// `writeback idle` at `batch`, and checks a sample reads back identical.
+pub(crate) fn timed_writeback(
+    corpus: &Corpus,
+    n: usize,
+    progress: bool,
+    backing: Arc<dyn Backing>,
+    target: Target,
+    batch: usize,
+    zone_size_bytes: u64,
+) -> Result<Sample> {
+    let ps = corpus.page_size_bytes();
     let blocks = backing.size_bytes() / ps as u64;
-    let backing_bytes = backing.size_bytes();
     let dev = Device::new_uninit(ps)?;
-    dev.set_backing(Arc::new(backing))?;
+    dev.set_backing(backing)?;
     if target == Target::Zoned {
         dev.set_backing_layout(BackingLayout::Zoned)?;
-        dev.set_zone_size_bytes(zone_size_for(opts, backing_bytes))?;
+        dev.set_zone_size_bytes(zone_size_bytes)?;
     }
     dev.set_writeback_batch_size(u32::try_from(batch).map_err(|_| Error::invalid("batch"))?)?;
     dev.init((n * ps) as u64)?;
@@ -301,7 +322,7 @@ fn run_one(
         }
         dev.debug_reserve_backing_blocks((0..need).step_by(2))?;
     }
-    let mut bar = Bar::new(opts.progress, format!("{} batch {batch:>3}", target.name()));
+    let mut bar = Bar::new(progress, format!("{} batch {batch:>3}", target.name()));
     let start = Instant::now();
     let report = dev
         .writeback_with_progress(&WritebackSpec::mode(WritebackMode::Idle), &mut |p| {

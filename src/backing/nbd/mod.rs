@@ -17,7 +17,8 @@
 //! A queued write completes only when the server acknowledged it and, when the server
 //! advertises a write cache (`NBD_FLAG_SEND_FLUSH`), after an `NBD_CMD_FLUSH` sent after that
 //! acknowledgement was acknowledged too. Flushes are batched: one covers every write
-//! acknowledged before it was sent, and it is sent when the queue's caller must wait. A write
+//! acknowledged before it was sent, and it is sent when the queue's caller must wait and no
+//! write is left on the wire (or half the queue's depth waits for a flush). A write
 //! whose connection died before its flush completed fails (the page stays in RAM).
 //!
 //! # Failures
@@ -649,7 +650,11 @@ impl IoQueue for NbdQueue<'_> {
             if self.ready.len() >= min_complete.min(self.in_flight) {
                 break;
             }
-            if self.flushing.is_none() {
+            // One flush for as many writes as possible: once no write is left on the wire
+            // (or half the queue waits for one).
+            let flushing = self.flushing.as_ref().map_or(0, |(_, b)| b.len());
+            let on_wire = self.in_flight - self.ready.len() - self.acked.len() - flushing;
+            if self.flushing.is_none() && (on_wire == 0 || 2 * self.acked.len() >= self.depth) {
                 self.start_flush();
                 if self.ready.len() >= min_complete.min(self.in_flight) {
                     break;
