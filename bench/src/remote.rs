@@ -175,3 +175,56 @@ pub fn run(corpus: &Corpus, opts: &RemoteBenchOptions) -> Result<Value> {
         "nbd_speedup_vs_batch1": speedup_json,
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_run_against_nbdkit_writes_json() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+        let socket = dir.path().join("nbd.sock");
+        let pidfile = dir.path().join("pid");
+        let mut nbdkit = std::process::Command::new("nbdkit")
+            .args(["--foreground", "--exit-with-parent", "--unix"])
+            .arg(&socket)
+            .arg("--pidfile")
+            .arg(&pidfile)
+            .args(["memory", "size=16M"])
+            .spawn()
+            .expect("nbdkit must be installed (scripts/debian-packages.txt)");
+        let start = std::time::Instant::now();
+        while !std::fs::metadata(&pidfile).is_ok_and(|m| m.len() > 0) {
+            assert!(start.elapsed().as_secs() < 20, "nbdkit did not start");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let mut corpus = Corpus::new(4096).unwrap();
+        let pages: Vec<u8> = (0..32 * 4096u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8 | (i % 7 == 0) as u8)
+            .collect();
+        corpus.add_source("test", &pages).unwrap();
+        let opts = RemoteBenchOptions {
+            uri: format!("nbd+unix:///?socket={}", socket.display()),
+            compare_file: Some(dir.path().join("direct")),
+            pages: 200,
+            batch_sizes: vec![1, 8],
+            repeats: 1,
+            progress: false,
+        };
+        let doc = run(&corpus, &opts);
+        let _ = nbdkit.kill();
+        let _ = nbdkit.wait();
+        let doc = doc.unwrap();
+        for key in ["nbd_pages_per_s", "file_pages_per_s", "nbd_over_file"] {
+            for batch in ["1", "8"] {
+                assert!(doc[key][batch].as_f64().unwrap() > 0.0, "{key} {batch}");
+            }
+        }
+        assert!(doc["nbd_speedup_vs_batch1"]["8"].as_f64().unwrap() > 0.0);
+        assert_eq!(doc["written_pages"].as_u64().unwrap(), 200);
+        assert!(
+            !dir.path().join("direct").exists(),
+            "the compare file is removed"
+        );
+    }
+}
