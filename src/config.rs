@@ -21,6 +21,7 @@
 //! ublk = true                    # optional: also a kernel block device /dev/ublkbN (docs/ublk.md)
 //! comp_algorithm = "zstd"        # every other key is an attribute, stored in file order
 //! algorithm_params = "level=8"   # before disksize, exactly as `echo VALUE > ATTR` would
+//! multi_page_size = "64K"        # runs written at once compressed as one object
 //! mem_limit = "2G"
 //! ```
 //!

@@ -228,6 +228,7 @@ fn settings_after_init_are_ebusy_and_change_nothing() {
     ebusy("disksize", "1G\n");
     ebusy("comp_algorithm", "zstd\n");
     ebusy("algorithm_params", "level=3\n");
+    ebusy("multi_page_size", "64K\n");
     // disksize=0 is EINVAL before EBUSY, as in zram.
     assert_eq!(
         dev.attr_store("disksize", "0").unwrap_err().kind(),
@@ -265,4 +266,35 @@ fn reset_returns_to_defaults() {
     let mut got = vec![1u8; PAGE];
     dev.read_at(&mut got, 0).unwrap();
     assert!(got.iter().all(|&b| b == 0), "a reset device reads zeroes");
+}
+
+#[test]
+fn bad_multi_page_sizes_are_einval_and_change_nothing() {
+    let dev = Device::new_uninit(PAGE).unwrap();
+    assert_eq!(dev.attr_show("multi_page_size").unwrap(), "4096\n");
+    for bad in ["8192", "2048", "0", "128K", "64Kx", "-1", ""] {
+        assert_err(
+            dev.attr_store("multi_page_size", bad),
+            ErrorKind::InvalidArgument,
+            libc::EINVAL,
+        );
+        assert_eq!(dev.attr_show("multi_page_size").unwrap(), "4096\n", "{bad}");
+    }
+    for good in ["16384", "32K", "64K\n", "4096"] {
+        dev.attr_store("multi_page_size", good).unwrap();
+    }
+    assert_eq!(dev.attr_show("multi_page_size").unwrap(), "4096\n");
+    // Not above a 64 KiB page; off is still taken.
+    let big = Device::new_uninit(65536).unwrap();
+    assert_err(
+        big.attr_store("multi_page_size", "64K"),
+        ErrorKind::InvalidArgument,
+        libc::EINVAL,
+    );
+    big.attr_store("multi_page_size", "4096").unwrap();
+    // Reset turns it off.
+    dev.attr_store("multi_page_size", "64K").unwrap();
+    dev.attr_store("disksize", "1M").unwrap();
+    dev.attr_store("reset", "1").unwrap();
+    assert_eq!(dev.attr_show("multi_page_size").unwrap(), "4096\n");
 }

@@ -85,6 +85,9 @@ struct ModelConfig {
     recomp: &'static [&'static str],
     /// Give the first recompression priority (zstd) a dictionary (`algorithm_params dict=`).
     dict: bool,
+    /// `multi_page_size` (4096: off); with it, half the full-page writes are aligned runs of
+    /// one or two objects' worth of pages, some shifted by a page or a page longer.
+    multi_page_size: usize,
 }
 
 /// Zones of the zoned configurations' backing: few, so that writeback fills them, GC has
@@ -118,6 +121,7 @@ impl ModelConfig {
             zoned: false,
             recomp: &["zstd", "deflate"],
             dict: false,
+            multi_page_size: 4096,
         }
     }
 }
@@ -246,6 +250,10 @@ fn init_device(
         dev.attr_store("zone_size", "1M").unwrap();
     }
     dev.attr_store("comp_algorithm", cfg.algorithm).unwrap();
+    if cfg.multi_page_size != 4096 {
+        dev.attr_store("multi_page_size", &cfg.multi_page_size.to_string())
+            .unwrap();
+    }
     for (i, algo) in cfg.recomp.iter().enumerate() {
         dev.attr_store(
             "recomp_algorithm",
@@ -417,8 +425,17 @@ impl Harness {
             match op {
                 // Full-page writes of 1..=4 pages.
                 0..=34 => {
-                    let first = rng.gen_range(0..npages);
-                    let n = rng.gen_range(1..=4u64).min(npages - first);
+                    let mp = (self.cfg.multi_page_size / ps) as u64;
+                    let (first, n) = if mp > 1 && rng.gen_bool(0.5) {
+                        // Regions start on a run boundary (pages_per_thread is a multiple).
+                        let first = (rng.gen_range(0..npages / mp) * mp)
+                            .saturating_sub(rng.gen_range(0..4) / 3);
+                        let n = mp * rng.gen_range(1..=2) + rng.gen_range(0..4) / 3;
+                        (first, n.min(npages - first))
+                    } else {
+                        let first = rng.gen_range(0..npages);
+                        (first, rng.gen_range(1..=4u64).min(npages - first))
+                    };
                     let pages: Vec<Vec<u8>> = (0..n)
                         .map(|i| gen_page(&mut rng, ps, base + first + i))
                         .collect();
@@ -841,7 +858,9 @@ impl Harness {
         // Same-filled and written-back slots hold no allocator object (`bd_count` is in 4 KiB
         // units, as zram's bd_stat; a written-back page takes one page-sized block).
         let wb_pages = s.bd_count * 4096 / self.cfg.page_size as u64;
-        if objects(&self.dev) != s.pages_stored - s.same_pages - wb_pages || d.pending != 0 {
+        // A multi-page object is one object for all the pages pointing into it.
+        let expected = s.pages_stored - s.same_pages - wb_pages - s.multi_pages + s.multi_objects;
+        if objects(&self.dev) != expected || d.pending != 0 {
             return self.fail(format!(
                 "after flush: {} objects for {} stored pages ({} same-filled, {} written back); \
                  {d:?}",
@@ -1030,9 +1049,9 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
         "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, {} writebacks ({} failed) \
          wrote {} pages, {} gc ({} failed; chaos's reclaimed {} zones, relocated {} records), \
          {} recompressions (recomp_stat since the last reset {}), {} dictionaries trained \
-         (dict_stat {:?}), {} reads failed by injected faults, mm_stat {}, bd_stat {}, \
-         bd_checksum_errors {} (since the last reset), zone_stat {}, deferred (since the last \
-         reset) {d:?}",
+         (dict_stat {:?}), {} reads failed by injected faults, mm_stat {}, multi_stat {} {}, \
+         bd_stat {}, bd_checksum_errors {} (since the last reset), zone_stat {}, deferred \
+         (since the last reset) {d:?}",
         cfg.seed,
         h.resets.load(Ordering::Relaxed),
         h.enomem.load(Ordering::Relaxed),
@@ -1056,6 +1075,8 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
             .trim(),
         h.read_eio.load(Ordering::Relaxed),
         s.mm_stat().trim(),
+        s.multi_objects,
+        s.multi_pages,
         s.bd_stat().trim(),
         s.bd_checksum_errors,
         zone_stat.trim()
@@ -1102,6 +1123,23 @@ fn model_16k_deflate() {
     let mut cfg = ModelConfig::new(16384, "deflate");
     cfg.pages_per_thread = 32;
     cfg.ops_per_thread /= 3;
+    run_or_panic(cfg);
+}
+
+/// `multi_page_size` 64K on a 4 KiB device: runs of 16 pages as one object, broken up by 4 KiB
+/// and sub-page writes, discards, frees, recompression, writeback, compaction and resets.
+#[test]
+fn model_4k_lz4_multi_64k() {
+    let mut cfg = ModelConfig::new(4096, "lz4");
+    cfg.multi_page_size = 65536;
+    run_or_panic(cfg);
+}
+
+/// `multi_page_size` 16K with zstd.
+#[test]
+fn model_4k_zstd_multi_16k() {
+    let mut cfg = ModelConfig::new(4096, "zstd");
+    cfg.multi_page_size = 16384;
     run_or_panic(cfg);
 }
 

@@ -26,7 +26,8 @@ pub struct ServeArgs {
     /// A TOML file describing the server and its devices (see docs/nbd.md); without it, the
     /// embedded default, changed by the device flags below.
     #[arg(long, short, value_name = "FILE",
-          conflicts_with_all = ["name", "disksize", "algorithm", "mem_limit", "page_size", "socket"])]
+          conflicts_with_all = ["name", "disksize", "algorithm", "mem_limit", "page_size",
+                               "multi_page_size", "socket"])]
     pub config: Option<PathBuf>,
     /// Print the embedded default configuration and exit.
     #[arg(long)]
@@ -46,6 +47,10 @@ pub struct ServeArgs {
     /// Page size in bytes: 4096, 16384 or 65536 [default: 4096].
     #[arg(long)]
     pub page_size: Option<usize>,
+    /// Compress aligned runs of this size written at once as one object (the
+    /// `multi_page_size` attribute): 4096 (off), 16K, 32K or 64K [default: 4096].
+    #[arg(long, value_name = "SIZE")]
+    pub multi_page_size: Option<String>,
     /// Also listen on TCP at ADDR:PORT (e.g. 127.0.0.1:10809). Without --tls, unauthenticated
     /// and unencrypted: keep it on loopback.
     #[arg(long, value_name = "ADDR:PORT")]
@@ -154,6 +159,9 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
             }
             if let Some(m) = &args.mem_limit {
                 d.attrs.push(("mem_limit".into(), m.clone()));
+            }
+            if let Some(m) = &args.multi_page_size {
+                d.attrs.push(("multi_page_size".into(), m.clone()));
             }
             cfg
         }

@@ -125,6 +125,15 @@ pub const ATTRIBUTES: &[Attr] = &[
     Attr::ro("meta_stat", |d| d.meta_stats().meta_stat()),
     Attr::ro("mm_stat", |d| d.stats().mm_stat()),
     Attr::rw(
+        "multi_page_size",
+        |d| format!("{}\n", d.multi_page_size_bytes()),
+        store_multi_page_size,
+    ),
+    Attr::ro("multi_stat", |d| {
+        let s = d.stats();
+        format!("{:>8} {:>8}\n", s.multi_objects, s.multi_pages)
+    }),
+    Attr::rw(
         "recomp_algorithm",
         recompress::show_recomp_algorithm,
         recompress::store_recomp_algorithm,
@@ -366,6 +375,18 @@ fn store_zone_size(d: &Device, value: &str) -> Result<()> {
         ));
     }
     d.set_zone_size_bytes(parse_size_bytes(value)?)
+}
+
+/// `multi_page_size`: a size with zram's suffixes (4096 = off, 16K, 32K, 64K); `EBUSY` once
+/// initialised (checked first), `EINVAL` for another size.
+fn store_multi_page_size(d: &Device, value: &str) -> Result<()> {
+    if d.is_initialised() {
+        return Err(Error::busy(
+            "multi_page_size cannot change once initialised: reset first",
+        ));
+    }
+    let bytes = parse_size_bytes(value)?;
+    d.set_multi_page_size_bytes(usize::try_from(bytes).unwrap_or(usize::MAX))
 }
 
 /// `gc`: takes `1` only.

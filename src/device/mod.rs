@@ -98,6 +98,9 @@ struct Settings {
     backing_layout: BackingLayout,
     /// `zone_size`: bytes per zone with the zoned layout.
     zone_size_bytes: u64,
+    /// `multi_page_size`: aligned runs of this many bytes written at once are compressed as
+    /// one object (4096: off).
+    multi_page_size_bytes: usize,
 }
 
 impl Default for Settings {
@@ -111,9 +114,15 @@ impl Default for Settings {
             compressed_writeback: false,
             backing_layout: BackingLayout::Bitmap,
             zone_size_bytes: DEFAULT_ZONE_SIZE_BYTES,
+            multi_page_size_bytes: MULTI_PAGE_SIZE_OFF_BYTES,
         }
     }
 }
+
+/// `multi_page_size` when off.
+pub const MULTI_PAGE_SIZE_OFF_BYTES: usize = 4096;
+/// The values `multi_page_size` takes (4096: off).
+pub const MULTI_PAGE_SIZES_BYTES: [usize; 4] = [4096, 16384, 32768, 65536];
 
 /// What the init lock protects.
 #[derive(Debug, Default)]
@@ -232,6 +241,29 @@ impl Device {
         Ok(st)
     }
 
+    /// Sets `multi_page_size` (bytes): 4096 (off), or 16384, 32768 or 65536 above the page
+    /// size; aligned runs of that size written at once are then compressed as one object.
+    /// `EINVAL` for another value, `EBUSY` once initialised.
+    pub fn set_multi_page_size_bytes(&self, bytes: usize) -> Result<()> {
+        let mut st = self.settings_for("multi_page_size")?;
+        let page = self.page_size_bytes;
+        if bytes != MULTI_PAGE_SIZE_OFF_BYTES
+            && !(MULTI_PAGE_SIZES_BYTES.contains(&bytes) && bytes > page && bytes % page == 0)
+        {
+            return Err(Error::invalid(format!(
+                "multi_page_size takes 4096 (off) or one of 16384, 32768, 65536 above the \
+                 page size ({page}), not {bytes}"
+            )));
+        }
+        st.settings.multi_page_size_bytes = bytes;
+        Ok(())
+    }
+
+    /// The `multi_page_size` setting (4096: off).
+    pub fn multi_page_size_bytes(&self) -> usize {
+        self.state.read().settings.multi_page_size_bytes
+    }
+
     /// The device size in bytes (0 when uninitialised).
     pub fn disksize_bytes(&self) -> u64 {
         self.state
@@ -265,7 +297,17 @@ impl Device {
         };
         #[cfg(not(any(test, feature = "testing")))]
         let capacity = None;
-        let pool = ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?;
+        // Multi-page objects are up to `multi_page_size` (the pool takes up to 64 KiB); the
+        // deferred-free queue stays sized by the device's page.
+        let mps = st.settings.multi_page_size_bytes.max(self.page_size_bytes);
+        let multi_pages = mps / self.page_size_bytes;
+        let pool = if multi_pages > 1 {
+            let capacity = capacity
+                .unwrap_or(crate::zsmalloc::DEFERRED_FREE_BUDGET_BYTES / self.page_size_bytes);
+            ZsPool::with_deferred_capacity(MULTI_PAGE_SIZES_BYTES[3], Some(capacity))?
+        } else {
+            ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?
+        };
         let target = match st.settings.backing.clone() {
             Some(b) => Some(WbTarget::new(
                 b,
@@ -276,8 +318,9 @@ impl Device {
             )?),
             None => None,
         };
-        let store = Store::new(
+        let store = Store::with_multi_pages(
             self.page_size_bytes,
+            multi_pages,
             disksize_bytes / page,
             codecs,
             pool,

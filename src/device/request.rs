@@ -133,8 +133,34 @@ impl Device {
         self.check_io(&store, offset, buf.len() as u64)?;
         let page = self.page_size_bytes;
         let limit = self.mem_limit_pages.load(Ordering::Relaxed);
+        // With `multi_page_size`, an aligned run of `n` pages inside the request is stored as
+        // one object; `skip` counts the run's remaining segments.
+        let n = store.multi_pages();
+        let mut skip = 0;
         let mut done = 0;
         for seg in segments(offset, buf.len() as u64, page) {
+            if skip > 0 {
+                skip -= 1;
+                continue;
+            }
+            let run_bytes = n * page;
+            if n > 1
+                && seg.offset_bytes == 0
+                && seg.index.0 % n as u64 == 0
+                && buf.len() - done >= run_bytes
+            {
+                let data = &buf[done..done + run_bytes];
+                done += run_bytes;
+                skip = n - 1;
+                let r = with_scratch(run_bytes, |dst, _| {
+                    store.write_run(seg.index, data, dst, limit)
+                });
+                if let Err(e) = r {
+                    store.note_failed_write();
+                    return Err(e);
+                }
+                continue;
+            }
             let data = &buf[done..done + seg.len_bytes];
             done += seg.len_bytes;
             let r = if seg.len_bytes == page {

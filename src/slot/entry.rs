@@ -41,6 +41,10 @@ impl SlotFlags {
     pub const IDLE: SlotFlags = SlotFlags(1 << 4);
     /// Recompression could not make it smaller; don't try again.
     pub const INCOMPRESSIBLE: SlotFlags = SlotFlags(1 << 5);
+    /// `value` is a multi-page object shared by the aligned group of `multi_page_size` slots
+    /// this one belongs to (its page is number `index % pages per group` of the object); `size`
+    /// is the whole object's.
+    pub const MULTI: SlotFlags = SlotFlags(1 << 6);
     /// No flag.
     pub const NONE: SlotFlags = SlotFlags(0);
 

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | `value: u64` | 64 | the zsmalloc handle, or the same-fill word (SAME), or the backing location (WB) |
 //! | `meta: u32` | 0..=16 | object size in bytes (0..=65536: 17 bits) |
-//! | | 17..=24 | flags: SAME, WB, PP_SLOT, HUGE, IDLE, INCOMPRESSIBLE |
+//! | | 17..=24 | flags: SAME, WB, PP_SLOT, HUGE, IDLE, INCOMPRESSIBLE, MULTI |
 //! | | 25..=26 | compression priority (0 = primary codec, 1..=3 = recompression codecs) |
 //! | | 27..=29 | dictionary generation of a recompression codec (0..=7) |
 //! | | 30, 31 | the slot lock: LOCKED and PARKED (see [`lock`]) |

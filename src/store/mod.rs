@@ -57,6 +57,8 @@ pub use target::BackingLayout;
 pub(crate) use bitmap::BlockIndex;
 pub(crate) use target::{BitmapTarget, WbTarget, ZonedTarget};
 
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::Instant;
 
 use crate::compress::{fill_same, same_filled_word};
@@ -67,6 +69,21 @@ use crate::zoned::{GcOwner, GcReport, ZoneLoc, ZoneStats, GC_QUEUE_DEPTH};
 use crate::zsmalloc::{DeferredStats, Handle, PoolStats, ZsPool, POOL_PAGE_BYTES};
 use stats::StoreStats;
 use target::WbPin;
+
+/// Most pages a multi-page object spans (64 KiB of 4 KiB pages).
+pub(crate) const MAX_MULTI_PAGES: usize = 16;
+
+/// A thread's last decompressed multi-page object, so reads of its neighbouring pages
+/// decompress it once: `key` is `(store id, handle, multi_frees)` when `run` holds it.
+#[derive(Default)]
+struct RunCache {
+    key: Option<(u64, u64, u64)>,
+    run: Vec<u8>,
+}
+
+thread_local! {
+    static RUN_CACHE: RefCell<RunCache> = RefCell::new(RunCache::default());
+}
 
 /// Which slots [`Store::mark_idle`] marks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +142,22 @@ pub(crate) struct Store {
     /// Pages whose compressed size is at least this are stored raw (HUGE): the smallest size
     /// class holding one object per zspage, where compression saves nothing.
     huge_threshold_bytes: usize,
+    /// Pages per multi-page object (`multi_page_size / page size`; 1: off).
+    multi_pages: usize,
+    /// A run compressed to at least this many bytes saves nothing as one object (it would cost
+    /// its pages' worth of memory): stored page by page instead.
+    huge_run_bytes: usize,
+    /// Per aligned group of `multi_pages` slots: how many of them point at the group's
+    /// multi-page object (at most one lives per group). Changed only by a holder of the lock
+    /// of a slot that points at it (decrement) or of every slot of the group (set); the
+    /// decrement that reaches 0 frees the object. Empty when multi-page objects are off.
+    group_refs: Box<[AtomicU8]>,
+    /// Multi-page objects freed so far: bumped (`Release`) before each is freed, so a
+    /// per-thread cache of a decompressed object ([`RunCache`]) is valid only while this has
+    /// not moved (a freed handle may come back for another object).
+    multi_frees: AtomicU64,
+    /// This store's identity, for the per-thread caches.
+    id: u64,
     stats: StoreStats,
     /// Where writeback puts pages, when a backing device was set before initialisation.
     target: Option<WbTarget>,
@@ -143,18 +176,38 @@ enum Source<'a> {
 impl Store {
     /// A store of `nr_pages` empty slots of `page_size_bytes`, compressing with `codecs`
     /// (the primary at priority 0, recompression codecs above) into `pool`, writing back into
-    /// `target`.
-    pub(crate) fn new(
+    /// `target`; aligned runs of `multi_pages` pages written at once are stored as one object
+    /// (`multi_page_size`; 1: off). The pool must take objects of a run's size.
+    pub(crate) fn with_multi_pages(
         page_size_bytes: usize,
+        multi_pages: usize,
         nr_pages: u64,
         codecs: Codecs,
         pool: ZsPool,
         target: Option<WbTarget>,
     ) -> Result<Store> {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let slots = SlotTable::new(nr_pages)?;
+        let multi_pages = multi_pages.max(1);
+        if multi_pages > 1 && pool.page_size_bytes() < multi_pages * page_size_bytes {
+            return Err(Error::invalid("the pool cannot hold multi-page objects"));
+        }
+        // Where an object costs as much as the raw pages (see `huge_class_size_bytes`).
+        let huge =
+            |bytes: usize| bytes - POOL_PAGE_BYTES + pool.class_table().huge_class_size_bytes();
+        let groups = if multi_pages > 1 {
+            nr_pages / multi_pages as u64
+        } else {
+            0
+        };
         Ok(Store {
             page_size_bytes,
-            huge_threshold_bytes: pool.huge_class_size_bytes(),
+            huge_threshold_bytes: huge(page_size_bytes),
+            multi_pages,
+            huge_run_bytes: huge(multi_pages * page_size_bytes),
+            group_refs: (0..groups).map(|_| AtomicU8::new(0)).collect(),
+            multi_frees: AtomicU64::new(0),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             slots,
             pool,
             codecs,
@@ -167,6 +220,11 @@ impl Store {
     /// The page size.
     pub(crate) fn page_size_bytes(&self) -> usize {
         self.page_size_bytes
+    }
+
+    /// Pages per multi-page object (1: off).
+    pub(crate) fn multi_pages(&self) -> usize {
+        self.multi_pages
     }
 
     /// Pages (slots) in the store.
@@ -224,6 +282,17 @@ impl Store {
         } else {
             (&dst[..comp_len], false)
         };
+        let handle = self.store_object(src, limit_pages)?;
+        Ok(Prepared::Object {
+            handle,
+            size_bytes: src.len(),
+            huge,
+        })
+    }
+
+    /// Allocates an object for `src` and copies it in. `ENOMEM` when the pool is over
+    /// `limit_pages` (device pages; 0: no limit) after the allocation, as zram checks.
+    fn store_object(&self, src: &[u8], limit_pages: u64) -> Result<Handle> {
         let handle = self.pool.malloc(src.len())?;
         // As zram: allocate, then check the pool against the limit; over it, give the object
         // back. The pool counts 4 KiB pages; the limit is in device pages.
@@ -242,10 +311,86 @@ impl Store {
             )));
         }
         self.pool.write(handle, src);
-        Ok(Prepared::Object {
-            handle,
-            size_bytes: src.len(),
-            huge,
+        Ok(handle)
+    }
+
+    /// Stores an aligned run of [`multi_pages`](Self::multi_pages) pages starting at slot
+    /// `first` (a multiple of it), written at once (`data`: the run), compressed as one object
+    /// that every slot of the group points into (MULTI). `dst`: at least
+    /// `compress_bound(run size)` bytes of scratch. A run whose pages are all same-filled, or
+    /// that does not compress below its pages' worth of memory, is stored page by page. The
+    /// group's slots are locked in ascending order (as every multi-slot path locks them), so
+    /// the run replaces them all at once; a failure leaves the old contents.
+    pub(crate) fn write_run(
+        &self,
+        first: SlotIndex,
+        data: &[u8],
+        dst: &mut [u8],
+        limit_pages: u64,
+    ) -> Result<()> {
+        let n = self.multi_pages;
+        let page = self.page_size_bytes;
+        debug_assert!(n > 1 && first.0 % n as u64 == 0 && data.len() == n * page);
+        let per_page = |dst: &mut [u8]| {
+            for (k, p) in data.chunks(page).enumerate() {
+                self.write_page(SlotIndex(first.0 + k as u64), p, dst, limit_pages)?;
+            }
+            Ok(())
+        };
+        if data.chunks(page).all(|p| same_filled_word(p).is_some()) {
+            return per_page(dst);
+        }
+        let comp_len = self.codecs.primary().compress(data, dst)?;
+        if comp_len >= self.huge_run_bytes {
+            return per_page(dst);
+        }
+        let handle = self.store_object(&dst[..comp_len], limit_pages)?;
+        let mut guards: [Option<SlotGuard<'_>>; MAX_MULTI_PAGES] = Default::default();
+        for (k, g) in guards.iter_mut().take(n).enumerate() {
+            *g = Some(self.slots.lock(SlotIndex(first.0 + k as u64)));
+        }
+        // Releasing every slot of the group drops every reference to its previous object.
+        for g in guards.iter_mut().flatten() {
+            self.release_slot(g, Free::Sync);
+        }
+        self.group_refs[(first.0 / n as u64) as usize].store(n as u8, Ordering::Relaxed);
+        let now = self.now_secs();
+        for g in guards.iter_mut().flatten() {
+            g.set_handle(handle.to_raw(), comp_len, SlotFlags::MULTI, 0);
+            g.touch(now);
+        }
+        let s = &self.stats;
+        StoreStats::add(&s.compr_data_size_bytes, comp_len as u64);
+        StoreStats::add(&s.pages_stored, n as u64);
+        StoreStats::add(&s.multi_objects, 1);
+        StoreStats::add(&s.multi_pages, n as u64);
+        Ok(())
+    }
+
+    /// Copies page `k` of the multi-page object `handle` (`size_bytes` compressed) into `out`,
+    /// decompressing it unless this thread's [`RunCache`] holds it. The caller holds the lock
+    /// of a slot pointing at it.
+    fn read_multi(&self, handle: Handle, k: usize, out: &mut [u8]) -> Result<()> {
+        let run_bytes = self.multi_pages * self.page_size_bytes;
+        // Loaded after the slot lock was taken: a handle freed and reused since the cache was
+        // filled has moved this counter (see `multi_frees`).
+        let frees = self.multi_frees.load(Ordering::Acquire);
+        RUN_CACHE.with(|cache| {
+            let mut c = cache.borrow_mut();
+            let key = Some((self.id, handle.to_raw(), frees));
+            if c.key != key {
+                c.key = None;
+                if c.run.len() < run_bytes {
+                    c.run.resize(run_bytes, 0);
+                }
+                let run = &mut c.run[..run_bytes];
+                self.pool
+                    .read(handle, |obj| self.codecs.primary().decompress(obj, run))?;
+                c.key = key;
+            }
+            let page = self.page_size_bytes;
+            out.copy_from_slice(&c.run[k * page..(k + 1) * page]);
+            Ok(())
         })
     }
 
@@ -360,6 +505,11 @@ impl Store {
             return Ok(Source::Backing(target.pin(location), st));
         }
         let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
+        if st.has(SlotFlags::MULTI) {
+            let k = (g.index().0 % self.multi_pages as u64) as usize;
+            self.read_multi(handle, k, out)?;
+            return Ok(Source::Done);
+        }
         self.pool.read(handle, |obj| {
             if st.has(SlotFlags::HUGE) {
                 out.copy_from_slice(obj);
@@ -436,7 +586,7 @@ impl Store {
                 target.release(location);
             }
         } else {
-            self.release_object(st, how);
+            self.release_object(g.index(), st, how);
         }
         // A recompressed page (in RAM or written back) no longer holds its codec's generation.
         self.codecs.release(st.codec());
@@ -447,9 +597,19 @@ impl Store {
     /// Frees the slot's pool object and takes it out of `compr_data_size` and `huge_pages`
     /// (`pages_stored` is the caller's). The caller holds the slot lock and then either empties
     /// the slot or points it elsewhere (writeback).
-    fn release_object(&self, st: SlotState, how: Free) {
+    fn release_object(&self, index: SlotIndex, st: SlotState, how: Free) {
         let s = &self.stats;
         let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
+        if st.has(SlotFlags::MULTI) {
+            // Only the last slot of the group pointing at the object frees it.
+            let group = (index.0 / self.multi_pages as u64) as usize;
+            StoreStats::sub(&s.multi_pages, 1);
+            if self.group_refs[group].fetch_sub(1, Ordering::AcqRel) != 1 {
+                return;
+            }
+            StoreStats::sub(&s.multi_objects, 1);
+            self.multi_frees.fetch_add(1, Ordering::Release);
+        }
         match how {
             Free::Sync => self.pool.free(handle),
             Free::Deferred => self.pool.free_deferred(handle),
@@ -524,8 +684,13 @@ impl Store {
     ) -> Option<usize> {
         // Look without the lock first, so empty slots cost nothing (and their table pages stay
         // uncommitted); decide again under the lock.
+        // Pages of multi-page objects are not written back (yet): their object is shared.
         let st = self.slots.entry(index).state_unlocked();
-        if st.is_empty() || st.has(SlotFlags::SAME) || st.has(SlotFlags::WB) {
+        if st.is_empty()
+            || st.has(SlotFlags::SAME)
+            || st.has(SlotFlags::WB)
+            || st.has(SlotFlags::MULTI)
+        {
             return None;
         }
         let mut g = self.slots.lock(index);
@@ -533,6 +698,7 @@ impl Store {
         if st.is_empty()
             || st.has(SlotFlags::SAME)
             || st.has(SlotFlags::WB)
+            || st.has(SlotFlags::MULTI)
             || st.has(SlotFlags::PP_SLOT)
             || !accepts(&st)
         {
@@ -563,7 +729,7 @@ impl Store {
         if !st.has(SlotFlags::PP_SLOT) {
             return None;
         }
-        let Some(raw) = st.handle_raw() else {
+        let Some(raw) = st.handle_raw().filter(|_| !st.has(SlotFlags::MULTI)) else {
             g.clear_flags(SlotFlags::PP_SLOT);
             return None;
         };
@@ -610,7 +776,7 @@ impl Store {
             g.clear_flags(SlotFlags::PP_SLOT);
             return false;
         }
-        self.release_object(st, Free::Sync);
+        self.release_object(index, st, Free::Sync);
         let mut keep = SlotFlags::NONE;
         for f in [SlotFlags::HUGE, SlotFlags::INCOMPRESSIBLE] {
             if st.has(f) {
@@ -737,6 +903,8 @@ impl Store {
             recomp_done: get(&s.recomp_done),
             recomp_incompressible: get(&s.recomp_incompressible),
             bd_checksum_errors: self.target.as_ref().map_or(0, WbTarget::checksum_errors),
+            multi_objects: get(&s.multi_objects),
+            multi_pages: get(&s.multi_pages),
         }
     }
 

@@ -193,6 +193,7 @@ impl Store {
             (!spec.idle || st.has(SlotFlags::IDLE))
                 && (!spec.huge || st.has(SlotFlags::HUGE))
                 && !st.has(SlotFlags::INCOMPRESSIBLE)
+                && !st.has(SlotFlags::MULTI)
                 && usize::from(st.prio()) + 1 < range.hi
         });
         let mut report = RecompressReport {
@@ -260,7 +261,7 @@ impl Store {
         let lo = range.lo.max(usize::from(st.prio()) + 1);
         let Some(raw) = st
             .handle_raw()
-            .filter(|_| old_size >= threshold && lo < range.hi)
+            .filter(|_| old_size >= threshold && lo < range.hi && !st.has(SlotFlags::MULTI))
         else {
             g.clear_flags(SlotFlags::PP_SLOT);
             return Ok(Outcome::Skipped);
@@ -336,7 +337,7 @@ impl Store {
             self.pool.free(new);
             return Ok(Outcome::Raced);
         }
-        self.release_object(st, Free::Sync);
+        self.release_object(index, st, Free::Sync);
         self.codecs.release(st.codec());
         self.codecs.acquire(id);
         g.set_handle(new.to_raw(), len, SlotFlags::NONE, id);

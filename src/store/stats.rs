@@ -41,6 +41,10 @@ pub(crate) struct StoreStats {
     pub(crate) recomp_done: AtomicU64,
     /// Pages recompression marked INCOMPRESSIBLE (`recomp_stat`).
     pub(crate) recomp_incompressible: AtomicU64,
+    /// Multi-page objects stored (`multi_page_size`).
+    pub(crate) multi_objects: AtomicU64,
+    /// Slots pointing into them.
+    pub(crate) multi_pages: AtomicU64,
 }
 
 impl StoreStats {
@@ -114,6 +118,11 @@ pub struct StatsSnapshot {
     /// slot, length or CRC-32C): page reads, each refused with `EIO`, and zoned GC's reads of
     /// the records it moves (`bd_checksum_errors`).
     pub bd_checksum_errors: u64,
+    /// Multi-page objects stored now (`multi_page_size`; `multi_stat`'s first column).
+    pub multi_objects: u64,
+    /// Pages (slots) pointing into them: counted in `pages_stored`, their objects' bytes once
+    /// in `compr_data_size` (`multi_stat`'s second column).
+    pub multi_pages: u64,
 }
 
 /// What `meta_stat` shows: the device's memory besides `mem_used_total` (the pool's zspages), in

@@ -1,0 +1,150 @@
+//! `multi_page_size` (issue 21): an aligned run written at once is one object its pages point
+//! into; a 4 KiB write, a sub-page write, a discard or a free notification inside it breaks
+//! only that page out (`multi_stat` counts the objects and the pages still pointing into
+//! them); the last page out frees the object. Same-filled and incompressible runs are stored
+//! page by page. The model test (`model_4k_*_multi_*`) mixes all of it under concurrency.
+
+use uzram::device::Device;
+
+const PAGE: usize = 4096;
+const RUN: usize = 16;
+
+/// Compressible, distinct pages (text with the page number in it).
+fn text_page(i: usize) -> Vec<u8> {
+    let line = format!(
+        "page {i:5}: the quick brown fox jumps over the lazy dog {}\n",
+        i * 7
+    );
+    line.as_bytes().iter().copied().cycle().take(PAGE).collect()
+}
+
+fn random_page(seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..PAGE / 8)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect()
+}
+
+fn device(multi_page_size: &str) -> Device {
+    let dev = Device::new_uninit(PAGE).unwrap();
+    dev.attr_store("multi_page_size", multi_page_size).unwrap();
+    dev.attr_store("disksize", &(4 * RUN * PAGE).to_string())
+        .unwrap();
+    dev
+}
+
+fn multi_stat(dev: &Device) -> (u64, u64) {
+    let s = dev.stats();
+    (s.multi_objects, s.multi_pages)
+}
+
+fn check(dev: &Device, want: &[Vec<u8>]) {
+    let mut got = vec![0u8; want.len() * PAGE];
+    dev.read_at(&mut got, 0).unwrap();
+    for (i, w) in want.iter().enumerate() {
+        assert!(&got[i * PAGE..(i + 1) * PAGE] == w.as_slice(), "page {i}");
+    }
+    // Page by page too, in reverse (each read after another object's).
+    for (i, w) in want.iter().enumerate().rev() {
+        let mut p = vec![0u8; PAGE];
+        dev.read_at(&mut p, (i * PAGE) as u64).unwrap();
+        assert!(&p == w, "page {i} alone");
+    }
+}
+
+#[test]
+fn a_run_is_one_object_and_small_writes_break_out_only_their_page() {
+    let dev = device("64K");
+    assert_eq!(dev.attr_show("multi_page_size").unwrap(), "65536\n");
+    let mut want: Vec<Vec<u8>> = (0..2 * RUN).map(text_page).collect();
+    // Two aligned runs in one request, then a 4 KiB page write and a run shifted by a page.
+    dev.write_at(&want.concat(), 0).unwrap();
+    assert_eq!(multi_stat(&dev), (2, 32));
+    assert_eq!(dev.attr_show("multi_stat").unwrap(), "       2       32\n");
+    let s = dev.stats();
+    assert_eq!(s.pages_stored, 32);
+    assert_eq!(s.orig_data_size_bytes, 32 * PAGE as u64);
+    let one_object = s.compr_data_size_bytes;
+    check(&dev, &want);
+
+    // A 4 KiB write inside the first run: only that page leaves it.
+    want[3] = text_page(1003);
+    dev.write_at(&want[3], 3 * PAGE as u64).unwrap();
+    assert_eq!(multi_stat(&dev), (2, 31));
+    // A sub-page write (read-modify-write of that page only).
+    want[5][512..1024].fill(0xab);
+    dev.write_at(&want[5][512..1024], (5 * PAGE + 512) as u64)
+        .unwrap();
+    assert_eq!(multi_stat(&dev), (2, 30));
+    // A discard and a free notification.
+    want[7] = vec![0; PAGE];
+    dev.discard(7 * PAGE as u64, PAGE as u64).unwrap();
+    dev.slot_free_notify(8).unwrap();
+    want[8] = vec![0; PAGE];
+    assert_eq!(multi_stat(&dev), (2, 28));
+    assert_eq!(dev.stats().pages_stored, 30);
+    check(&dev, &want);
+    assert!(dev.stats().compr_data_size_bytes >= one_object);
+
+    // Rewriting the second run whole replaces its object.
+    for (i, p) in want.iter_mut().enumerate().skip(RUN) {
+        *p = text_page(5000 + i);
+    }
+    dev.write_at(&want[RUN..].concat(), (RUN * PAGE) as u64)
+        .unwrap();
+    assert_eq!(multi_stat(&dev), (2, 28));
+    check(&dev, &want);
+
+    // Breaking every page of the first run out frees its object.
+    for (i, w) in want.iter_mut().enumerate().take(RUN) {
+        *w = text_page(9000 + i);
+        dev.write_at(w, (i * PAGE) as u64).unwrap();
+    }
+    assert_eq!(multi_stat(&dev), (1, 16));
+    check(&dev, &want);
+    dev.flush().unwrap();
+    dev.discard(0, (4 * RUN * PAGE) as u64).unwrap();
+    dev.flush().unwrap();
+    let s = dev.stats();
+    assert_eq!(
+        (
+            s.pages_stored,
+            s.compr_data_size_bytes,
+            s.mem_used_total_bytes
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(multi_stat(&dev), (0, 0));
+}
+
+#[test]
+fn unaligned_short_same_filled_and_incompressible_runs_are_stored_page_by_page() {
+    let dev = device("16K");
+    let run = 4;
+    // Unaligned: starts a page into a run; only the aligned run inside it is one object.
+    let want: Vec<Vec<u8>> = (0..2 * run).map(text_page).collect();
+    dev.write_at(&want[1..].concat(), PAGE as u64).unwrap();
+    assert_eq!(multi_stat(&dev), (1, 4));
+    // Shorter than a run: page by page.
+    dev.write_at(&want[..3].concat(), 8 * PAGE as u64).unwrap();
+    assert_eq!(multi_stat(&dev), (1, 4));
+    // Same-filled run: same-filled pages.
+    dev.write_at(&vec![0u8; run * PAGE], 12 * PAGE as u64)
+        .unwrap();
+    assert_eq!(dev.stats().same_pages, 4);
+    // Incompressible run: raw (HUGE) pages.
+    let random: Vec<u8> = (0..run as u64).flat_map(random_page).collect();
+    dev.write_at(&random, 16 * PAGE as u64).unwrap();
+    assert_eq!(dev.stats().huge_pages, 4);
+    assert_eq!(multi_stat(&dev), (1, 4));
+    let mut got = vec![0u8; run * PAGE];
+    dev.read_at(&mut got, 16 * PAGE as u64).unwrap();
+    assert!(got == random);
+    dev.read_at(&mut got, 4 * PAGE as u64).unwrap();
+    assert!(got == want[4..8].concat());
+}
