@@ -302,9 +302,8 @@ impl Device {
         let mps = st.settings.multi_page_size_bytes.max(self.page_size_bytes);
         let multi_pages = mps / self.page_size_bytes;
         let pool = if multi_pages > 1 {
-            let capacity = capacity
-                .unwrap_or(crate::zsmalloc::DEFERRED_FREE_BUDGET_BYTES / self.page_size_bytes);
-            ZsPool::with_deferred_capacity(MULTI_PAGE_SIZES_BYTES[3], Some(capacity))?
+            let default = crate::zsmalloc::DEFERRED_FREE_BUDGET_BYTES / self.page_size_bytes;
+            ZsPool::with_deferred_capacity(MULTI_PAGE_SIZES_BYTES[3], capacity.or(Some(default)))?
         } else {
             ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?
         };
