@@ -32,6 +32,8 @@ enum BenchCommand {
     /// Recompression: lz4 -> zstd, then zstd with a dictionary trained from the device, and
     /// reads of recompressed pages against raw decompression.
     Recompress(RecompressArgs),
+    /// Multi-page objects (`multi_page_size`) against 4 KiB granularity and the kernel's zram.
+    Multipage(MultipageArgs),
 }
 
 #[derive(Debug, Args)]
@@ -55,6 +57,32 @@ struct RecompressArgs {
     #[arg(long, default_value_t = 3)]
     repeats: usize,
     /// Where to write the JSON (default: bench/results/recompress-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Where `bench multipage` looks for its corpus (64 KiB pages), built if missing.
+pub const DEFAULT_CORPUS_64K: &str = "bench/corpus/pages-64k.bin";
+
+#[derive(Debug, Args)]
+struct MultipageArgs {
+    /// Page corpus of 64 KiB pages (`uzram corpus --page-size 65536`); built (1024 pages per
+    /// program) if missing at the default path.
+    #[arg(long, default_value = DEFAULT_CORPUS_64K)]
+    corpus: PathBuf,
+    /// Codecs, comma separated, for uzram and the kernel alike.
+    #[arg(long, value_delimiter = ',', default_value = "lz4,zstd")]
+    codecs: Vec<String>,
+    /// `multi_page_size` values, comma separated (4096: off, the anchor; K suffixes taken).
+    #[arg(long, value_delimiter = ',', default_value = "4096,16K,32K,64K")]
+    multi_page_size: Vec<String>,
+    /// Timing repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Skip the kernel zram anchor.
+    #[arg(long)]
+    no_kernel: bool,
+    /// Where to write the JSON (default: bench/results/multipage-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -202,6 +230,9 @@ struct NbdArgs {
     /// Skip the nbdkit anchors.
     #[arg(long)]
     no_nbdkit: bool,
+    /// Also a uzram device with this multi_page_size (target uzram-multi; K suffixes taken).
+    #[arg(long)]
+    multi_page_size: Option<String>,
     /// Where to write the JSON (default: bench/results/nbd-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -280,6 +311,34 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             println!("wrote {}", path.display());
             Ok(())
         }
+        BenchCommand::Multipage(a) => {
+            let path = a.corpus.as_path();
+            if !path.exists() && path == std::path::Path::new(DEFAULT_CORPUS_64K) {
+                eprintln!(
+                    "no corpus at {}: building one of 64 KiB pages",
+                    path.display()
+                );
+                crate::corpus::build::build_64k(path)?;
+            }
+            let corpus =
+                Corpus::load(path).with_context(|| format!("loading corpus {}", path.display()))?;
+            let sizes = a
+                .multi_page_size
+                .iter()
+                .map(|s| uzram::units::parse_size_bytes(s).map(|v| v as usize))
+                .collect::<uzram::Result<Vec<_>>>()?;
+            let opts = crate::multipage::MultipageBenchOptions {
+                codecs: a.codecs,
+                sizes,
+                repeats: a.repeats,
+                no_kernel: a.no_kernel,
+            };
+            let doc = crate::multipage::run(&corpus, &opts)?;
+            let path = crate::json_path(a.json.as_deref(), "multipage");
+            crate::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
+        }
         BenchCommand::Nbd(a) => {
             for rw in &a.rw {
                 if !["randwrite", "randread", "randrw"].contains(&rw.as_str()) {
@@ -296,6 +355,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 jobs: a.jobs,
                 no_kernel: a.no_kernel,
                 no_nbdkit: a.no_nbdkit,
+                multi_page_size: a
+                    .multi_page_size
+                    .as_deref()
+                    .map(uzram::units::parse_size_bytes)
+                    .transpose()?
+                    .map(|v| v as usize),
             };
             let doc = crate::nbd::run(&opts)?;
             let path = crate::json_path(a.json.as_deref(), "nbd");

@@ -11,6 +11,7 @@ pub mod corpus;
 pub mod free;
 pub mod gc;
 pub mod kernel_zram;
+pub mod multipage;
 pub mod nbd;
 pub mod recompress;
 pub mod remote;

@@ -216,3 +216,72 @@ fn bench_recompress_writes_its_table_and_json() {
     assert!(doc["dict_vs_zstd_saving"].as_f64().unwrap().is_finite());
     assert!(doc["lz4"]["compr_data_size"].as_u64().unwrap() > 0);
 }
+
+/// `uzram bench multipage` end to end on 64 KiB pages of this process's memory: both rows
+/// (off and 64K) have finite positive figures, every 64 KiB write of the 64K row made a
+/// multi-page object, and a corpus of 4 KiB pages is refused.
+#[test]
+fn bench_multipage_writes_its_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let heap: Vec<String> = (0..400_000)
+        .map(|i| format!("entry {i} / {}", i * 31))
+        .collect();
+    let mut pages = Vec::new();
+    let n = uzram_bench::corpus::snapshot_pid(std::process::id(), 65536, 64, &mut pages).unwrap();
+    assert!(n >= 8, "only {n} pages of 64 KiB in the snapshot");
+    let mut corpus = uzram_bench::corpus::Corpus::new(65536).unwrap();
+    corpus.add_source("self", &pages).unwrap();
+    let path = dir.path().join("pages-64k.bin");
+    corpus.save(&path).unwrap();
+    drop(heap);
+
+    let args = [
+        "multipage",
+        "--repeats",
+        "1",
+        "--no-kernel",
+        "--codecs",
+        "lz4",
+        "--multi-page-size",
+        "4096,64K",
+    ];
+    let doc = run_bench(
+        dir.path(),
+        "multipage",
+        &args,
+        &path,
+        None,
+        &["4096 (off)", "65536"],
+    );
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{doc}");
+    for row in rows {
+        for key in [
+            "compr_data_size_bytes",
+            "mem_used_total_bytes",
+            "write_mbps_cpu",
+            "seq_read_mbps_cpu",
+            "rand_read_mbps_cpu",
+        ] {
+            let v = row[key].as_f64().unwrap_or_else(|| panic!("{key}: {row}"));
+            assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+        }
+    }
+    assert_eq!(rows[0]["multi_objects"], 0);
+    let objects = rows[1]["multi_objects"].as_u64().unwrap();
+    let same_or_huge =
+        rows[1]["same_pages"].as_u64().unwrap() + rows[1]["huge_pages"].as_u64().unwrap();
+    assert!(
+        objects > 0 && objects * 16 + same_or_huge >= 16 * n as u64 / 2,
+        "{doc}"
+    );
+
+    let small = self_corpus(dir.path(), 64);
+    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
+        .args(["bench", "multipage", "--no-kernel", "--corpus"])
+        .arg(&small)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("64 KiB pages"));
+}

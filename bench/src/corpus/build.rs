@@ -66,6 +66,22 @@ impl Program {
     }
 }
 
+/// Builds the corpus `uzram bench multipage` uses: every program, 1024 pages of 64 KiB each.
+pub fn build_64k(out: &Path) -> Result<()> {
+    run(CorpusArgs {
+        out: out.to_path_buf(),
+        pages_per_program: 1024,
+        page_size: 65536,
+        programs: vec![
+            Program::Python,
+            Program::Node,
+            Program::Java,
+            Program::Postgres,
+        ],
+        ready_timeout_secs: 300,
+    })
+}
+
 /// Builds the default corpus at `out`: every installed program, 4096 pages each.
 pub fn build_default(out: &Path) -> Result<()> {
     run(CorpusArgs {
