@@ -3,8 +3,9 @@
 
 mod ctl;
 mod serve;
+mod status;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -27,8 +28,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Show or store an attribute of a running device, as `cat`/`echo >` on zram's sysfs.
     Ctl(ctl::CtlArgs),
-    /// A table of the running devices, like zramctl's.
-    Status(ctl::StatusArgs),
+    /// A table of the running devices with zramctl's options, columns and formats.
+    Status(status::StatusArgs),
     /// Delete ublk device ID (/dev/ublkcID) left behind by a server that died (docs/ublk.md).
     UblkDelete {
         /// The device number: N of /dev/ublkbN, /dev/ublkcN.
@@ -37,13 +38,28 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let command = Cli::command().mut_subcommand("status", |c| c.after_help(status::columns_help()));
+    let cli = match command
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m))
+    {
+        Ok(cli) => cli,
+        Err(e) => {
+            // `uzram status` exits 1 on bad options, as zramctl (clap's usage errors are 2).
+            let status = std::env::args().nth(1).as_deref() == Some("status");
+            if status && e.use_stderr() {
+                let _ = e.print();
+                std::process::exit(1);
+            }
+            e.exit()
+        }
+    };
     match cli.command {
         Command::Bench(a) => uzram_bench::command::run(a),
         Command::Corpus(a) => uzram_bench::corpus::build::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Ctl(a) => std::process::exit(ctl::run_ctl(a)),
-        Command::Status(a) => ctl::run_status(a),
+        Command::Status(a) => std::process::exit(status::run(a)),
         Command::UblkDelete { id } => {
             uzram::frontend::ublk::delete_device(id)?;
             println!("deleted ublk device {id}");

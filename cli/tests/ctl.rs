@@ -298,20 +298,10 @@ socket = "{d}/zram1.sock"
     let lines: Vec<&str> = s.lines().collect();
     assert_eq!(lines.len(), 3, "{s}");
     let cols = |l: &str| l.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    // zramctl's default columns; no mount point or STREAMS for uzram's devices: empty cells.
     assert_eq!(
-        cols(lines[0]),
-        [
-            "NAME",
-            "ALGORITHM",
-            "DISKSIZE",
-            "DATA",
-            "COMPR",
-            "TOTAL",
-            "META",
-            "BACKING-DEV",
-            "BD-USED",
-            "BLOCK-DEV"
-        ]
+        lines[0], "NAME  ALGORITHM DISKSIZE DATA  COMPR TOTAL STREAMS MOUNTPOINT",
+        "{s}"
     );
     assert_eq!(cols(lines[1])[..4], ["zram0", "zstd", "64M", "0B"]);
     // zramctl's alignment: text columns to the left, sizes to the right.
@@ -326,19 +316,33 @@ socket = "{d}/zram1.sock"
     );
     let z1 = cols(lines[2]);
     assert_eq!(z1[..4], ["zram1", "lz4", "16M", "4M"], "{s}");
-    let b = r.status(&["--bytes"]);
-    let z1b = cols(b.lines().nth(2).unwrap());
-    let (data_b, compr_b, total_b): (u64, u64, u64) = (
-        z1b[3].parse().unwrap(),
-        z1b[4].parse().unwrap(),
-        z1b[5].parse().unwrap(),
+    // Every figure as mm_stat has it (nothing is written meanwhile).
+    let all = "NAME,DISKSIZE,DATA,COMPR,ALGORITHM,STREAMS,ZERO-PAGES,TOTAL,MEM-LIMIT,MEM-USED,\
+               MIGRATED,COMP-RATIO,MOUNTPOINT,META,BACKING-DEV,BD-USED,BLOCK-DEV";
+    let b = r.status(&["--bytes", "--raw", "-n", "-o", all, "zram1"]);
+    assert_eq!(
+        b,
+        r.status(&["--bytes", "--raw", "--noheadings", "--output-all", "zram1"])
     );
-    assert_eq!(data_b, 4 << 20);
-    assert!(compr_b > 0 && compr_b < data_b, "{b}");
-    assert!(total_b >= compr_b, "{b}");
+    let z1b: Vec<&str> = b.trim_end_matches('\n').split(' ').collect();
+    let mm = mm_stat(&r, "zram1");
+    let figure = |i: usize| z1b[i].parse::<u64>().unwrap();
+    assert_eq!(z1b.len(), 17, "{b}");
+    assert_eq!(z1b[0], "zram1");
+    assert_eq!(figure(1), 16 << 20);
+    assert_eq!(
+        [figure(2), figure(3), figure(7), figure(8), figure(9)],
+        [mm[0], mm[1], mm[2], mm[3], mm[4]],
+        "{b}"
+    );
+    assert_eq!(figure(6), mm[5], "ZERO-PAGES is same_pages");
+    assert_eq!(figure(10), mm[6], "MIGRATED is pages_compacted");
+    assert_eq!(z1b[11], format!("{:.4}", mm[0] as f64 / mm[2] as f64));
+    assert_eq!([z1b[4], z1b[5], z1b[12]], ["lz4", "", ""], "{b}");
+    assert_eq!(mm[0], 4 << 20);
+    assert!(mm[1] > 0 && mm[1] < mm[0], "{b}");
     // META is the sum of meta_stat's columns, the first of which is the slot table: 16 bytes
     // per page of the 16 MiB device of 16 KiB pages.
-    let meta_b: u64 = z1b[6].parse().unwrap();
     let meta_stat = stdout(&r.ctl(&["--dev", "zram1", "meta_stat"]));
     let meta_cols: Vec<u64> = meta_stat
         .split_whitespace()
@@ -346,8 +350,50 @@ socket = "{d}/zram1.sock"
         .collect();
     assert_eq!(meta_cols.len(), 5, "{meta_stat}");
     assert_eq!(meta_cols[0], (16 << 20) / 16384 * 16, "{meta_stat}");
-    assert_eq!(meta_b, meta_cols.iter().sum::<u64>(), "{b}\n{meta_stat}");
-    assert_eq!(&z1b[7..], ["-", "-", "-"]);
+    assert_eq!(
+        figure(13),
+        meta_cols.iter().sum::<u64>(),
+        "{b}\n{meta_stat}"
+    );
+    assert_eq!(z1b[14..], ["", "", ""], "no backing device, no --ublk");
+    // Human sizes, column choice and order, '+' adding to the defaults.
+    assert_eq!(
+        r.status(&["-o", "name,data,BD-USED", "zram1"]),
+        "NAME  DATA BD-USED\nzram1   4M \n"
+    );
+    assert_eq!(
+        cols(r.status(&["-o", "+META"]).lines().next().unwrap())
+            .last()
+            .unwrap(),
+        "META"
+    );
+    // An uninitialised device: hidden from the listing, shown when named.
+    assert!(r.ctl(&["--dev", "zram1", "reset", "1"]).status.success());
+    let s = r.status(&["--raw"]);
+    assert_eq!(s.lines().count(), 2, "{s}");
+    assert!(s.lines().nth(1).unwrap().starts_with("zram0 "), "{s}");
+    assert_eq!(
+        r.status(&["--raw", "-n", "zram1"]),
+        "zram1 lz4 0B 0B 0B 0B  \n"
+    );
+    // zramctl's errors and exit status 1.
+    let status = |args: &[&str]| {
+        Command::new(BIN)
+            .arg("status")
+            .arg("--dir")
+            .arg(r.dir())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let o = status(&["zram7"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert_eq!(stderr(&o), "uzram: zram7: No such device\n");
+    let o = status(&["-o", "NAME,NOPE"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert_eq!(stderr(&o), "uzram: unknown column: NOPE\n");
+    let o = status(&["--no-such-option"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
     r.stop();
 }
 

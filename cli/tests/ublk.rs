@@ -185,7 +185,9 @@ fn ublk_filesystem_in_vm() {
     assert_eq!(sysfs(&dev, "size"), (256u64 << 20 >> 9).to_string());
     assert_eq!(sysfs(&dev, "queue/logical_block_size"), "4096");
     assert_eq!(sysfs(&dev, "queue/discard_granularity"), "4096");
-    let status = run(Command::new(UZRAM).args(["status", "--dir"]).arg(&dir));
+    let status = run(Command::new(UZRAM)
+        .args(["status", "-o", "NAME,BLOCK-DEV", "--dir"])
+        .arg(&dir));
     assert!(status.contains(dev.to_str().unwrap()), "{status}");
 
     run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&dev));
@@ -199,6 +201,15 @@ fn ublk_filesystem_in_vm() {
     };
     let umount = || run(Command::new("umount").arg(&mnt));
     mount();
+    // zramctl's MOUNTPOINT, through the block device.
+    let status = run(Command::new(UZRAM)
+        .args(["status", "-o", "NAME,MOUNTPOINT", "--raw", "-n", "--dir"])
+        .arg(&dir));
+    assert_eq!(
+        status.trim_end(),
+        format!("zram0 {}", mnt.display()),
+        "{status}"
+    );
     let files = real_files(s.child.id());
     for (name, data) in &files {
         std::fs::write(mnt.join(name), data).unwrap();
