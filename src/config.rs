@@ -19,6 +19,7 @@
 //! page_size = 4096               # optional: 4096, 16384 or 65536
 //! socket = "/run/uzram/zram0.sock"   # optional: where to listen (default: next to the others)
 //! ublk = true                    # optional: also a kernel block device /dev/ublkbN (docs/ublk.md)
+//! vhost_user = true              # optional: also a VM disk on NAME.vhost.sock (docs/vhost-user.md)
 //! comp_algorithm = "zstd"        # every other key is an attribute, stored in file order
 //! algorithm_params = "level=8"   # before disksize, exactly as `echo VALUE > ATTR` would
 //! multi_page_size = "64K"        # runs written at once compressed as one object
@@ -46,7 +47,14 @@ comp_algorithm = "lz4"
 "#;
 
 /// Keys of a `[[device]]` table that are not attributes.
-const DEVICE_KEYS: &[&str] = &["name", "disksize", "page_size", "socket", "ublk"];
+const DEVICE_KEYS: &[&str] = &[
+    "name",
+    "disksize",
+    "page_size",
+    "socket",
+    "ublk",
+    "vhost_user",
+];
 
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -84,6 +92,9 @@ pub struct DeviceSpec {
     pub socket: Option<PathBuf>,
     /// Also a kernel block device `/dev/ublkbN` (`uzram serve --ublk`; docs/ublk.md).
     pub ublk: bool,
+    /// Also a vhost-user-blk socket `NAME.vhost.sock` for VM guests (`uzram serve
+    /// --vhost-user`; docs/vhost-user.md).
+    pub vhost_user: bool,
     /// Attributes to store before `disksize`, in order: (name, value).
     pub attrs: Vec<(String, String)>,
 }
@@ -236,6 +247,12 @@ impl DeviceSpec {
                 .as_bool()
                 .ok_or_else(|| bad(format!("{}: true or false", at("ublk"))))?,
         };
+        let vhost_user = match t.get("vhost_user") {
+            None => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| bad(format!("{}: true or false", at("vhost_user"))))?,
+        };
         let mut attrs = Vec::new();
         for (k, v) in t {
             if DEVICE_KEYS.contains(&k.as_str()) {
@@ -260,6 +277,7 @@ impl DeviceSpec {
             page_size_bytes,
             socket,
             ublk,
+            vhost_user,
             attrs,
         })
     }

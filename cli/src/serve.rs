@@ -19,6 +19,7 @@ use uzram::frontend::control::{self, ControlServer};
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig, Tls, TlsFiles, TlsMode};
 use uzram::frontend::ublk::{UblkConfig, UblkExport};
 use uzram::frontend::unix_socket;
+use uzram::frontend::vhost_user::{self, VhostUserConfig, VhostUserExport};
 use uzram::BlockDevice;
 
 #[derive(Debug, Args)]
@@ -85,6 +86,10 @@ pub struct ServeArgs {
     /// ublk_drv module, Linux 6.0+, and root; docs/ublk.md).
     #[arg(long)]
     pub ublk: bool,
+    /// Also give every device to VM guests on a vhost-user-blk socket NAME.vhost.sock beside
+    /// its NBD socket (QEMU's vhost-user-blk-pci; docs/vhost-user.md).
+    #[arg(long)]
+    pub vhost_user: bool,
 }
 
 /// Total RAM from /proc/meminfo.
@@ -169,6 +174,11 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
     if args.ublk {
         for d in &mut cfg.devices {
             d.ublk = true;
+        }
+    }
+    if args.vhost_user {
+        for d in &mut cfg.devices {
+            d.vhost_user = true;
         }
     }
     if args.listen.is_some() {
@@ -273,6 +283,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let mut devices = Vec::new();
     let mut listen = Vec::new();
     let mut exports = Vec::new();
+    let mut vhost_paths = Vec::new();
     for spec in &cfg.devices {
         let device = Arc::new(spec.build(ram)?);
         let socket = match &spec.socket {
@@ -288,6 +299,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         };
         let dir = socket.parent().unwrap_or(std::path::Path::new("."));
         let ctl = control::socket_path(dir, &spec.name);
+        vhost_paths.push(vhost_user::socket_path(dir, &spec.name));
         exports.push(Export {
             name: spec.name.clone(),
             description: format!(
@@ -334,6 +346,27 @@ pub fn run(args: ServeArgs) -> Result<()> {
             None
         });
     }
+    // The vhost-user-blk sockets: each serves one front end (a QEMU) at a time.
+    let vhost_config = VhostUserConfig {
+        swap: cfg.swap,
+        ..VhostUserConfig::default()
+    };
+    let mut vhosts: Vec<Option<VhostUserExport>> = Vec::new();
+    for (((name, device, _), spec), path) in devices.iter().zip(&cfg.devices).zip(&vhost_paths) {
+        vhosts.push(if spec.vhost_user {
+            Some(
+                VhostUserExport::start(
+                    name,
+                    path,
+                    Arc::clone(device) as Arc<dyn BlockDevice>,
+                    &vhost_config,
+                )
+                .with_context(|| format!("listening on {}", path.display()))?,
+            )
+        } else {
+            None
+        });
+    }
     let mut controls = Vec::new();
     for ((name, device, ctl), ublk) in devices.iter().zip(&ublks) {
         let c = ControlServer::start_with_block_dev(
@@ -349,6 +382,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // removing the sockets that are still ours).
     let mut sockets = server.socket_files();
     sockets.extend(controls.iter().map(|c| c.socket_file()));
+    sockets.extend(vhosts.iter().flatten().map(|v| v.socket_file()));
     let (first_tx, first_rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("uzram-signals".into())
@@ -374,7 +408,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         })
         .context("starting the signal thread")?;
     let uris = server.uris();
-    for ((name, device, ctl), ublk) in devices.iter().zip(&ublks) {
+    for (((name, device, ctl), ublk), vhost) in devices.iter().zip(&ublks).zip(&vhosts) {
         println!(
             "{name}: {}, {}, page size {} bytes",
             human(device.disksize_bytes()),
@@ -390,6 +424,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 u.block_dev_path().display(),
                 ublk_config.nr_queues,
                 ublk_config.queue_depth
+            );
+        }
+        if let Some(v) = vhost {
+            let p = v.socket_path().display();
+            let q = vhost_config.nr_queues;
+            println!("  vhost-user-blk: {p} ({q} queues); QEMU options (size = the guest's -m):");
+            println!(
+                "    -object memory-backend-memfd,id=mem,size=1G,share=on -numa node,memdev=mem"
+            );
+            println!(
+                "    -chardev socket,id={name},path={p},reconnect-ms=1000 \
+                 -device vhost-user-blk-pci,chardev={name},num-queues={q}"
             );
         }
         println!("  control: {}", ctl.display());
@@ -415,6 +461,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
     );
     for c in controls {
         c.stop();
+    }
+    // The vhost-user front ends are disconnected (their guests see I/O errors from here on).
+    for v in vhosts.into_iter().flatten() {
+        v.stop();
     }
     // The block devices first: their requests in flight complete, then they are removed.
     for u in ublks.into_iter().flatten() {

@@ -8,6 +8,8 @@
 //! - [`swap`]: what a server backing swap does to itself (locked memory, I/O flusher).
 //! - `ublk` (feature `ublk`, on by default): the device as a kernel block device
 //!   `/dev/ublkbN` on this host, through `ublk_drv` (docs/ublk.md).
+//! - `vhost_user` (feature `vhost-user`, on by default): the device as a VM's virtio-blk disk
+//!   through a vhost-user-blk socket (docs/vhost-user.md).
 //! - [`control`]: a running device's attributes over a unix socket (`uzram ctl`, `uzram status`).
 //! - [`limits`]: what every frontend bounds and how (connection caps, the request memory
 //!   budget, deadlines, the quit fd its accept loops wait on); [`unix_socket`]: sockets and
@@ -20,3 +22,5 @@ pub mod swap;
 #[cfg(feature = "ublk")]
 pub mod ublk;
 pub mod unix_socket;
+#[cfg(feature = "vhost-user")]
+pub mod vhost_user;

@@ -79,6 +79,15 @@ pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
     if std::env::var_os("UZRAM_VM").is_some() {
         return true;
     }
+    boot_test(name, vm_args, &[]);
+    false
+}
+
+/// Outside the VM: boots it with `vm_args`, runs test `name` of this binary in it with the
+/// environment variables `env` (whose names must start with `UZRAM_` to reach the VM), and
+/// asserts that it ran and passed.
+#[allow(dead_code)]
+pub fn boot_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) {
     let script = vm_script();
     let exe = std::env::current_exe().expect("the test binary's path");
     let out = Command::new(&script)
@@ -86,6 +95,7 @@ pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
         .arg("--")
         .arg(&exe)
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .envs(env.iter().copied())
         .output()
         .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -101,5 +111,4 @@ pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
         stdout.contains("test result: ok. 1 passed"),
         "{name} did not run in the VM; its output is above"
     );
-    false
 }

@@ -1,0 +1,521 @@
+//! The vhost-user-blk frontend: a device handed to a VM's virtio-blk driver through a
+//! vhost-user socket (`uzram serve --vhost-user`), with the rust-vmm crates (`vhost`,
+//! `vhost-user-backend`, `virtio-queue`, `vm-memory`). QEMU (or cloud-hypervisor) connects to
+//! `NAME.vhost.sock`, shares the guest's memory (memfd) and gives us its virtqueues; we read
+//! requests from the queues, serve them with the [`BlockDevice`] straight out of and into
+//! guest memory, and kick the guest. Design and what is trusted: `docs/vhost-user.md`.
+//!
+//! Threads: one *connection thread* per device accepts one front end at a time and runs its
+//! vhost-user messages (inside `vhost-user-backend`); one *queue thread* per virtqueue
+//! ([`VhostUserConfig::nr_queues`], created when the export starts and kept across
+//! connections) serves that queue's requests synchronously.
+//!
+//! Nothing the guest gives is trusted: every descriptor is resolved through
+//! `vm-memory`'s checked `get_slices` (a buffer outside guest memory fails the request with
+//! `VIRTIO_BLK_S_IOERR`, and one whose chain cannot even hold a status byte is returned
+//! unused); sector ranges are checked against the device size; unknown request types get
+//! `VIRTIO_BLK_S_UNSUPP`. A request's data goes through one bounce buffer per queue of
+//! [`BOUNCE_BYTES`] (allocated when the export starts), a chunk at a time, so a request of
+//! any length costs no allocation.
+
+use crate::error::{Error, Result};
+use crate::BlockDevice;
+use parking_lot::{Mutex, RwLock};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
+use virtio_bindings::virtio_blk as blk;
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+use virtio_queue::{DescriptorChain, QueueT};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryLoadGuard, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+/// Descriptors per virtqueue, at most (the guest picks up to this).
+pub const MAX_QUEUE_SIZE: usize = 256;
+
+/// Segments per request the guest may use (`seg_max`): a virtqueue of 256 less the header
+/// and status descriptors.
+pub const SEG_MAX: u32 = 254;
+
+/// Each queue's bounce buffer: data moves between guest memory and the device this much at a
+/// time.
+pub const BOUNCE_BYTES: usize = 128 << 10;
+
+/// The most queues by default (one per CPU up to this).
+pub const MAX_DEFAULT_QUEUES: u16 = 16;
+
+/// `virtio_blk_outhdr`: type, ioprio, sector (little-endian).
+const OUTHDR_BYTES: usize = 16;
+/// `virtio_blk_discard_write_zeroes`: sector, num_sectors, flags.
+const SEGMENT_BYTES: usize = 16;
+const SECTOR_SHIFT: u32 = 9;
+
+/// How a vhost-user-blk export is set up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VhostUserConfig {
+    /// Virtqueues offered (the guest may use fewer), each served by its own thread.
+    pub nr_queues: u16,
+    /// Serving swap: the bounce buffers are locked with the rest of the server (`mlockall`).
+    pub swap: bool,
+}
+
+impl Default for VhostUserConfig {
+    fn default() -> VhostUserConfig {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        VhostUserConfig {
+            nr_queues: cpus.clamp(1, MAX_DEFAULT_QUEUES as usize) as u16,
+            swap: false,
+        }
+    }
+}
+
+/// The socket beside a device's NBD socket: `NAME.vhost.sock`.
+pub fn socket_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!("{name}.vhost.sock"))
+}
+
+type Mem = GuestMemoryAtomic<GuestMemoryMmap>;
+
+/// The `VhostUserBackend`: the device, its virtio config space and the queues' buffers.
+struct BlkBackend {
+    device: Arc<dyn BlockDevice>,
+    name: String,
+    nr_queues: u16,
+    /// Guest memory, replaced by each `SET_MEM_TABLE` (`update_memory`).
+    mem: RwLock<Option<Mem>>,
+    event_idx: AtomicBool,
+    /// One bounce buffer per queue; queue `i`'s is locked only by queue `i`'s thread.
+    bounce: Vec<Mutex<Box<[u8]>>>,
+    /// The notifiers that stop the queue threads, one per thread.
+    exits: Mutex<Vec<EventNotifier>>,
+}
+
+impl BlkBackend {
+    fn config_space(&self) -> Vec<u8> {
+        let page = self.device.page_size_bytes() as u32;
+        let mut c = vec![0u8; 60];
+        let sectors = self.device.size_bytes() >> SECTOR_SHIFT;
+        c[0..8].copy_from_slice(&sectors.to_le_bytes());
+        c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
+        c[20..24].copy_from_slice(&page.to_le_bytes()); // blk_size
+        c[32] = 1; // wce: a write-back cache (flush reaches the device's writeback)
+        c[34..36].copy_from_slice(&self.nr_queues.to_le_bytes());
+        let max = u32::MAX >> SECTOR_SHIFT;
+        c[36..40].copy_from_slice(&max.to_le_bytes()); // max_discard_sectors
+        c[40..44].copy_from_slice(&1u32.to_le_bytes()); // max_discard_seg
+        c[44..48].copy_from_slice(&(page >> SECTOR_SHIFT).to_le_bytes()); // discard alignment
+        c[48..52].copy_from_slice(&max.to_le_bytes()); // max_write_zeroes_sectors
+        c[52..56].copy_from_slice(&1u32.to_le_bytes()); // max_write_zeroes_seg
+        c[56] = 1; // write_zeroes_may_unmap
+        c
+    }
+
+    /// Serves what queue `vring` holds; returns whether the guest must be kicked.
+    fn process_queue(&self, qid: usize, vring: &VringRwLock) -> bool {
+        let Some(atomic) = self.mem.read().clone() else {
+            return false;
+        };
+        let mem = atomic.memory();
+        let mut bounce = self.bounce[qid].lock();
+        let mut used_any = false;
+        loop {
+            let chain = vring
+                .get_mut()
+                .get_queue_mut()
+                .pop_descriptor_chain(mem.clone());
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            let len = self.serve_chain(&mem, chain, &mut bounce);
+            if vring.add_used(head, len).is_err() {
+                break;
+            }
+            used_any = true;
+        }
+        used_any
+    }
+
+    /// Serves one request; returns the bytes written into guest memory (data and status).
+    fn serve_chain(
+        &self,
+        mem: &GuestMemoryLoadGuard<GuestMemoryMmap>,
+        chain: DescriptorChain<GuestMemoryLoadGuard<GuestMemoryMmap>>,
+        bounce: &mut [u8],
+    ) -> u32 {
+        let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(&**mem), chain.writer(&**mem))
+        else {
+            // A descriptor outside guest memory (or lengths that overflow): we cannot even
+            // find the status byte, so the request is returned unused.
+            return 0;
+        };
+        if writer.available_bytes() == 0 {
+            return 0;
+        }
+        let Ok(mut status) = writer.split_at(writer.available_bytes() - 1) else {
+            return 0;
+        };
+        // `writer` now covers the data part; `status` the last byte.
+        let result = self.serve_request(&mut reader, &mut writer, bounce);
+        let data_written = writer.bytes_written() as u32;
+        let code = match result {
+            Ok(()) => blk::VIRTIO_BLK_S_OK,
+            Err(code) => code,
+        } as u8;
+        if status.write_all(&[code]).is_err() {
+            return data_written;
+        }
+        data_written + 1
+    }
+
+    fn serve_request(
+        &self,
+        reader: &mut virtio_queue::Reader<'_>,
+        writer: &mut virtio_queue::Writer<'_>,
+        bounce: &mut [u8],
+    ) -> std::result::Result<(), u32> {
+        let ioerr = blk::VIRTIO_BLK_S_IOERR;
+        let mut hdr = [0u8; OUTHDR_BYTES];
+        reader.read_exact(&mut hdr).map_err(|_| ioerr)?;
+        let kind = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
+        let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
+        let dev = &*self.device;
+        match kind {
+            blk::VIRTIO_BLK_T_IN => {
+                let len = writer.available_bytes() as u64;
+                let mut offset = self.range(sector, len)?;
+                let mut left = len as usize;
+                while left > 0 {
+                    let n = left.min(bounce.len());
+                    dev.read_at(&mut bounce[..n], offset).map_err(|_| ioerr)?;
+                    writer.write_all(&bounce[..n]).map_err(|_| ioerr)?;
+                    offset += n as u64;
+                    left -= n;
+                }
+                Ok(())
+            }
+            blk::VIRTIO_BLK_T_OUT => {
+                let len = reader.available_bytes() as u64;
+                let mut offset = self.range(sector, len)?;
+                let mut left = len as usize;
+                while left > 0 {
+                    let n = left.min(bounce.len());
+                    reader.read_exact(&mut bounce[..n]).map_err(|_| ioerr)?;
+                    dev.write_at(&bounce[..n], offset).map_err(|_| ioerr)?;
+                    offset += n as u64;
+                    left -= n;
+                }
+                Ok(())
+            }
+            blk::VIRTIO_BLK_T_FLUSH => dev.flush().map_err(|_| ioerr),
+            blk::VIRTIO_BLK_T_GET_ID => {
+                let mut id = [0u8; blk::VIRTIO_BLK_ID_BYTES as usize];
+                let name = self.name.as_bytes();
+                let n = name.len().min(id.len());
+                id[..n].copy_from_slice(&name[..n]);
+                let n = id.len().min(writer.available_bytes());
+                writer.write_all(&id[..n]).map_err(|_| ioerr)
+            }
+            blk::VIRTIO_BLK_T_DISCARD | blk::VIRTIO_BLK_T_WRITE_ZEROES => {
+                // We offer one segment per request (max_discard_seg = max_write_zeroes_seg = 1).
+                if reader.available_bytes() != SEGMENT_BYTES {
+                    return Err(ioerr);
+                }
+                let mut seg = [0u8; SEGMENT_BYTES];
+                reader.read_exact(&mut seg).map_err(|_| ioerr)?;
+                let sector = u64::from_le_bytes(seg[0..8].try_into().unwrap());
+                let sectors = u32::from_le_bytes(seg[8..12].try_into().unwrap());
+                let flags = u32::from_le_bytes(seg[12..16].try_into().unwrap());
+                let len = u64::from(sectors) << SECTOR_SHIFT;
+                let offset = self.range(sector, len)?;
+                if kind == blk::VIRTIO_BLK_T_DISCARD {
+                    // The spec: a discard's flags must be zero.
+                    if flags != 0 {
+                        return Err(blk::VIRTIO_BLK_S_UNSUPP);
+                    }
+                    dev.discard(offset, len).map_err(|_| ioerr)
+                } else {
+                    if flags & !1 != 0 {
+                        return Err(blk::VIRTIO_BLK_S_UNSUPP);
+                    }
+                    dev.write_zeroes(offset, len).map_err(|_| ioerr)
+                }
+            }
+            _ => Err(blk::VIRTIO_BLK_S_UNSUPP),
+        }
+    }
+
+    /// The byte offset of `len` bytes at `sector`, when they lie in the device.
+    fn range(&self, sector: u64, len: u64) -> std::result::Result<u64, u32> {
+        let offset = sector
+            .checked_mul(1 << SECTOR_SHIFT)
+            .ok_or(blk::VIRTIO_BLK_S_IOERR)?;
+        match offset.checked_add(len) {
+            Some(end) if end <= self.device.size_bytes() => Ok(offset),
+            _ => Err(blk::VIRTIO_BLK_S_IOERR),
+        }
+    }
+}
+
+impl VhostUserBackend for BlkBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        usize::from(self.nr_queues)
+    }
+
+    fn max_queue_size(&self) -> usize {
+        MAX_QUEUE_SIZE
+    }
+
+    fn features(&self) -> u64 {
+        let f = [
+            VIRTIO_F_VERSION_1,
+            VIRTIO_RING_F_EVENT_IDX,
+            VIRTIO_RING_F_INDIRECT_DESC,
+            blk::VIRTIO_BLK_F_SEG_MAX,
+            blk::VIRTIO_BLK_F_BLK_SIZE,
+            blk::VIRTIO_BLK_F_FLUSH,
+            blk::VIRTIO_BLK_F_CONFIG_WCE,
+            blk::VIRTIO_BLK_F_DISCARD,
+            blk::VIRTIO_BLK_F_WRITE_ZEROES,
+            blk::VIRTIO_BLK_F_MQ,
+        ]
+        .iter()
+        .fold(0u64, |acc, &bit| acc | 1 << bit);
+        f | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.event_idx.store(enabled, Ordering::Relaxed);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        // The front end asks for its own struct's size: answer exactly that many bytes,
+        // zero past what we define.
+        let space = self.config_space();
+        let mut out = vec![0u8; size as usize];
+        let start = (offset as usize).min(space.len());
+        let end = (offset as usize)
+            .saturating_add(size as usize)
+            .min(space.len());
+        out[..end - start].copy_from_slice(&space[start..end]);
+        out
+    }
+
+    fn set_config(&self, _offset: u32, _buf: &[u8]) -> std::io::Result<()> {
+        // The write-back cache setting: the device always has one; ignored.
+        Ok(())
+    }
+
+    fn update_memory(&self, mem: Mem) -> std::io::Result<()> {
+        *self.mem.write() = Some(mem);
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        (0..self.nr_queues).map(|q| 1u64 << q).collect()
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
+        self.exits.lock().push(notifier.try_clone().ok()?);
+        Some((consumer, notifier))
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        _thread_id: usize,
+    ) -> std::io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(std::io::Error::other("unexpected event set"));
+        }
+        let qid = usize::from(device_event);
+        let Some(vring) = vrings.get(qid) else {
+            return Err(std::io::Error::other("event for no queue"));
+        };
+        if self.event_idx.load(Ordering::Relaxed) {
+            // Serve, re-enable notifications, and serve again what arrived in between.
+            loop {
+                let _ = vring.disable_notification();
+                if self.process_queue(qid, vring) && vring.needs_notification().unwrap_or(true) {
+                    vring.signal_used_queue()?;
+                }
+                match vring.enable_notification() {
+                    Ok(true) => continue,
+                    _ => break,
+                }
+            }
+        } else if self.process_queue(qid, vring) {
+            vring.signal_used_queue()?;
+        }
+        Ok(())
+    }
+}
+
+/// A device served on a vhost-user-blk socket. Dropping it stops it, as
+/// [`VhostUserExport::stop`] does.
+pub struct VhostUserExport {
+    path: PathBuf,
+    socket_id: crate::frontend::unix_socket::SocketId,
+    stopping: Arc<AtomicBool>,
+    /// Shuts the connected front end down; set while one is connected.
+    connected: Arc<Mutex<Option<ShutdownHandle>>>,
+    backend: Arc<BlkBackend>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for VhostUserExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VhostUserExport")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VhostUserExport {
+    /// Listens on `path` (a socket only we control) for a front end serving `device`.
+    pub fn start(
+        name: &str,
+        path: &Path,
+        device: Arc<dyn BlockDevice>,
+        cfg: &VhostUserConfig,
+    ) -> Result<VhostUserExport> {
+        let page = device.page_size_bytes();
+        if device.size_bytes() == 0 {
+            return Err(Error::invalid(format!(
+                "vhost-user: {name}: the device has no disksize"
+            )));
+        }
+        if cfg.nr_queues == 0 || cfg.nr_queues > 64 || !page.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "vhost-user: {name}: 1 to 64 queues and a power-of-two page size"
+            )));
+        }
+        let (listener, socket_id) = crate::frontend::unix_socket::bind_unix(path)?;
+        let backend = Arc::new(BlkBackend {
+            device,
+            name: name.to_string(),
+            nr_queues: cfg.nr_queues,
+            mem: RwLock::new(None),
+            event_idx: AtomicBool::new(false),
+            bounce: (0..cfg.nr_queues)
+                .map(|_| Mutex::new(vec![0u8; BOUNCE_BYTES].into_boxed_slice()))
+                .collect(),
+            exits: Mutex::new(Vec::new()),
+        });
+        let mut daemon = VhostUserDaemon::new(
+            format!("uzram-vhost-{name}"),
+            Arc::clone(&backend),
+            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+        )
+        .map_err(|e| Error::io(format!("vhost-user: {name}: {e}")))?;
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stopping);
+        let connected = Arc::new(Mutex::new(None));
+        let connected2 = Arc::clone(&connected);
+        let name2 = name.to_string();
+        let thread = std::thread::Builder::new()
+            .name("uzram-vhost".into())
+            .spawn(move || {
+                let mut listener = Listener::from(listener);
+                // One front end at a time; after it leaves (a guest that powers off, a QEMU
+                // that restarts) the next one is accepted with the data kept.
+                while !stop2.load(Ordering::Acquire) {
+                    if let Err(e) = daemon.start(&mut listener) {
+                        eprintln!("uzram: vhost-user {name2}: {e}");
+                        break;
+                    }
+                    {
+                        // Under the lock: either stop() sees the handle, or we see `stopping`.
+                        let mut c = connected2.lock();
+                        *c = daemon.shutdown_handle();
+                        if stop2.load(Ordering::Acquire) {
+                            daemon.request_shutdown();
+                        }
+                    }
+                    let r = daemon.wait();
+                    *connected2.lock() = None;
+                    match r {
+                        // A front end that leaves (guest powered off, QEMU stopped or
+                        // restarting) is the normal end of a connection.
+                        Ok(())
+                        | Err(vhost_user_backend::Error::HandleRequest(
+                            vhost::vhost_user::Error::Disconnected
+                            | vhost::vhost_user::Error::PartialMessage,
+                        )) => {}
+                        Err(e) if !stop2.load(Ordering::Acquire) => {
+                            // A front end that broke the protocol: it is dropped, the
+                            // socket goes on accepting.
+                            eprintln!("uzram: vhost-user {name2}: front end dropped: {e}");
+                        }
+                        Err(_) => {}
+                    }
+                }
+            })
+            .map_err(|e| Error::io(format!("vhost-user: starting a thread: {e}")))?;
+        Ok(VhostUserExport {
+            path: path.to_path_buf(),
+            socket_id,
+            stopping,
+            connected,
+            backend,
+            thread: Some(thread),
+        })
+    }
+
+    /// The socket's path.
+    pub fn socket_path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The socket file and its identity (for removal on a forced exit).
+    pub fn socket_file(&self) -> (PathBuf, crate::frontend::unix_socket::SocketId) {
+        (self.path.clone(), self.socket_id)
+    }
+
+    /// Disconnects the front end, ends the threads and removes the socket.
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        let Some(t) = self.thread.take() else { return };
+        self.stopping.store(true, Ordering::Release);
+        if let Some(h) = self.connected.lock().take() {
+            h.shutdown();
+        }
+        // Wake the connection thread: a connection of our own ends a blocked accept (and is
+        // dropped at once); a connected front end is shut down by the thread.
+        let _ = UnixStream::connect(&self.path);
+        let _ = t.join();
+        for n in self.backend.exits.lock().iter() {
+            let _ = n.notify();
+        }
+        crate::frontend::unix_socket::remove_if_ours(&self.path, self.socket_id);
+    }
+}
+
+impl Drop for VhostUserExport {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}
