@@ -7,7 +7,9 @@
 //! `$XDG_RUNTIME_DIR/uzram/zram0.sock` otherwise (or `/tmp/uzram-$UID/zram0.sock` without
 //! `XDG_RUNTIME_DIR`), with its control socket `zram0.ctl` beside it. Device flags change that
 //! one device; `--config FILE` describes several. TCP only with `--listen`; a kernel block
-//! device `/dev/ublkbN` per device with `--ublk` (`ublk = true` in the file; docs/ublk.md).
+//! device `/dev/ublkbN` per device with `--ublk` (`ublk = true` in the file; docs/ublk.md); a VM
+//! guest's virtio-blk disk on `NAME.vhost.sock` with `--vhost-user` (`vhost_user = true`;
+//! docs/vhost-user.md).
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
