@@ -3,7 +3,8 @@
 //! The server runs here, on the host; a real QEMU guest (`scripts/zoned-vm --vhost-user-blk`,
 //! Debian's 6.12 kernel under TCG, the guest's memory a shared memfd) attaches the socket and
 //! runs this same test binary inside, which checks what the guest's virtio_blk driver sees
-//! and drives the disk with the real fio and e2fsprogs.
+//! and drives the disk with the real fio and e2fsprogs; a second guest (a new QEMU, a new
+//! connection) then finds the filesystem the first one left.
 
 #[path = "../../tests/vm_support/mod.rs"]
 mod vm_support;
@@ -146,6 +147,27 @@ fn sysfs(attr: &str) -> String {
 fn guest_body() {
     let pages = PathBuf::from(std::env::var("UZRAM_VHOST_PAGES").expect("UZRAM_VHOST_PAGES"));
     let dev = Path::new("/dev/vda");
+    if std::env::var_os("UZRAM_VHOST_REREAD").is_some() {
+        // A second guest (a new QEMU, so a new vhost-user connection): the filesystem the
+        // first one left is there, clean, with the same files.
+        run(Command::new("e2fsck").args(["-f", "-n"]).arg(dev));
+        let mnt = Path::new("/tmp/mnt");
+        std::fs::create_dir_all(mnt).unwrap();
+        run(Command::new("mount").args(["-t", "ext4"]).arg(dev).arg(mnt));
+        let mut n = 0;
+        for e in std::fs::read_dir(&pages).unwrap() {
+            let name = e.unwrap().file_name();
+            let back = std::fs::read(mnt.join(&name)).unwrap();
+            assert!(
+                back == std::fs::read(pages.join(&name)).unwrap(),
+                "{name:?} differs"
+            );
+            n += 1;
+        }
+        assert_eq!(n, 4);
+        run(Command::new("umount").arg(mnt));
+        return;
+    }
     assert!(dev.exists(), "no /dev/vda in the guest");
     // The virtio-blk config space: size, zram's 4 KiB blocks, discard in pages, the serial
     // (GET_ID) is the device's name, one hardware queue per virtqueue, a write-back cache.

@@ -96,7 +96,7 @@ struct BlkBackend {
     event_idx: AtomicBool,
     /// One bounce buffer per queue; queue `i`'s is locked only by queue `i`'s thread.
     bounce: Vec<Mutex<Box<[u8]>>>,
-    /// The notifiers that stop the queue threads, one per thread.
+    /// The notifiers that stop the current daemon's queue threads, one per thread.
     exits: Mutex<Vec<EventNotifier>>,
 }
 
@@ -118,6 +118,14 @@ impl BlkBackend {
         c[52..56].copy_from_slice(&1u32.to_le_bytes()); // max_write_zeroes_seg
         c[56] = 1; // write_zeroes_may_unmap
         c
+    }
+
+    /// After a front end left: stops its daemon's queue threads and drops its guest memory.
+    fn end_connection(&self) {
+        for n in self.exits.lock().drain(..) {
+            let _ = n.notify();
+        }
+        *self.mem.write() = None;
     }
 
     /// Serves what queue `vring` holds; returns whether the guest must be kicked.
@@ -371,6 +379,17 @@ impl VhostUserBackend for BlkBackend {
     }
 }
 
+type Daemon = VhostUserDaemon<Arc<BlkBackend>>;
+
+fn new_daemon(name: &str, backend: &Arc<BlkBackend>) -> Result<Daemon> {
+    VhostUserDaemon::new(
+        format!("uzram-vhost-{name}"),
+        Arc::clone(backend),
+        GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+    )
+    .map_err(|e| Error::io(format!("vhost-user: {name}: {e}")))
+}
+
 /// A device served on a vhost-user-blk socket. Dropping it stops it, as
 /// [`VhostUserExport::stop`] does.
 pub struct VhostUserExport {
@@ -422,26 +441,38 @@ impl VhostUserExport {
                 .collect(),
             exits: Mutex::new(Vec::new()),
         });
-        let mut daemon = VhostUserDaemon::new(
-            format!("uzram-vhost-{name}"),
-            Arc::clone(&backend),
-            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
-        )
-        .map_err(|e| Error::io(format!("vhost-user: {name}: {e}")))?;
+        // A daemon (its message handler and queue threads) per connection: the library's
+        // handler keeps a front end's ownership after it disconnects, so a new front end is
+        // given a new one. The first is made here, so that failing to make one is an error
+        // of start().
+        let first = new_daemon(name, &backend)?;
         let stopping = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stopping);
         let connected = Arc::new(Mutex::new(None));
         let connected2 = Arc::clone(&connected);
         let name2 = name.to_string();
+        let backend2 = Arc::clone(&backend);
         let thread = std::thread::Builder::new()
             .name("uzram-vhost".into())
             .spawn(move || {
                 let mut listener = Listener::from(listener);
+                let mut next = Some(first);
                 // One front end at a time; after it leaves (a guest that powers off, a QEMU
                 // that restarts) the next one is accepted with the data kept.
                 while !stop2.load(Ordering::Acquire) {
+                    let mut daemon = match next
+                        .take()
+                        .map_or_else(|| new_daemon(&name2, &backend2), Ok)
+                    {
+                        Ok(d) => d,
+                        Err(e) => {
+                            eprintln!("uzram: {e}");
+                            break;
+                        }
+                    };
                     if let Err(e) = daemon.start(&mut listener) {
                         eprintln!("uzram: vhost-user {name2}: {e}");
+                        backend2.end_connection();
                         break;
                     }
                     {
@@ -469,7 +500,11 @@ impl VhostUserExport {
                         }
                         Err(_) => {}
                     }
+                    // This connection's queue threads end, and its guest memory is unmapped.
+                    backend2.end_connection();
                 }
+                drop(next);
+                backend2.end_connection();
             })
             .map_err(|e| Error::io(format!("vhost-user: starting a thread: {e}")))?;
         Ok(VhostUserExport {
@@ -507,9 +542,7 @@ impl VhostUserExport {
         // dropped at once); a connected front end is shut down by the thread.
         let _ = UnixStream::connect(&self.path);
         let _ = t.join();
-        for n in self.backend.exits.lock().iter() {
-            let _ = n.notify();
-        }
+        self.backend.end_connection();
         crate::frontend::unix_socket::remove_if_ours(&self.path, self.socket_id);
     }
 }
