@@ -11,8 +11,12 @@ mod vm_support;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod process_support;
+
+use process_support::{run, wait_timeout};
 
 const UZRAM: &str = env!("CARGO_BIN_EXE_uzram");
 const DISK_BYTES: u64 = 256 << 20;
@@ -26,29 +30,6 @@ fn host_program(name: &str) -> String {
         }
     }
     panic!("{name} is not installed (scripts/debian-packages.txt lists its package)")
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn wait_timeout(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
-    let end = Instant::now() + limit;
-    while Instant::now() < end {
-        if let Some(s) = child.try_wait().unwrap() {
-            return Some(s);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    None
 }
 
 /// A running `uzram serve --vhost-user` and the vhost-user socket it printed.
