@@ -29,8 +29,9 @@ fn block(i: u64, v: u64) -> Vec<u8> {
     b
 }
 
-/// Queued writes of every block (runs of 1..4 blocks, shuffled, depth 32), then queued and
-/// synchronous reads of them.
+/// Queued writes of runs of 1..4 blocks (one run in every 4 blocks, shuffled, depth 32), then
+/// queued reads of every block into buffers full of junk (a written block reads back as
+/// written, one never written as zeros: a hole) and synchronous reads.
 fn queued_round_trip(b: &NbdBacking, blocks: u64) {
     let mut order: Vec<u64> = (0..blocks / 4).collect();
     // A fixed permutation (multiplicative, coprime stride).
@@ -64,13 +65,23 @@ fn queued_round_trip(b: &NbdBacking, blocks: u64) {
         done += 1;
     }
     assert_eq!(done, order.len());
-    // Queued reads (as GC reads), two blocks each.
+    let written = |i: u64| {
+        let k = order.iter().position(|&r| r == i / 4).unwrap() as u64;
+        i % 4 < 1 + k % 4
+    };
+    // Queued reads (as GC reads), eight blocks each in two buffers.
     let mut completions = Vec::new();
     for first in (0..blocks).step_by(8) {
         if q.in_flight() == q.depth() {
             completions.extend(q.wait(1).unwrap());
         }
-        let bufs = vec![AlignedBuf::new_zeroed(2 * PAGE).unwrap()];
+        let bufs = (0..2)
+            .map(|_| {
+                let mut a = AlignedBuf::new_zeroed(4 * PAGE).unwrap();
+                a.fill(0xAA);
+                a
+            })
+            .collect();
         q.submit(IoOp::read(first * PAGE as u64, bufs, first))
             .unwrap();
     }
@@ -79,7 +90,15 @@ fn queued_round_trip(b: &NbdBacking, blocks: u64) {
     for c in completions {
         c.result.unwrap();
         let first = c.op.tag;
-        assert!(c.op.bufs[0][..PAGE] == block(first, 1)[..], "block {first}");
+        for k in 0..8u64 {
+            let got = &c.op.bufs[k as usize / 4][(k as usize % 4) * PAGE..][..PAGE];
+            let i = first + k;
+            if written(i) {
+                assert!(got == &block(i, 1)[..], "block {i}");
+            } else {
+                assert!(got.iter().all(|&x| x == 0), "block {i} was never written");
+            }
+        }
     }
     drop(q);
     // Synchronous reads of whole blocks that were written (the first of every run).
@@ -96,10 +115,14 @@ fn client_speaks_to_nbdkit_memory_and_qemu_nbd() {
     let b = open(&server.uri());
     assert_eq!(b.size_bytes(), 8 << 20);
     assert_eq!(b.describe(), server.uri());
-    // nbdkit's memory plugin allows multi-conn and flush.
+    // nbdkit's memory plugin allows multi-conn and flush; nbdkit sends structured replies
+    // (reads in data chunks).
     assert_eq!(b.connection_count(), NbdOptions::default().connections);
     assert!(b.has_write_cache());
+    assert!(b.structured_replies());
     queued_round_trip(&b, 2048);
+    let [data, _, errors] = b.chunk_counts();
+    assert!(data > 0 && errors == 0, "{:?}", b.chunk_counts());
     // Synchronous vectored and sector-sized writes.
     b.writev_at(&[&[1u8; 512], &[2u8; 1024]], 512).unwrap();
     let mut buf = vec![0u8; 2048];
@@ -131,12 +154,84 @@ fn client_speaks_to_nbdkit_memory_and_qemu_nbd() {
     let b = open(&qemu.uri());
     assert_eq!(b.connection_count(), 2);
     assert_eq!(b.size_bytes(), 4 << 20);
+    assert!(b.structured_replies());
     queued_round_trip(&b, 1024);
+    // qemu-nbd answers reads of the sparse file's unwritten blocks with hole chunks (the
+    // round trip reads pairs of blocks, some never written, and checks the written ones).
+    let [data, holes, errors] = b.chunk_counts();
+    assert!(
+        data > 0 && holes > 0 && errors == 0,
+        "{:?}",
+        b.chunk_counts()
+    );
     b.flush().unwrap();
     drop(b);
     // The bytes reached the file.
     let data = std::fs::read(&file).unwrap();
     assert!(data[..PAGE] == block(0, 1)[..]);
+}
+
+/// Without structured replies (nbdkit --no-sr) the client reads simple replies; with them or
+/// without, a server's read error (nbdkit's error filter: an error chunk, or a simple error
+/// reply) is EIO and ENOSPC on a write stays ENOSPC, on the same connections.
+#[test]
+fn simple_replies_and_error_chunks() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let (rerr, werr) = (dir.path().join("rerr"), dir.path().join("werr"));
+    let filter = |sr: bool| {
+        let mut a = vec![
+            "--filter=error".to_string(),
+            "memory".into(),
+            "size=4M".into(),
+            "error-pread=EIO".into(),
+            "error-pread-rate=100%".into(),
+            format!("error-pread-file={}", rerr.display()),
+            "error-pwrite=ENOSPC".into(),
+            "error-pwrite-rate=100%".into(),
+            format!("error-pwrite-file={}", werr.display()),
+        ];
+        if !sr {
+            a.insert(0, "--no-sr".into());
+        }
+        a
+    };
+    for sr in [true, false] {
+        let args = filter(sr);
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let server = NbdServer::nbdkit(&args);
+        let b = open(&server.uri());
+        assert_eq!(b.structured_replies(), sr);
+        queued_round_trip(&b, 1024);
+        std::fs::write(&rerr, b"").unwrap();
+        let e = b.read_at(&mut vec![0u8; PAGE], 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+        let mut q = b.new_queue(4).unwrap();
+        q.submit(IoOp::read(
+            0,
+            vec![AlignedBuf::new_zeroed(PAGE).unwrap()],
+            7,
+        ))
+        .unwrap();
+        let done = q.wait(1).unwrap();
+        assert_eq!(done[0].op.tag, 7);
+        assert_eq!(done[0].result.as_ref().unwrap_err().kind(), ErrorKind::Io);
+        drop(q);
+        std::fs::remove_file(&rerr).unwrap();
+        std::fs::write(&werr, b"").unwrap();
+        let e = b.write_at(&[3u8; PAGE], 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
+        std::fs::remove_file(&werr).unwrap();
+        let mut buf = vec![0u8; PAGE];
+        b.read_at(&mut buf, 0).unwrap();
+        assert!(buf == block(0, 1), "the failed write changed nothing");
+        let [data, holes, errors] = b.chunk_counts();
+        if sr {
+            assert!(data > 0 && errors >= 2, "{:?}", b.chunk_counts());
+        } else {
+            assert_eq!(data + holes + errors, 0);
+        }
+        assert_eq!(b.connects(), b.connection_count() as u64, "no reconnection");
+    }
 }
 
 fn device_on(uri: &str, pages: u64, compressed: bool) -> Device {
@@ -432,4 +527,144 @@ fn a_stalled_server_misses_its_deadline() {
     drop(q);
     read_again();
     assert!(b.connects() > b.connection_count() as u64);
+}
+
+/// Bytes the export at `uri` holds as data (not holes), from `nbdinfo --map`.
+fn allocated_bytes(uri: &str) -> u64 {
+    let out = std::process::Command::new("nbdinfo")
+        .args(["--map", uri])
+        .output()
+        .expect("nbdinfo must be installed (scripts/debian-packages.txt)");
+    assert!(out.status.success(), "{out:?}");
+    let mut data = 0;
+    for line in String::from_utf8(out.stdout).unwrap().lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (len, kind): (u64, u32) = (f[1].parse().unwrap(), f[2].parse().unwrap());
+        if kind & 1 == 0 {
+            data += len;
+        }
+    }
+    data
+}
+
+/// The zoned layout over NBD: every zone GC resets is trimmed on the server, whole and at its
+/// start (nbdkit's log filter shows the requests), and the server gives the space back
+/// (`nbdinfo --map` of the memory plugin: the empty zones hold no data).
+#[test]
+fn zoned_gc_trims_reset_zones_on_the_server() {
+    const ZONE: u64 = 1 << 20;
+    let zones = 6;
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let log = dir.path().join("nbdkit.log");
+    let logfile = format!("logfile={}", log.display());
+    let size = format!("size={}", zones * ZONE);
+    let server = NbdServer::nbdkit(&["--filter=log", "memory", &size, &logfile]);
+    let n = 400;
+    let dev = Device::new_uninit(PAGE).unwrap();
+    dev.attr_store("backing_dev", &server.uri()).unwrap();
+    dev.attr_store("backing_layout", "zoned").unwrap();
+    dev.attr_store("zone_size", "1M").unwrap();
+    dev.attr_store("disksize", &(n * PAGE as u64).to_string())
+        .unwrap();
+    fill(&dev, n, 1);
+    dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
+    let written = allocated_bytes(&server.uri());
+    assert!(written > 0, "{written}");
+    // Overwrite two pages in three and write them back, four times: zones fill with dead
+    // records (writeback starts GC itself when zones run low).
+    let version = |i: u64| if i % 3 == 0 { 1 } else { 5 };
+    for v in 2..=5 {
+        for i in (0..n).filter(|i| i % 3 != 0) {
+            dev.write_at(&page_support::page(i, v), i * PAGE as u64)
+                .unwrap();
+        }
+        let _ = dev.writeback(&WritebackSpec::pages(0, n - 1));
+    }
+    dev.attr_store("gc", "1").unwrap();
+    let stat = dev.attr_show("zone_stat").unwrap();
+    let stat: Vec<u64> = stat
+        .split_whitespace()
+        .take(8)
+        .map(|x| x.parse().unwrap())
+        .collect();
+    let (empty, gc_runs) = (stat[0], stat[5]);
+    assert!(gc_runs > 0, "GC reclaimed no zone: {stat:?}");
+    let allocated = allocated_bytes(&server.uri());
+    assert!(
+        allocated <= (zones - empty) * ZONE,
+        "{allocated} bytes held on the server with {empty} of {zones} zones empty: {stat:?}"
+    );
+    let log = std::fs::read_to_string(&log).unwrap();
+    let hex = |line: &str, key: &str| {
+        let v = line.split(key).nth(1).unwrap().split_whitespace().next();
+        u64::from_str_radix(v.unwrap().trim_start_matches("0x"), 16).unwrap()
+    };
+    let trims: Vec<(u64, u64)> = log
+        .lines()
+        .filter(|l| l.contains(" Trim id="))
+        .map(|l| (hex(l, " offset="), hex(l, " count=")))
+        .collect();
+    assert!(
+        trims.len() as u64 >= gc_runs,
+        "{trims:?} for {gc_runs} resets"
+    );
+    for (offset, count) in &trims {
+        assert!(
+            offset % ZONE == 0 && *count == ZONE,
+            "{offset:#x} {count:#x}"
+        );
+    }
+    for i in 0..n {
+        page_support::check(&dev, i, version(i));
+    }
+}
+
+/// A reconnection blocks only the call that makes it: while one call waits on a server that
+/// accepts but never answers the handshake (a listening socket nobody serves), another call
+/// fails with EIO within about a second instead of waiting out the handshake deadline. Once a
+/// server is back, calls work again.
+#[test]
+fn a_reconnection_blocks_no_other_call() {
+    use std::time::{Duration, Instant};
+    let server = NbdServer::nbdkit(&["memory", "size=1M"]);
+    let opts = NbdOptions {
+        request_timeout: Duration::from_secs(4),
+        backoff_min: Duration::from_millis(10),
+        connections: 1,
+        ..NbdOptions::default()
+    };
+    let b = NbdBacking::open(&server.uri(), &opts).unwrap();
+    b.write_at(&block(0, 1), 0).unwrap();
+    let socket = server.socket.clone();
+    let dir = server.kill();
+    // The reader sees the connection close; a silent listener takes the socket's place.
+    std::fs::remove_file(&socket).unwrap();
+    let silent = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    std::thread::scope(|s| {
+        let reconnecting = s.spawn(|| {
+            let start = Instant::now();
+            let e = b.read_at(&mut vec![0u8; PAGE], 0).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+            start.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        let e = b.read_at(&mut vec![0u8; PAGE], 0).unwrap_err();
+        let other = start.elapsed();
+        assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+        assert!(other < Duration::from_millis(2500), "{other:?}: {e}");
+        let blocked = reconnecting.join().unwrap();
+        assert!(blocked >= Duration::from_secs(3), "{blocked:?}");
+    });
+    drop(silent);
+    let _back = NbdServer::nbdkit_in(dir, &["memory", "size=1M"]);
+    let start = Instant::now();
+    let mut buf = vec![1u8; PAGE];
+    while b.read_at(&mut buf, 0).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "no reconnection");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // A new memory export: empty.
+    assert!(buf.iter().all(|&x| x == 0));
 }

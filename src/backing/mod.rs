@@ -157,7 +157,9 @@ pub trait Backing: Send + Sync + Debug {
         Ok(Vec::new())
     }
     /// Moves the write pointer of the zone at `start_bytes` (of `len_bytes`) back to its
-    /// start. Nothing to do where zones are emulated.
+    /// start. Where zones are emulated the zone's bytes are dead: a backing may give their
+    /// space back (an NBD export trims them); the default does nothing. GC calls it for
+    /// emulated zones as advice (a failure is ignored) before the zone is reused.
     fn reset_zone(&self, start_bytes: u64, len_bytes: u64) -> Result<()> {
         let _ = (start_bytes, len_bytes);
         Ok(())

@@ -259,6 +259,18 @@ impl ZoneStore {
             if self.has_device_wp(victim) {
                 self.backing
                     .reset_zone(self.zone_base(victim), self.config.zone_size_bytes)?;
+            } else {
+                // Emulated zones: the backing may give the space back (an NBD export: a trim),
+                // a round trip, so not under `zones`. The victim stays full meanwhile: nothing
+                // appends to it, no slot points into it (no reader can pin it) and GC, the
+                // only one to reset zones, holds `gc_lock`; so the trim races with nothing.
+                // It is advice: the victim's records are dead either way, and a failure only
+                // leaves the space allocated on the server.
+                drop(z);
+                let _ = self
+                    .backing
+                    .reset_zone(self.zone_base(victim), self.config.zone_size_bytes);
+                z = self.zones.lock();
             }
             z.zones[victim as usize] = super::Zone::empty();
             drop(z);

@@ -1,17 +1,30 @@
-//! One NBD client connection: the fixed-newstyle handshake ([`connect`]), requests sent by
-//! any thread under `send_lock`, and a reader thread that matches simple replies to their
-//! waiters by cookie.
+//! One NBD client connection: the fixed-newstyle handshake ([`connect`]: structured replies
+//! when the server has them, then `NBD_OPT_GO`), requests sent by any thread under
+//! `send_lock`, and a reader thread that matches replies (simple, or structured chunks) to
+//! their waiters by cookie.
+//!
+//! # Structured replies
+//!
+//! With `NBD_OPT_STRUCTURED_REPLY` negotiated, a read's reply comes in chunks: data at an
+//! offset (`OFFSET_DATA`, read straight into the request's buffers), holes (`OFFSET_HOLE`,
+//! zeroed), errors (`ERROR`, `ERROR_OFFSET`, and any type with the error bit) until one with
+//! `NBD_REPLY_FLAG_DONE`. Every chunk must lie inside its request; the chunks of a successful
+//! read must cover it exactly once (tracked in [`Chunks`]); a read with an error chunk fails
+//! with `EIO` once its last chunk came. Anything else (a chunk outside its request, one that
+//! overlaps another, an unknown non-error type, a payload of the wrong length) is a protocol
+//! error: the connection dies. Other commands may get a simple reply or chunks.
 //!
 //! # Waiters
 //!
 //! Every request in flight has a [`Waiter`] in `Pending::waiters`, filed under its cookie
 //! before its header is sent (so a reply can never find no waiter). It owns what the reply
 //! fills (a read's buffers) and the channel its [`Done`] goes to. A queued write's op is not in
-//! its waiter while its bytes are being sent (`sending`): the sender holds it, and a result
+//! its waiter while its bytes are being sent (`held`): the sender holds it, and a result
 //! that arrives meanwhile (an early error reply, or the connection dying) is parked in
 //! `early` for the sender to deliver once it has finished with the buffers. So no op is ever
 //! handed back while this connection still reads its bytes. (The reply to a write can come
-//! before its sender returns from the system call that sent its last bytes.)
+//! before its sender returns from the system call that sent its last bytes.) The reader holds
+//! a read's job the same way while it reads a data chunk into its buffers.
 //!
 //! # Deadlines and death
 //!
@@ -25,6 +38,7 @@ use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -36,6 +50,16 @@ use crate::frontend::nbd::protocol::*;
 
 /// How often the reader checks deadlines while it waits for a reply.
 pub(super) const READER_TICK: Duration = Duration::from_millis(200);
+
+/// A read answered in more separate pieces than this (chunks that are not adjacent to one
+/// another) is a protocol error: it bounds what [`Chunks`] holds per read. Servers send
+/// chunks in order (one piece), and even a read of the largest request (32 MiB) cut into
+/// 4 KiB data and holes out of order stays far below it.
+const MAX_READ_PIECES: usize = 4096;
+
+/// The largest error chunk payload: error (4), message length (2), a message of at most
+/// 65535 bytes, an offset (8).
+const MAX_ERROR_CHUNK_BYTES: u32 = 4 + 2 + u16::MAX as u32 + 8;
 
 /// What the server said about the export in the handshake.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +73,20 @@ pub struct ExportInfo {
     pub min_block_bytes: u32,
     pub preferred_block_bytes: u32,
     pub max_block_bytes: u32,
+    /// Whether the server agreed to structured replies (`NBD_OPT_STRUCTURED_REPLY`).
+    pub structured_replies: bool,
+}
+
+/// Structured reply chunks received, over every connection of a backing (for tests and
+/// stats).
+#[derive(Debug, Default)]
+pub struct ChunkCounts {
+    /// `NBD_REPLY_TYPE_OFFSET_DATA` chunks.
+    pub data: AtomicU64,
+    /// `NBD_REPLY_TYPE_OFFSET_HOLE` chunks.
+    pub hole: AtomicU64,
+    /// Error chunks.
+    pub error: AtomicU64,
 }
 
 impl ExportInfo {
@@ -165,15 +203,124 @@ pub(super) struct Done {
 /// A request in flight.
 #[derive(Debug)]
 pub(super) struct Waiter {
-    /// `None` while a queued write's bytes are being sent (the sender holds the op).
+    /// `None` while the job is held elsewhere (see `held`).
     pub job: Option<Job>,
-    /// Set while the sender holds the op: a result arriving meanwhile waits in `early`.
-    pub sending: bool,
+    /// Set while the job is out of the waiter: a queued write's sender is sending its bytes,
+    /// or the reader is reading a data chunk into a read's buffers. A result arriving
+    /// meanwhile waits in `early` for the holder to deliver.
+    pub held: bool,
     pub early: Option<Result<()>>,
-    /// For reads: the payload length the reply carries.
-    pub read_len: Option<u32>,
+    /// For reads: the offset and length asked for (what the reply fills).
+    pub read: Option<(u64, u32)>,
+    /// A structured reply's chunks so far.
+    pub chunks: Chunks,
     pub deadline: Instant,
     pub tx: Sender<Done>,
+}
+
+impl Waiter {
+    pub fn new(
+        job: Option<Job>,
+        held: bool,
+        read: Option<(u64, u32)>,
+        deadline: Instant,
+        tx: Sender<Done>,
+    ) -> Waiter {
+        Waiter {
+            job,
+            held,
+            early: None,
+            read,
+            chunks: Chunks::default(),
+            deadline,
+            tx,
+        }
+    }
+}
+
+/// What the chunks of one structured reply said so far.
+#[derive(Debug, Default)]
+pub(super) struct Chunks {
+    /// The byte ranges of a read (relative to its offset, `[start, end)`) that data and hole
+    /// chunks filled: sorted, disjoint, adjacent ones merged; at most [`MAX_READ_PIECES`].
+    filled: Vec<(u64, u64)>,
+    /// The first error chunk's error.
+    error: Option<Error>,
+}
+
+impl Chunks {
+    /// Records that `[start, end)` of the read was filled. Fails (a protocol error) when it
+    /// overlaps a range filled before or the read would be in too many pieces.
+    fn fill(&mut self, start: u64, end: u64) -> std::result::Result<(), String> {
+        debug_assert!(start < end);
+        // The first range ending after `start`: the only one that can overlap.
+        let i = self.filled.partition_point(|r| r.1 <= start);
+        if let Some(r) = self.filled.get(i) {
+            if r.0 < end {
+                return Err(format!(
+                    "chunk [{start}, {end}) overlaps [{}, {}) sent before",
+                    r.0, r.1
+                ));
+            }
+        }
+        let after_prev = i > 0 && self.filled[i - 1].1 == start;
+        let before_next = i < self.filled.len() && self.filled[i].0 == end;
+        match (after_prev, before_next) {
+            (true, true) => {
+                self.filled[i - 1].1 = self.filled[i].1;
+                self.filled.remove(i);
+            }
+            (true, false) => self.filled[i - 1].1 = end,
+            (false, true) => self.filled[i].0 = start,
+            (false, false) => {
+                if self.filled.len() >= MAX_READ_PIECES {
+                    return Err(format!("a read in more than {MAX_READ_PIECES} pieces"));
+                }
+                self.filled.insert(i, (start, end));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the chunks filled all of a read of `len` bytes.
+    fn complete(&self, len: u64) -> bool {
+        len == 0 || self.filled == [(0, len)]
+    }
+}
+
+/// Where a data or hole chunk of `len` bytes at `offset` goes in a read of `req`: its start
+/// relative to the read, or `None` when it does not lie inside it.
+fn chunk_place(req: (u64, u32), offset: u64, len: u64) -> Option<u64> {
+    let rel = offset.checked_sub(req.0)?;
+    (len > 0 && rel.checked_add(len)? <= u64::from(req.1)).then_some(rel)
+}
+
+/// An error chunk's payload: the error, its message and (`ERROR_OFFSET`) its offset.
+fn parse_error_chunk(
+    reply_type: u16,
+    d: &[u8],
+) -> std::result::Result<(u32, String, Option<u64>), String> {
+    if d.len() < 6 {
+        return Err(format!("error chunk of {} bytes", d.len()));
+    }
+    let error = be_u32(&d[0..4]);
+    let msg_len = usize::from(be_u16(&d[4..6]));
+    let rest = &d[6..];
+    let (message, offset) = match reply_type {
+        REPLY_TYPE_ERROR if rest.len() == msg_len => (rest, None),
+        REPLY_TYPE_ERROR_OFFSET if rest.len() == msg_len + 8 => {
+            (&rest[..msg_len], Some(be_u64(&rest[msg_len..])))
+        }
+        REPLY_TYPE_ERROR | REPLY_TYPE_ERROR_OFFSET => {
+            return Err(format!(
+                "error chunk type {reply_type:#x}: {} bytes with a {msg_len}-byte message",
+                d.len()
+            ))
+        }
+        // An error type this client does not know: the error and, if it fits, the message.
+        _ => (rest.get(..msg_len).unwrap_or(&[]), None),
+    };
+    Ok((error, String::from_utf8_lossy(message).into_owned(), offset))
 }
 
 #[derive(Debug, Default)]
@@ -194,6 +341,8 @@ pub(super) struct Conn {
     pub info: ExportInfo,
     /// A description for messages: the URI.
     name: String,
+    /// Chunks received (shared by the backing's connections).
+    counts: Arc<ChunkCounts>,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -206,7 +355,12 @@ fn io_err(what: &str, e: impl std::fmt::Display) -> Error {
 
 /// Connects to `uri` and runs the fixed-newstyle handshake with `NBD_OPT_GO`, every step by
 /// `timeout`. Returns the connection (its reader not yet started).
-pub(super) fn connect(uri: &NbdUri, name: &str, timeout: Duration) -> Result<Conn> {
+pub(super) fn connect(
+    uri: &NbdUri,
+    name: &str,
+    timeout: Duration,
+    counts: &Arc<ChunkCounts>,
+) -> Result<Conn> {
     let what = format!("NBD server {name}");
     let stream = match &uri.address {
         Address::Tcp { host, port } => {
@@ -256,6 +410,7 @@ pub(super) fn connect(uri: &NbdUri, name: &str, timeout: Duration) -> Result<Con
         pending: Mutex::new(Pending::default()),
         info,
         name: name.to_string(),
+        counts: Arc::clone(counts),
     })
 }
 
@@ -298,8 +453,10 @@ fn handshake(s: &Stream, export: &str) -> Result<ExportInfo> {
     if export.len() > MAX_STRING_BYTES {
         return Err(Error::invalid("export name longer than 4096 bytes"));
     }
+    s.write_all_parts(&[&client_flags.to_be_bytes()])
+        .map_err(|e| io_err("sending the client flags", e))?;
+    let structured_replies = negotiate_structured_replies(s)?;
     let mut msg = Vec::new();
-    msg.extend_from_slice(&client_flags.to_be_bytes());
     let mut data = Vec::new();
     data.extend_from_slice(&(export.len() as u32).to_be_bytes());
     data.extend_from_slice(export.as_bytes());
@@ -382,7 +539,39 @@ fn handshake(s: &Stream, export: &str) -> Result<ExportInfo> {
         min_block_bytes: min,
         preferred_block_bytes: pref,
         max_block_bytes: max,
+        structured_replies,
     })
+}
+
+/// Asks for structured replies: `NBD_REP_ACK` turns them on; an error reply (a server without
+/// them answers `NBD_REP_ERR_UNSUP`) leaves simple replies.
+fn negotiate_structured_replies(s: &Stream) -> Result<bool> {
+    let mut msg = Vec::with_capacity(16);
+    msg.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    msg.extend_from_slice(&OPT_STRUCTURED_REPLY.to_be_bytes());
+    msg.extend_from_slice(&0u32.to_be_bytes());
+    s.write_all_parts(&[&msg])
+        .map_err(|e| io_err("sending NBD_OPT_STRUCTURED_REPLY", e))?;
+    let mut h = [0u8; 20];
+    s.read_exact_plain(&mut h)
+        .map_err(|e| io_err("reading", e))?;
+    let len = be_u32(&h[16..20]);
+    if be_u64(&h[0..8]) != OPTION_REPLY_MAGIC
+        || be_u32(&h[8..12]) != OPT_STRUCTURED_REPLY
+        || len > MAX_OPTION_BYTES
+    {
+        return Err(Error::io("bad reply to NBD_OPT_STRUCTURED_REPLY"));
+    }
+    let mut d = vec![0u8; len as usize];
+    s.read_exact_plain(&mut d)
+        .map_err(|e| io_err("reading", e))?;
+    match be_u32(&h[12..16]) {
+        REP_ACK if len == 0 => Ok(true),
+        t if t & (1 << 31) != 0 => Ok(false),
+        t => Err(Error::io(format!(
+            "reply type {t} to NBD_OPT_STRUCTURED_REPLY"
+        ))),
+    }
 }
 
 impl Conn {
@@ -392,7 +581,7 @@ impl Conn {
     }
 
     /// Kills the connection: marks it dead, shuts the socket (the reader wakes) and fails
-    /// every waiter (a `sending` one gets its result parked for its sender).
+    /// every waiter (a `held` one gets its result parked for its holder).
     pub fn kill(self: &Arc<Self>, why: &str) {
         let mut p = lock(&self.pending);
         if p.dead.is_none() {
@@ -404,7 +593,7 @@ impl Conn {
         for c in cookies {
             let w = p.waiters.get_mut(&c).expect("listed");
             let err = Error::io(format!("NBD server {}: connection lost: {why}", self.name));
-            if w.sending {
+            if w.held {
                 w.early.get_or_insert(Err(err));
                 continue;
             }
@@ -453,26 +642,28 @@ impl Conn {
         Ok(())
     }
 
-    /// After [`send`](Self::send) of a waiter with `sending` set: hands the op to the waiter,
-    /// or delivers it at once if its result came while it was being sent.
-    pub fn attach(self: &Arc<Self>, cookie: u64, op: IoOp) {
+    /// Gives a held job back to its waiter (after [`send`](Self::send) of a waiter with `held`
+    /// set, or after the reader filled a read from a data chunk), or delivers it at once if
+    /// its result came meanwhile. Returns whether it was delivered.
+    pub fn attach(self: &Arc<Self>, cookie: u64, job: Job) -> bool {
         let mut p = lock(&self.pending);
         let Some(w) = p.waiters.get_mut(&cookie) else {
-            unreachable!("a sending waiter stays filed until attached");
+            unreachable!("a held waiter stays filed until its job is back");
         };
         if let Some(result) = w.early.take() {
             let w = p.waiters.remove(&cookie).expect("present");
             drop(p);
             let _ = w.tx.send(Done {
                 cookie,
-                job: Job::Op(op),
+                job,
                 result,
                 conn: Arc::clone(self),
             });
-            return;
+            return true;
         }
-        w.job = Some(Job::Op(op));
-        w.sending = false;
+        w.job = Some(job);
+        w.held = false;
+        false
     }
 
     /// Reads exactly `buf`, waking every tick to check the deadlines.
@@ -502,6 +693,49 @@ impl Conn {
         Ok(())
     }
 
+    /// Reads `len` bytes from the socket into `job`'s buffers from byte `rel` on (`None`:
+    /// zeroes them, a hole).
+    fn fill_job(
+        self: &Arc<Self>,
+        job: &mut Job,
+        mut rel: u64,
+        len: u64,
+        from_socket: bool,
+    ) -> io::Result<()> {
+        let mut left = len as usize;
+        let mut put = |s: &mut [u8]| -> io::Result<()> {
+            if left == 0 {
+                return Ok(());
+            }
+            if rel >= s.len() as u64 {
+                rel -= s.len() as u64;
+                return Ok(());
+            }
+            let from = rel as usize;
+            let n = (s.len() - from).min(left);
+            let part = &mut s[from..from + n];
+            if from_socket {
+                self.read_full(part)?;
+            } else {
+                part.fill(0);
+            }
+            rel = 0;
+            left -= n;
+            Ok(())
+        };
+        match job {
+            Job::Op(op) => {
+                for s in op.slices_mut() {
+                    put(s)?;
+                }
+            }
+            Job::Bytes(b) => put(b)?,
+            Job::Plain => {}
+        }
+        debug_assert_eq!(left, 0, "the chunk was checked to lie inside the read");
+        Ok(())
+    }
+
     fn check_deadlines(&self) -> io::Result<()> {
         let p = lock(&self.pending);
         if let Some(why) = &p.dead {
@@ -527,74 +761,195 @@ impl Conn {
     }
 
     fn read_replies(self: &Arc<Self>) -> io::Result<()> {
-        let proto = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
         loop {
-            let mut h = [0u8; SIMPLE_REPLY_HEADER_BYTES];
-            self.read_full(&mut h)?;
-            if be_u32(&h[0..4]) != SIMPLE_REPLY_MAGIC {
-                return Err(proto(format!("bad reply magic {:#x}", be_u32(&h[0..4]))));
+            let mut magic = [0u8; 4];
+            self.read_full(&mut magic)?;
+            match be_u32(&magic) {
+                SIMPLE_REPLY_MAGIC => self.read_simple_reply()?,
+                STRUCTURED_REPLY_MAGIC if self.info.structured_replies => self.read_chunk()?,
+                m => return Err(protocol_error(format!("bad reply magic {m:#x}"))),
             }
-            let error = be_u32(&h[4..8]);
-            let cookie = be_u64(&h[8..16]);
-            let (job, read_len, tx, sending) = {
-                let mut p = lock(&self.pending);
-                let Some(w) = p.waiters.get_mut(&cookie) else {
-                    return Err(proto(format!("reply to unknown cookie {cookie}")));
-                };
-                if w.sending {
-                    // The reply to a write whose sender has not yet returned from sending it
-                    // (the server had all its bytes): park it for the sender.
-                    w.early = Some(match error {
-                        0 => Ok(()),
-                        e => Err(nbd_error(e, &self.name)),
-                    });
-                    continue;
-                }
-                let w = p.waiters.remove(&cookie).expect("present");
-                (w.job, w.read_len, w.tx, w.sending)
+        }
+    }
+
+    /// The rest of a simple reply (after its magic) and, for a successful read, its data.
+    fn read_simple_reply(self: &Arc<Self>) -> io::Result<()> {
+        let mut h = [0u8; SIMPLE_REPLY_HEADER_BYTES - 4];
+        self.read_full(&mut h)?;
+        let error = be_u32(&h[0..4]);
+        let cookie = be_u64(&h[4..12]);
+        let (job, read, tx) = {
+            let mut p = lock(&self.pending);
+            let Some(w) = p.waiters.get_mut(&cookie) else {
+                return Err(protocol_error(format!("reply to unknown cookie {cookie}")));
             };
-            debug_assert!(!sending);
-            let mut job = job.unwrap_or(Job::Plain);
-            let result = if error != 0 {
-                Err(nbd_error(error, &self.name))
-            } else {
-                if read_len.is_some() {
-                    let filled = match &mut job {
-                        Job::Op(op) => {
-                            let mut r = Ok(());
-                            for s in op.slices_mut() {
-                                r = self.read_full(s);
-                                if r.is_err() {
-                                    break;
-                                }
-                            }
-                            r
-                        }
-                        Job::Bytes(b) => self.read_full(b),
-                        Job::Plain => Ok(()),
-                    };
-                    if let Err(e) = filled {
-                        let _ = tx.send(Done {
-                            cookie,
-                            job,
-                            result: Err(Error::io(format!(
-                                "NBD server {}: reading a reply: {e}",
-                                self.name
-                            ))),
-                            conn: Arc::clone(self),
-                        });
-                        return Err(e);
+            if w.held {
+                // The reply to a write whose sender has not yet returned from sending it
+                // (the server had all its bytes): park it for the sender.
+                w.early = Some(match error {
+                    0 => Ok(()),
+                    e => Err(nbd_error(e, &self.name, "")),
+                });
+                return Ok(());
+            }
+            let w = p.waiters.remove(&cookie).expect("present");
+            (w.job, w.read, w.tx)
+        };
+        let mut job = job.unwrap_or(Job::Plain);
+        let mut result = Ok(());
+        if error != 0 {
+            result = Err(nbd_error(error, &self.name, ""));
+        } else if let Some((_, len)) = read {
+            if let Err(e) = self.fill_job(&mut job, 0, u64::from(len), true) {
+                let _ = tx.send(Done {
+                    cookie,
+                    job,
+                    result: Err(Error::io(format!(
+                        "NBD server {}: reading a reply: {e}",
+                        self.name
+                    ))),
+                    conn: Arc::clone(self),
+                });
+                return Err(e);
+            }
+        }
+        let _ = tx.send(Done {
+            cookie,
+            job,
+            result,
+            conn: Arc::clone(self),
+        });
+        Ok(())
+    }
+
+    /// The rest of a structured reply chunk (after its magic) and its payload.
+    fn read_chunk(self: &Arc<Self>) -> io::Result<()> {
+        let mut h = [0u8; STRUCTURED_REPLY_HEADER_BYTES - 4];
+        self.read_full(&mut h)?;
+        let flags = be_u16(&h[0..2]);
+        let reply_type = be_u16(&h[2..4]);
+        let cookie = be_u64(&h[4..12]);
+        let length = be_u32(&h[12..16]);
+        let read = {
+            let p = lock(&self.pending);
+            match p.waiters.get(&cookie) {
+                Some(w) => w.read,
+                None => return Err(protocol_error(format!("chunk for unknown cookie {cookie}"))),
+            }
+        };
+        let bad = |what: &str| {
+            protocol_error(format!(
+                "chunk type {reply_type:#x} of {length} bytes for cookie {cookie}: {what}"
+            ))
+        };
+        match reply_type {
+            REPLY_TYPE_NONE if length == 0 => {}
+            REPLY_TYPE_OFFSET_DATA | REPLY_TYPE_OFFSET_HOLE => {
+                let Some(req) = read else {
+                    return Err(bad("data or hole for a request that is not a read"));
+                };
+                let is_data = reply_type == REPLY_TYPE_OFFSET_DATA;
+                let (offset, len) = if is_data {
+                    if length <= 8 {
+                        return Err(bad("no data"));
+                    }
+                    let mut o = [0u8; 8];
+                    self.read_full(&mut o)?;
+                    (be_u64(&o), u64::from(length - 8))
+                } else {
+                    if length != 12 {
+                        return Err(bad("a hole chunk is 12 bytes"));
+                    }
+                    let mut o = [0u8; 12];
+                    self.read_full(&mut o)?;
+                    (be_u64(&o[0..8]), u64::from(be_u32(&o[8..12])))
+                };
+                let Some(rel) = chunk_place(req, offset, len) else {
+                    return Err(bad(&format!(
+                        "[{offset}, +{len}) is not inside the read [{}, +{})",
+                        req.0, req.1
+                    )));
+                };
+                let mut p = lock(&self.pending);
+                let w = p
+                    .waiters
+                    .get_mut(&cookie)
+                    .expect("filed until its last chunk");
+                w.chunks.fill(rel, rel + len).map_err(|e| bad(&e))?;
+                if is_data {
+                    self.counts.data.fetch_add(1, Ordering::Relaxed);
+                    // Hold the job while its buffers fill from the socket (a kill meanwhile
+                    // parks its result for us).
+                    let mut job = w.job.take().unwrap_or(Job::Plain);
+                    w.held = true;
+                    drop(p);
+                    let filled = self.fill_job(&mut job, rel, len, true);
+                    let delivered = self.attach(cookie, job);
+                    filled?;
+                    if delivered {
+                        return Err(io::Error::other("connection killed"));
+                    }
+                } else {
+                    self.counts.hole.fetch_add(1, Ordering::Relaxed);
+                    if let Some(job) = w.job.as_mut() {
+                        self.fill_job(job, rel, len, false)?;
                     }
                 }
-                Ok(())
-            };
-            let _ = tx.send(Done {
-                cookie,
-                job,
-                result,
-                conn: Arc::clone(self),
-            });
+            }
+            t if t & REPLY_TYPE_ERROR_BIT != 0 => {
+                if !(6..=MAX_ERROR_CHUNK_BYTES).contains(&length) {
+                    return Err(bad("error chunk length"));
+                }
+                let mut d = vec![0u8; length as usize];
+                self.read_full(&mut d)?;
+                let (error, message, offset) = parse_error_chunk(t, &d).map_err(|e| bad(&e))?;
+                self.counts.error.fetch_add(1, Ordering::Relaxed);
+                let at = offset
+                    .map(|o| format!(" at offset {o}"))
+                    .unwrap_or_default();
+                let detail = format!("{at}: {message}");
+                let mut p = lock(&self.pending);
+                let w = p
+                    .waiters
+                    .get_mut(&cookie)
+                    .expect("filed until its last chunk");
+                // The first error is the request's; an error value of 0 is still an error.
+                w.chunks
+                    .error
+                    .get_or_insert_with(|| nbd_error(error.max(1), &self.name, &detail));
+            }
+            _ => return Err(bad("unexpected type or length")),
         }
+        if flags & REPLY_FLAG_DONE == 0 {
+            return Ok(());
+        }
+        // The last chunk: the request's result.
+        let mut p = lock(&self.pending);
+        let w = p
+            .waiters
+            .get_mut(&cookie)
+            .expect("filed until its last chunk");
+        let result = match (w.chunks.error.take(), w.read) {
+            (Some(e), _) => Err(e),
+            (None, Some((_, len))) if !w.chunks.complete(u64::from(len)) => {
+                return Err(bad("the chunks of a successful read do not cover it"));
+            }
+            (None, _) => Ok(()),
+        };
+        if w.held {
+            // A write whose sender has not returned yet: it delivers.
+            w.early = Some(result);
+            return Ok(());
+        }
+        let w = p.waiters.remove(&cookie).expect("present");
+        drop(p);
+        let _ = w.tx.send(Done {
+            cookie,
+            job: w.job.unwrap_or(Job::Plain),
+            result,
+            conn: Arc::clone(self),
+        });
+        Ok(())
     }
 
     /// Best-effort `NBD_CMD_DISC` and shutdown (the backing is being dropped).
@@ -614,8 +969,9 @@ impl Conn {
     }
 }
 
-/// The error of an NBD error reply: `ENOSPC` stays `NoSpace`, the rest is `EIO`.
-fn nbd_error(error: u32, name: &str) -> Error {
+/// The error of an NBD error reply (`detail`: what an error chunk added): `ENOSPC` stays
+/// `NoSpace`, the rest is `EIO`.
+fn nbd_error(error: u32, name: &str, detail: &str) -> Error {
     let kind = match error {
         NBD_ENOSPC => ErrorKind::NoSpace,
         _ => ErrorKind::Io,
@@ -623,8 +979,100 @@ fn nbd_error(error: u32, name: &str) -> Error {
     Error::new(
         kind,
         format!(
-            "NBD server {name} replied {} ({error})",
+            "NBD server {name} replied {} ({error}){detail}",
             nbd_error_name(error)
         ),
     )
+}
+
+fn protocol_error(m: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_must_cover_a_read_once() {
+        let mut c = Chunks::default();
+        assert!(c.complete(0));
+        assert!(!c.complete(4096));
+        // Out of order, adjacent ones merge.
+        c.fill(1024, 2048).unwrap();
+        c.fill(3072, 4096).unwrap();
+        assert_eq!(c.filled, [(1024, 2048), (3072, 4096)]);
+        assert!(!c.complete(4096));
+        c.fill(0, 1024).unwrap();
+        c.fill(2048, 3072).unwrap();
+        assert_eq!(c.filled, [(0, 4096)]);
+        assert!(c.complete(4096));
+        assert!(!c.complete(8192));
+        // Overlaps, whole or partial, either side.
+        let mut c = Chunks::default();
+        c.fill(100, 200).unwrap();
+        for (a, b) in [(100, 200), (50, 101), (199, 300), (0, 1000), (120, 130)] {
+            assert!(c.fill(a, b).is_err(), "{a}..{b}");
+        }
+        assert_eq!(c.filled, [(100, 200)]);
+        // Pieces are bounded.
+        let mut c = Chunks::default();
+        for i in 0..MAX_READ_PIECES as u64 {
+            c.fill(2 * i, 2 * i + 1).unwrap();
+        }
+        assert!(c
+            .fill(10 * MAX_READ_PIECES as u64, 10 * MAX_READ_PIECES as u64 + 1)
+            .is_err());
+        // Filling a gap merges two pieces into one and stays within the bound.
+        c.fill(1, 2).unwrap();
+        assert_eq!(c.filled.len(), MAX_READ_PIECES - 1);
+    }
+
+    #[test]
+    fn chunk_place_keeps_chunks_inside_their_read() {
+        let req = (4096, 8192);
+        assert_eq!(chunk_place(req, 4096, 8192), Some(0));
+        assert_eq!(chunk_place(req, 8192, 4096), Some(4096));
+        assert_eq!(chunk_place(req, 8192, 4097), None);
+        assert_eq!(chunk_place(req, 4095, 1), None);
+        assert_eq!(chunk_place(req, 4096, 0), None);
+        assert_eq!(chunk_place(req, u64::MAX, 1), None);
+        assert_eq!(
+            chunk_place((u64::MAX - 10, 10), u64::MAX - 1, u64::MAX),
+            None
+        );
+    }
+
+    #[test]
+    fn error_chunks_parse_with_and_without_offsets() {
+        let mut d = Vec::new();
+        d.extend_from_slice(&NBD_EIO.to_be_bytes());
+        d.extend_from_slice(&3u16.to_be_bytes());
+        d.extend_from_slice(b"bad");
+        assert_eq!(
+            parse_error_chunk(REPLY_TYPE_ERROR, &d).unwrap(),
+            (NBD_EIO, "bad".to_string(), None)
+        );
+        // The same payload is too short for ERROR_OFFSET.
+        assert!(parse_error_chunk(REPLY_TYPE_ERROR_OFFSET, &d).is_err());
+        let mut o = d.clone();
+        o.extend_from_slice(&12345u64.to_be_bytes());
+        assert_eq!(
+            parse_error_chunk(REPLY_TYPE_ERROR_OFFSET, &o).unwrap(),
+            (NBD_EIO, "bad".to_string(), Some(12345))
+        );
+        // ERROR with trailing bytes, a message longer than the chunk, a short chunk.
+        assert!(parse_error_chunk(REPLY_TYPE_ERROR, &o).is_err());
+        let mut long = d.clone();
+        long[4..6].copy_from_slice(&9u16.to_be_bytes());
+        assert!(parse_error_chunk(REPLY_TYPE_ERROR, &long).is_err());
+        assert!(parse_error_chunk(REPLY_TYPE_ERROR, &d[..5]).is_err());
+        // An unknown error type: its error, and its message when it fits.
+        let unknown = REPLY_TYPE_ERROR_BIT | 77;
+        assert_eq!(
+            parse_error_chunk(unknown, &o).unwrap(),
+            (NBD_EIO, "bad".to_string(), None)
+        );
+        assert_eq!(parse_error_chunk(unknown, &long).unwrap().1, "");
+    }
 }

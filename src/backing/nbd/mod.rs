@@ -9,7 +9,8 @@
 //!   size constraints, transmission flags), requests from any thread, a reader thread matching
 //!   simple replies to waiters by cookie, and a deadline on every request.
 //! - This file: the pool of connections (one, or up to [`NbdOptions::connections`] when the
-//!   server advertises multi-conn: as many as it accepts when the pool is opened), reconnection with backoff, the synchronous calls, and
+//!   server advertises multi-conn: as many as it accepts when the pool is opened), reconnection
+//!   with backoff (by one caller, without blocking the others), the synchronous calls, and
 //!   [`NbdQueue`], the writeback engine's queue: its ops in flight are NBD requests in flight.
 //!
 //! # Durability
@@ -45,12 +46,12 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use self::conn::ExportInfo;
 use self::conn::{lock, Conn, Done, Job, Waiter};
+pub use self::conn::{ChunkCounts, ExportInfo};
 use self::uri::NbdUri;
 use super::{
     check_depth, check_range, check_submit, total_len, Backing, IoCompletion, IoKind, IoOp,
@@ -86,15 +87,31 @@ impl Default for NbdOptions {
     }
 }
 
+/// How long a call waits for another caller's reconnection of its connection before it
+/// looks for another live connection or fails with `EIO`. A reconnection to a server that is
+/// up takes a few round trips (milliseconds); one to a server that accepts but stalls its
+/// handshake takes up to the request deadline (30 s), and only the caller that started it
+/// waits that long.
+const RECONNECT_WAIT: Duration = Duration::from_secs(1);
+
 /// One connection of the pool and its reconnection state.
 #[derive(Debug)]
 struct Slot {
     conn: Option<Arc<Conn>>,
     reader: Option<JoinHandle<()>>,
+    /// Set while a caller reconnects this slot (without holding its lock).
+    connecting: bool,
     /// No reconnection before this.
     next_attempt: Instant,
     backoff: Duration,
     last_error: Option<String>,
+}
+
+/// A slot and the condition variable its reconnection's end is announced on.
+#[derive(Debug)]
+struct SlotCell {
+    slot: Mutex<Slot>,
+    reconnected: Condvar,
 }
 
 /// A backing on an NBD server. See the module docs.
@@ -106,13 +123,15 @@ pub struct NbdBacking {
     /// What the first handshake said (a reconnection must find the same size).
     info: ExportInfo,
     size_bytes: u64,
-    /// The pool (its length: 1, or `options.connections` with multi-conn). Each slot's mutex
-    /// is held while it reconnects.
-    slots: Vec<Mutex<Slot>>,
+    /// The pool (its length: 1, or `options.connections` with multi-conn). A slot's mutex is
+    /// held only to look at it: a reconnection runs without it (`Slot::connecting`).
+    slots: Vec<SlotCell>,
     next_slot: AtomicUsize,
     cookies: AtomicU64,
     /// Connections opened (the first included) and lost, for tests and stats.
     connects: AtomicU64,
+    /// Structured reply chunks received, for tests and stats.
+    counts: Arc<ChunkCounts>,
 }
 
 impl NbdBacking {
@@ -120,12 +139,13 @@ impl NbdBacking {
     /// and hold at least one 4 KiB block; its size is rounded down to whole blocks.
     pub fn open(uri: &str, options: &NbdOptions) -> Result<NbdBacking> {
         let parsed = NbdUri::parse(uri)?;
+        let counts = Arc::new(ChunkCounts::default());
         if options.connections == 0 || options.request_timeout.is_zero() {
             return Err(Error::invalid(
                 "NBD options: connections and timeout must be non-zero",
             ));
         }
-        let first = conn::connect(&parsed, uri, options.request_timeout)?;
+        let first = conn::connect(&parsed, uri, options.request_timeout, &counts)?;
         let info = first.info;
         if info.has(TFLAG_READ_ONLY) {
             return Err(Error::new(
@@ -169,7 +189,7 @@ impl NbdBacking {
         let extra_timeout = options.request_timeout.min(EXTRA_CONNECTION_TIMEOUT);
         let mut opened = vec![first];
         while opened.len() < wanted {
-            match conn::connect(&parsed, uri, extra_timeout) {
+            match conn::connect(&parsed, uri, extra_timeout, &counts) {
                 Ok(c) if c.info.size_bytes == info.size_bytes => opened.push(c),
                 _ => break,
             }
@@ -177,14 +197,16 @@ impl NbdBacking {
         let n = opened.len();
         let now = Instant::now();
         let slots = (0..n)
-            .map(|_| {
-                Mutex::new(Slot {
+            .map(|_| SlotCell {
+                slot: Mutex::new(Slot {
                     conn: None,
                     reader: None,
+                    connecting: false,
                     next_attempt: now,
                     backoff: options.backoff_min,
                     last_error: None,
-                })
+                }),
+                reconnected: Condvar::new(),
             })
             .collect();
         let b = NbdBacking {
@@ -197,9 +219,10 @@ impl NbdBacking {
             next_slot: AtomicUsize::new(0),
             cookies: AtomicU64::new(1),
             connects: AtomicU64::new(0),
+            counts,
         };
-        for (slot, c) in b.slots.iter().zip(opened) {
-            b.install(&mut lock(slot), c);
+        for (cell, c) in b.slots.iter().zip(opened) {
+            b.install(&mut lock(&cell.slot), c);
         }
         Ok(b)
     }
@@ -218,6 +241,17 @@ impl NbdBacking {
     /// reconnections.
     pub fn connects(&self) -> u64 {
         self.connects.load(Ordering::Relaxed)
+    }
+
+    /// Whether the server sends structured replies (negotiated at the first handshake).
+    pub fn structured_replies(&self) -> bool {
+        self.info.structured_replies
+    }
+
+    /// Structured reply chunks received so far: data, holes, errors.
+    pub fn chunk_counts(&self) -> [u64; 3] {
+        let c = &self.counts;
+        [&c.data, &c.hole, &c.error].map(|a| a.load(Ordering::Relaxed))
     }
 
     /// Whether completed writes need an `NBD_CMD_FLUSH` to be durable.
@@ -246,42 +280,89 @@ impl NbdBacking {
         }
     }
 
-    /// A live connection: the next slot's, reconnecting when it died and its backoff passed.
+    /// A live connection: the next slot's (round-robin). When it died and its backoff passed,
+    /// this caller reconnects it, without the slot's lock; a caller that finds a reconnection
+    /// under way waits for it up to [`RECONNECT_WAIT`], then takes another live connection or
+    /// fails with `EIO` at once, so a reconnection blocks no other call for long.
     fn conn(&self) -> Result<Arc<Conn>> {
-        let i = self.next_slot.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        let mut slot = lock(&self.slots[i]);
-        if let Some(c) = &slot.conn {
-            if !c.is_dead() {
-                return Ok(Arc::clone(c));
-            }
-        }
-        if let Some(c) = slot.conn.take() {
-            // The reader exits once its socket is shut (kill did that).
-            c.kill("replaced");
-            if let Some(h) = slot.reader.take() {
-                let _ = h.join();
-            }
-        }
-        let now = Instant::now();
-        if now < slot.next_attempt {
-            return Err(Error::io(format!(
-                "NBD server {} unreachable ({}); next attempt in {} ms",
-                self.name,
-                slot.last_error.as_deref().unwrap_or("connection lost"),
-                (slot.next_attempt - now).as_millis()
-            )));
-        }
-        let result =
-            conn::connect(&self.uri, &self.name, self.options.request_timeout).and_then(|c| {
-                if c.info.size_bytes < self.size_bytes {
-                    return Err(Error::io(format!(
-                        "NBD export {} shrank to {} bytes",
-                        self.name, c.info.size_bytes
-                    )));
+        let n = self.slots.len();
+        let first = self.next_slot.fetch_add(1, Ordering::Relaxed) % n;
+        let mut refusal = None;
+        for k in 0..n {
+            let cell = &self.slots[(first + k) % n];
+            let mut slot = lock(&cell.slot);
+            if k == 0 && slot.connecting {
+                let until = Instant::now() + RECONNECT_WAIT;
+                while slot.connecting {
+                    let now = Instant::now();
+                    if now >= until {
+                        break;
+                    }
+                    slot = cell
+                        .reconnected
+                        .wait_timeout(slot, until - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
                 }
-                Ok(c)
+            }
+            if let Some(c) = &slot.conn {
+                if !c.is_dead() {
+                    return Ok(Arc::clone(c));
+                }
+            }
+            if let Some(c) = slot.conn.take() {
+                // The reader exits once its socket is shut (kill did that).
+                c.kill("replaced");
+                if let Some(h) = slot.reader.take() {
+                    let _ = h.join();
+                }
+            }
+            let now = Instant::now();
+            if k == 0 && !slot.connecting && now >= slot.next_attempt {
+                slot.connecting = true;
+                drop(slot);
+                return self.reconnect(cell);
+            }
+            refusal.get_or_insert_with(|| {
+                let why = slot.last_error.as_deref().unwrap_or("connection lost");
+                if slot.connecting {
+                    Error::io(format!(
+                        "NBD server {} unreachable ({why}); reconnecting",
+                        self.name
+                    ))
+                } else {
+                    Error::io(format!(
+                        "NBD server {} unreachable ({why}); next attempt in {} ms",
+                        self.name,
+                        slot.next_attempt.saturating_duration_since(now).as_millis()
+                    ))
+                }
             });
-        match result {
+        }
+        Err(refusal.expect("the pool has a slot"))
+    }
+
+    /// Opens a new connection for `cell`, whose `connecting` this caller set; installs it (or
+    /// backs off), clears `connecting` and wakes the callers waiting for it.
+    fn reconnect(&self, cell: &SlotCell) -> Result<Arc<Conn>> {
+        let result = conn::connect(
+            &self.uri,
+            &self.name,
+            self.options.request_timeout,
+            &self.counts,
+        )
+        .and_then(|c| {
+            if c.info.size_bytes < self.size_bytes {
+                return Err(Error::io(format!(
+                    "NBD export {} shrank to {} bytes",
+                    self.name, c.info.size_bytes
+                )));
+            }
+            Ok(c)
+        });
+        let mut slot = lock(&cell.slot);
+        slot.connecting = false;
+        let out = match result {
             Ok(c) => {
                 self.install(&mut slot, c);
                 match &slot.conn {
@@ -295,7 +376,10 @@ impl NbdBacking {
                 slot.backoff = (slot.backoff * 2).min(self.options.backoff_max);
                 Err(e)
             }
-        }
+        };
+        drop(slot);
+        cell.reconnected.notify_all();
+        out
     }
 
     fn cookie(&self) -> u64 {
@@ -316,15 +400,9 @@ impl NbdBacking {
     fn call(&self, header: RequestHeader, payload: &[&[u8]], job: Job) -> Result<Job> {
         let conn = self.conn()?;
         let (tx, rx) = channel();
-        let read_len = (header.command == CMD_READ).then_some(header.length);
-        let waiter = Waiter {
-            job: Some(job),
-            sending: false,
-            early: None,
-            read_len,
-            deadline: Instant::now() + self.options.request_timeout,
-            tx,
-        };
+        let read = (header.command == CMD_READ).then_some((header.offset, header.length));
+        let deadline = Instant::now() + self.options.request_timeout;
+        let waiter = Waiter::new(Some(job), false, read, deadline, tx);
         conn.send(header, payload, waiter).map_err(|(e, _)| e)?;
         // The reader answers every waiter by its deadline (or kills the connection, which
         // answers them all); the margin covers its tick.
@@ -443,8 +521,8 @@ impl Backing for NbdBacking {
 
 impl Drop for NbdBacking {
     fn drop(&mut self) {
-        for s in &self.slots {
-            let mut s = lock(s);
+        for cell in &self.slots {
+            let mut s = lock(&cell.slot);
             if let Some(c) = s.conn.take() {
                 c.disconnect();
             }
@@ -513,15 +591,9 @@ impl<'a> NbdQueue<'a> {
         }
     }
 
-    fn waiter(&self, sending: bool, job: Option<Job>, read_len: Option<u32>) -> Waiter {
-        Waiter {
-            job,
-            sending,
-            early: None,
-            read_len,
-            deadline: Instant::now() + self.backing.options.request_timeout,
-            tx: self.tx.clone(),
-        }
+    fn waiter(&self, held: bool, job: Option<Job>, read: Option<(u64, u32)>) -> Waiter {
+        let deadline = Instant::now() + self.backing.options.request_timeout;
+        Waiter::new(job, held, read, deadline, self.tx.clone())
     }
 
     /// Files a finished request.
@@ -620,7 +692,8 @@ impl IoQueue for NbdQueue<'_> {
         match op.kind {
             IoKind::Read => {
                 let header = b.header(CMD_READ, op.offset, len as u32);
-                let w = self.waiter(false, Some(Job::Op(op)), Some(len as u32));
+                let read = Some((op.offset, len as u32));
+                let w = self.waiter(false, Some(Job::Op(op)), read);
                 match conn.send(header, &[], w) {
                     Ok(()) => {}
                     Err((e, Some(Job::Op(op)))) => return Err((e, op)),
@@ -635,7 +708,7 @@ impl IoQueue for NbdQueue<'_> {
                 if let Err((e, _)) = conn.send(header, &op.slices(), w) {
                     return Err((e, op));
                 }
-                conn.attach(cookie, op);
+                conn.attach(cookie, Job::Op(op));
             }
         }
         self.in_flight += 1;
@@ -666,8 +739,8 @@ impl IoQueue for NbdQueue<'_> {
                 Err(RecvTimeoutError::Timeout) => {
                     // Every reader answers by its deadline; if one did not, kill the pool's
                     // connections, which answers every request on them.
-                    for s in &self.backing.slots {
-                        if let Some(c) = &lock(s).conn {
+                    for cell in &self.backing.slots {
+                        if let Some(c) = &lock(&cell.slot).conn {
                             c.kill("requests got no answer");
                         }
                     }

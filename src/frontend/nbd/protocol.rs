@@ -126,8 +126,16 @@ pub const REPLY_FLAG_DONE: u16 = 1 << 0;
 pub const REPLY_TYPE_NONE: u16 = 0;
 /// Structured reply type: data at an offset.
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+/// Structured reply type: a hole (zeros) at an offset.
+pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+/// Structured reply type: block status (only with a negotiated metadata context).
+pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 /// Structured reply type: an error with a message.
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
+/// Structured reply type: an error with a message and the offset it happened at.
+pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) + 2;
+/// Structured reply types with this bit are errors (known or not).
+pub const REPLY_TYPE_ERROR_BIT: u16 = 1 << 15;
 
 /// NBD error: operation not permitted.
 pub const NBD_EPERM: u32 = 1;
