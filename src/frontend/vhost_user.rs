@@ -129,12 +129,15 @@ impl BlkBackend {
     }
 
     /// Serves what queue `vring` holds; returns whether the guest must be kicked.
-    fn process_queue(&self, qid: usize, vring: &VringRwLock) -> bool {
+    fn process_queue(&self, thread_id: usize, vring: &VringRwLock) -> bool {
         let Some(atomic) = self.mem.read().clone() else {
             return false;
         };
         let mem = atomic.memory();
-        let mut bounce = self.bounce[qid].lock();
+        let Some(bounce) = self.bounce.get(thread_id) else {
+            return false;
+        };
+        let mut bounce = bounce.lock();
         let mut used_any = false;
         loop {
             let chain = vring
@@ -144,10 +147,11 @@ impl BlkBackend {
             let Some(chain) = chain else { break };
             let head = chain.head_index();
             let len = self.serve_chain(&mem, chain, &mut bounce);
-            if vring.add_used(head, len).is_err() {
-                break;
+            // A head index past the queue (a broken driver) has no used entry to take: the
+            // chain is consumed and dropped, and the requests after it are still served.
+            if vring.add_used(head, len).is_ok() {
+                used_any = true;
             }
-            used_any = true;
         }
         used_any
     }
@@ -332,6 +336,14 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn update_memory(&self, mem: Mem) -> std::io::Result<()> {
+        // A region mapped past the end of its file would fault (SIGBUS, the whole server)
+        // on the first access there: such a table is refused, and the queues stop until a
+        // good one comes (the library has already swapped it into the vrings' view; the
+        // refusal ends the connection).
+        if let Err(e) = check_regions(&mem) {
+            *self.mem.write() = None;
+            return Err(e);
+        }
         *self.mem.write() = Some(mem);
         Ok(())
     }
@@ -351,20 +363,28 @@ impl VhostUserBackend for BlkBackend {
         device_event: u16,
         evset: EventSet,
         vrings: &[VringRwLock],
-        _thread_id: usize,
+        thread_id: usize,
     ) -> std::io::Result<()> {
         if evset != EventSet::IN {
             return Err(std::io::Error::other("unexpected event set"));
         }
-        let qid = usize::from(device_event);
-        let Some(vring) = vrings.get(qid) else {
+        // `vrings` are this thread's (one: `queues_per_thread`), and `device_event` indexes
+        // them; the thread's index is the queue's, and picks its bounce buffer.
+        let Some(vring) = vrings.get(usize::from(device_event)) else {
             return Err(std::io::Error::other("event for no queue"));
         };
+        if self.mem.read().is_none() {
+            // No guest memory we accepted (none yet, or a table refused by `update_memory`):
+            // the queue's rings are not touched.
+            return Ok(());
+        }
         if self.event_idx.load(Ordering::Relaxed) {
             // Serve, re-enable notifications, and serve again what arrived in between.
             loop {
                 let _ = vring.disable_notification();
-                if self.process_queue(qid, vring) && vring.needs_notification().unwrap_or(true) {
+                if self.process_queue(thread_id, vring)
+                    && vring.needs_notification().unwrap_or(true)
+                {
                     vring.signal_used_queue()?;
                 }
                 match vring.enable_notification() {
@@ -372,11 +392,35 @@ impl VhostUserBackend for BlkBackend {
                     _ => break,
                 }
             }
-        } else if self.process_queue(qid, vring) {
+        } else if self.process_queue(thread_id, vring) {
             vring.signal_used_queue()?;
         }
         Ok(())
     }
+}
+
+/// Every region of `mem` lies inside its file (`SET_MEM_TABLE` gives sizes and offsets that
+/// `mmap` does not check against the file: an access past the end raises SIGBUS).
+fn check_regions(mem: &Mem) -> std::io::Result<()> {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    for region in mem.memory().iter() {
+        let Some(fo) = region.file_offset() else {
+            return Err(std::io::Error::other(
+                "a guest memory region without a file",
+            ));
+        };
+        let file_bytes = fo.file().metadata()?.len();
+        let end = fo.start().checked_add(region.len());
+        if !matches!(end, Some(end) if end <= file_bytes) {
+            return Err(std::io::Error::other(format!(
+                "a guest memory region of {} bytes at file offset {} past the end of its \
+                 file ({file_bytes} bytes)",
+                region.len(),
+                fo.start()
+            )));
+        }
+    }
+    Ok(())
 }
 
 type Daemon = VhostUserDaemon<Arc<BlkBackend>>;
@@ -471,9 +515,16 @@ impl VhostUserExport {
                         }
                     };
                     if let Err(e) = daemon.start(&mut listener) {
-                        eprintln!("uzram: vhost-user {name2}: {e}");
+                        // accept() failed (e.g. out of file descriptors, or a connection that
+                        // aborted): the socket goes on accepting, after a pause so that a
+                        // lasting failure does not spin.
                         backend2.end_connection();
-                        break;
+                        if stop2.load(Ordering::Acquire) {
+                            break;
+                        }
+                        eprintln!("uzram: vhost-user {name2}: accepting: {e}");
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                        continue;
                     }
                     {
                         // Under the lock: either stop() sees the handle, or we see `stopping`.
