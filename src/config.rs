@@ -24,6 +24,8 @@
 //! algorithm_params = "level=8"   # before disksize, exactly as `echo VALUE > ATTR` would
 //! multi_page_size = "64K"        # runs written at once compressed as one object
 //! mem_limit = "2G"
+//! policy = "idle_age_s=600 compact_ratio=1.05"   # optional: automatic policies (docs/policies.md);
+//!                                # also a table: policy = { idle_age_s = 600, compact_ratio = 1.05 }
 //! ```
 //!
 //! Attribute keys are not interpreted here: each is stored through
@@ -54,6 +56,7 @@ const DEVICE_KEYS: &[&str] = &[
     "socket",
     "ublk",
     "vhost_user",
+    "policy",
 ];
 
 /// The whole configuration.
@@ -97,6 +100,9 @@ pub struct DeviceSpec {
     pub vhost_user: bool,
     /// Attributes to store before `disksize`, in order: (name, value).
     pub attrs: Vec<(String, String)>,
+    /// The device's policies, as `uzram ctl DEV policy` takes them (`key=value` tokens);
+    /// checked when the file is read.
+    pub policy: Option<String>,
 }
 
 fn bad(msg: impl Into<String>) -> Error {
@@ -253,6 +259,40 @@ impl DeviceSpec {
                 .as_bool()
                 .ok_or_else(|| bad(format!("{}: true or false", at("vhost_user"))))?,
         };
+        let policy = match t.get("policy") {
+            None => None,
+            Some(toml::Value::String(s)) => Some(s.clone()),
+            Some(toml::Value::Table(p)) => {
+                let mut words = Vec::new();
+                for (k, v) in p {
+                    let v = match v {
+                        toml::Value::String(s) => s.clone(),
+                        toml::Value::Integer(n) => n.to_string(),
+                        toml::Value::Float(f) => f.to_string(),
+                        toml::Value::Boolean(false) => "off".to_string(),
+                        _ => {
+                            return Err(bad(format!(
+                                "{}: values are strings, numbers or false (off)",
+                                at(&format!("policy.{k}"))
+                            )))
+                        }
+                    };
+                    words.push(format!("{k}={v}"));
+                }
+                Some(words.join(" "))
+            }
+            Some(_) => {
+                return Err(bad(format!(
+                    "{}: a string of key=value words or a table",
+                    at("policy")
+                )))
+            }
+        };
+        if let Some(p) = &policy {
+            crate::policy::PolicyConfig::default()
+                .with(p)
+                .map_err(|e| bad(format!("{}: {}", at("policy"), e.message())))?;
+        }
         let mut attrs = Vec::new();
         for (k, v) in t {
             if DEVICE_KEYS.contains(&k.as_str()) {
@@ -279,6 +319,7 @@ impl DeviceSpec {
             ublk,
             vhost_user,
             attrs,
+            policy,
         })
     }
 

@@ -22,11 +22,13 @@
 //! Frontends (the CLI, the NBD server) talk to one narrow trait, [`BlockDevice`].
 
 pub mod backing;
+pub mod clock;
 pub mod compress;
 pub mod config;
 pub mod device;
 pub mod error;
 pub mod frontend;
+pub mod policy;
 pub mod slot;
 pub mod store;
 pub mod units;

@@ -28,6 +28,11 @@
 //!   The chaos thread also flushes the queue. At the end, after a flush, the allocator's
 //!   counters must match the slots exactly, and after discarding everything and flushing they
 //!   must be back at zero (no object leaked, none freed twice: a double free panics).
+//! - With `policies`, the server's policy thread (`uzram::policy::PolicyRunner`) runs every
+//!   policy on the device meanwhile (idle aging, writeback on age and on pressure that flips
+//!   on and off, recompression, compaction, zoned GC), on a clock that a thread moves a
+//!   second every few milliseconds (shared with the device's access times, so pages age):
+//!   whatever they do, concurrently with I/O, resets and faults, must change no page.
 
 use parking_lot::{Mutex, RwLock};
 use rand::rngs::SmallRng;
@@ -38,7 +43,9 @@ use uzram::backing::{
     Backing, Engine, FaultKind, FaultPlan, FaultyBacking, FileBacking, FileOptions, MemBacking,
     NbdBacking, NbdOptions,
 };
+use uzram::clock::{Clock, ManualClock};
 use uzram::device::{Device, IdleCutoff};
+use uzram::policy::{DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource};
 use uzram::ErrorKind;
 
 mod nbdkit_support;
@@ -88,6 +95,8 @@ struct ModelConfig {
     /// `multi_page_size` (4096: off); with it, half the full-page writes are aligned runs of
     /// one or two objects' worth of pages, some shifted by a page or a page longer.
     multi_page_size: usize,
+    /// Run the policy thread with every policy on (see the module documentation).
+    policies: bool,
 }
 
 /// Zones of the zoned configurations' backing: few, so that writeback fills them, GC has
@@ -122,6 +131,7 @@ impl ModelConfig {
             recomp: &["zstd", "deflate"],
             dict: false,
             multi_page_size: 4096,
+            policies: false,
         }
     }
 }
@@ -136,7 +146,9 @@ struct Region {
 
 struct Harness {
     cfg: ModelConfig,
-    dev: Device,
+    dev: Arc<Device>,
+    /// The device's clock: moved by the policy configurations' clock thread.
+    clock: Arc<ManualClock>,
     /// Ops hold it shared; reset holds it exclusive (reset and I/O don't mix on a real device).
     gate: RwLock<()>,
     regions: Vec<Mutex<Region>>,
@@ -313,7 +325,13 @@ impl Harness {
                 (Arc::new(FaultyBacking::new(file)), Some(dir))
             }
         };
-        let dev = Device::new_uninit(cfg.page_size).expect("create device");
+        let clock = Arc::new(ManualClock::new());
+        let dev = if cfg.policies {
+            Device::new_uninit_with_clock(cfg.page_size, clock.clone() as Arc<dyn Clock>)
+        } else {
+            Device::new_uninit(cfg.page_size)
+        };
+        let dev = Arc::new(dev.expect("create device"));
         dev.debug_set_deferred_capacity(cfg.deferred_capacity);
         // A raw-content dictionary of the words text-like pages are made of.
         let dict_dir = cfg.dict.then(|| tempfile::tempdir().unwrap());
@@ -335,6 +353,7 @@ impl Harness {
         Harness {
             cfg,
             dev,
+            clock,
             gate: RwLock::new(()),
             regions,
             failed: AtomicBool::new(false),
@@ -829,7 +848,7 @@ impl Harness {
                     if rng.gen_bool(0.5) {
                         self.dev.flush_deferred();
                     } else {
-                        let _ = uzram::BlockDevice::flush(&self.dev);
+                        let _ = uzram::BlockDevice::flush(&*self.dev);
                     }
                 }
                 _ => {
@@ -1025,6 +1044,36 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
             std::thread::spawn(move || h.worker(t))
         })
         .collect();
+    // The policy thread, and a thread moving its clock and flipping the memory pressure.
+    let policies = cfg.policies.then(|| {
+        let policy = Arc::new(DevicePolicy::new("model", Arc::clone(&h.dev)));
+        let zoned_gc = if cfg.zoned { " gc_free_zones=3" } else { "" };
+        policy
+            .store(&format!(
+                "period_s=2 idle_age_s=3 writeback_age_s=5 writeback_pressure_age_s=1 \
+                 pressure_avg10=50 recompress_age_s=4 recompress_max_pages=32 \
+                 compact_ratio=1.02{zoned_gc}"
+            ))
+            .unwrap();
+        let pressure = Arc::new(ManualPressure::new());
+        let runner = PolicyRunner::start(
+            vec![Arc::clone(&policy)],
+            h.clock.clone() as Arc<dyn Clock>,
+            pressure.clone() as Arc<dyn PressureSource>,
+            std::time::Duration::from_millis(1),
+        )
+        .unwrap();
+        let h2 = h.clone();
+        let mover = std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(h2.cfg.seed ^ 0x9011c7);
+            while !h2.done.load(Ordering::Relaxed) {
+                h2.clock.advance(std::time::Duration::from_secs(1));
+                pressure.set(if rng.gen_ratio(1, 4) { 80.0 } else { 0.0 });
+                std::thread::sleep(std::time::Duration::from_millis(3));
+            }
+        });
+        (policy, runner, mover)
+    });
     let mut result = Ok(());
     for w in workers {
         let r = w
@@ -1039,6 +1088,23 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
     chaos
         .join()
         .map_err(|_| "chaos thread panicked".to_string())?;
+    let policy_stat = match policies {
+        Some((policy, runner, mover)) => {
+            runner.stop();
+            mover
+                .join()
+                .map_err(|_| "clock thread panicked".to_string())?;
+            let runs: u64 = PolicyKind::ALL
+                .iter()
+                .map(|&k| policy.counters(k).runs)
+                .sum();
+            if runs == 0 {
+                return Err("the policy thread never acted".to_string());
+            }
+            format!(", policy_stat {:?}", policy.show_stat())
+        }
+        None => String::new(),
+    };
     result?;
     h.verify_all()?;
     let s = h.dev.stats();
@@ -1051,7 +1117,7 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
          {} recompressions (recomp_stat since the last reset {}), {} dictionaries trained \
          (dict_stat {:?}), {} reads failed by injected faults, mm_stat {}, multi_stat {} {}, \
          bd_stat {}, bd_checksum_errors {} (since the last reset), zone_stat {}, deferred \
-         (since the last reset) {d:?}",
+         (since the last reset) {d:?}{policy_stat}",
         cfg.seed,
         h.resets.load(Ordering::Relaxed),
         h.enomem.load(Ordering::Relaxed),
@@ -1174,7 +1240,8 @@ fn model_4k_lz4_zoned_nbd() {
 }
 
 /// Zoned writeback, read-back and GC (attribute writes from workers and chaos, and the
-/// trigger after writebacks) over memory, with every injected fault.
+/// trigger after writebacks) over memory, with every injected fault; and the policy thread
+/// with every policy on, zoned GC among them.
 #[test]
 fn model_4k_lz4_zoned() {
     let mut cfg = ModelConfig::new(4096, "lz4");
@@ -1182,6 +1249,18 @@ fn model_4k_lz4_zoned() {
     cfg.pages_per_thread = 160;
     cfg.zoned = true;
     cfg.dict = true;
+    cfg.policies = true;
+    run_or_panic(cfg);
+}
+
+/// The policy thread with every policy on (idle aging, writeback on age and pressure,
+/// recompression, compaction) over a real file through io_uring, with every injected fault.
+#[test]
+fn model_4k_lz4_policies() {
+    let mut cfg = ModelConfig::new(4096, "lz4");
+    cfg.ops_per_thread /= 2;
+    cfg.backing = WbBacking::FileUring;
+    cfg.policies = true;
     run_or_panic(cfg);
 }
 

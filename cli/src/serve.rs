@@ -16,12 +16,14 @@ use clap::Args;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use uzram::clock::SystemClock;
 use uzram::config::{ServeConfig, DEFAULT_CONFIG_TOML};
 use uzram::frontend::control::{self, ControlServer};
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig, Tls, TlsFiles, TlsMode};
 use uzram::frontend::ublk::{UblkConfig, UblkExport};
 use uzram::frontend::unix_socket;
 use uzram::frontend::vhost_user::{self, VhostUserConfig, VhostUserExport};
+use uzram::policy::{DevicePolicy, PolicyConfig, PolicyRunner, ProcPressure};
 use uzram::BlockDevice;
 
 #[derive(Debug, Args)]
@@ -30,7 +32,7 @@ pub struct ServeArgs {
     /// embedded default, changed by the device flags below.
     #[arg(long, short, value_name = "FILE",
           conflicts_with_all = ["name", "disksize", "algorithm", "mem_limit", "page_size",
-                               "multi_page_size", "socket"])]
+                               "multi_page_size", "socket", "policy"])]
     pub config: Option<PathBuf>,
     /// Print the embedded default configuration and exit.
     #[arg(long)]
@@ -54,6 +56,11 @@ pub struct ServeArgs {
     /// `multi_page_size` attribute): 4096 (off), 16K, 32K or 64K [default: 4096].
     #[arg(long, value_name = "SIZE")]
     pub multi_page_size: Option<String>,
+    /// Automatic policies of the device: key=value words, as `uzram ctl policy` takes them
+    /// (e.g. "idle_age_s=600 writeback_age_s=3600 compact_ratio=1.05"; docs/policies.md)
+    /// [default: all off].
+    #[arg(long, value_name = "KEY=VALUE...")]
+    pub policy: Option<String>,
     /// Also listen on TCP at ADDR:PORT (e.g. 127.0.0.1:10809). Without --tls, unauthenticated
     /// and unencrypted: keep it on loopback.
     #[arg(long, value_name = "ADDR:PORT")]
@@ -169,6 +176,12 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
             }
             if let Some(m) = &args.multi_page_size {
                 d.attrs.push(("multi_page_size".into(), m.clone()));
+            }
+            if let Some(p) = &args.policy {
+                PolicyConfig::default()
+                    .with(p)
+                    .with_context(|| format!("--policy {p:?}"))?;
+                d.policy = Some(p.clone());
             }
             cfg
         }
@@ -286,6 +299,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let mut listen = Vec::new();
     let mut exports = Vec::new();
     let mut vhost_paths = Vec::new();
+    let mut policies = Vec::new();
     for spec in &cfg.devices {
         let device = Arc::new(spec.build(ram)?);
         let socket = match &spec.socket {
@@ -316,6 +330,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
             path: socket,
             export: spec.name.clone(),
         });
+        let policy = Arc::new(DevicePolicy::new(spec.name.clone(), Arc::clone(&device)));
+        if let Some(p) = &spec.policy {
+            policy
+                .store(p)
+                .with_context(|| format!("device {}: policy", spec.name))?;
+        }
+        policies.push(policy);
         devices.push((spec.name.clone(), device, ctl));
     }
     if let Some(addr) = cfg.listen {
@@ -370,16 +391,25 @@ pub fn run(args: ServeArgs) -> Result<()> {
         });
     }
     let mut controls = Vec::new();
-    for ((name, device, ctl), ublk) in devices.iter().zip(&ublks) {
-        let c = ControlServer::start_with_block_dev(
+    for (((name, device, ctl), ublk), policy) in devices.iter().zip(&ublks).zip(&policies) {
+        let c = ControlServer::start_with_policy(
             ctl,
             Arc::clone(device),
             server.openers(name),
             ublk.as_ref().map(UblkExport::block_dev_path),
+            Some(Arc::clone(policy)),
         )
         .with_context(|| format!("starting the control socket {}", ctl.display()))?;
         controls.push(c);
     }
+    // One thread runs every device's policies (all off unless configured or stored).
+    let runner = PolicyRunner::start(
+        policies.clone(),
+        Arc::new(SystemClock::new()),
+        Arc::new(ProcPressure::new()),
+        uzram::policy::TICK,
+    )
+    .context("starting the policy thread")?;
     // The first signal starts a bounded stop; a second one forces the exit at once (after
     // removing the sockets that are still ours).
     let mut sockets = server.socket_files();
@@ -441,6 +471,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
             );
         }
         println!("  control: {}", ctl.display());
+        if let Some(p) = policies.iter().find(|p| p.name() == name) {
+            let c = p.config();
+            if c.any_on() {
+                let on: Vec<String> = c
+                    .show()
+                    .lines()
+                    .filter(|l| !l.ends_with("=off"))
+                    .map(str::to_string)
+                    .collect();
+                println!("  policy: {}", on.join(" "));
+            }
+        }
     }
     if let Some(report) = &swap {
         for line in report {
@@ -461,6 +503,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             _ => "SIGTERM",
         }
     );
+    runner.stop();
     for c in controls {
         c.stop();
     }

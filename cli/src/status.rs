@@ -46,6 +46,11 @@ pub struct StatusArgs {
     /// Use raw status output format.
     #[arg(long)]
     pub raw: bool,
+    /// Show each device's automatic policies instead (docs/policies.md): a row per device
+    /// and policy with its state (on/off), runs, pages acted on, errors and the last error,
+    /// from `policy_stat`.
+    #[arg(long, conflicts_with_all = ["kernel", "output", "output_all", "bytes"])]
+    pub policies: bool,
     /// Only this device (shown even when uninitialised): a uzram device's name (`zram0`), or
     /// with --kernel `/dev/zramN` or `zramN`.
     pub device: Option<String>,
@@ -534,8 +539,9 @@ fn is_used(files: &mut dyn AttrFiles) -> Result<bool> {
         .is_some_and(|s| s > 0))
 }
 
-/// The rows of uzram's devices: those with a control socket in the socket directory.
-fn uzram_rows(args: &StatusArgs, cols: &[Column]) -> Result<Vec<Vec<String>>> {
+/// The names of uzram's devices (those with a control socket in the socket directory), or
+/// the one asked for; and the directory.
+fn device_names(args: &StatusArgs) -> Result<(PathBuf, Vec<String>)> {
     let dir = super::ctl::socket_dir(args.dir.clone())
         .map_err(|(_, msg)| anyhow!("{}", msg.trim_start_matches("uzram: ")))?;
     let mut names: Vec<String> = match &args.device {
@@ -561,6 +567,89 @@ fn uzram_rows(args: &StatusArgs, cols: &[Column]) -> Result<Vec<Vec<String>>> {
     };
     // zram0, zram1, ..., zram10: by length, then text.
     names.sort_by(|a, b| a.len().cmp(&b.len()).then_with(|| a.cmp(b)));
+    Ok((dir, names))
+}
+
+/// The headers of `--policies`.
+const POLICY_HEADERS: [&str; 7] = [
+    "NAME",
+    "POLICY",
+    "STATE",
+    "RUNS",
+    "PAGES",
+    "ERRORS",
+    "LAST-ERROR",
+];
+
+/// `--policies`: a row per device and policy, from `policy_stat` (every device, initialised
+/// or not: policies are set before `disksize` too).
+fn policy_table(args: &StatusArgs) -> Result<String> {
+    let (dir, names) = device_names(args)?;
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for name in names {
+        let mut client = match super::ctl::connect(&dir, &name) {
+            Ok(c) => c,
+            Err((_, msg)) if args.device.is_some() => {
+                bail!("{}", msg.trim_start_matches("uzram: "))
+            }
+            Err((_, msg)) => {
+                eprintln!("{msg}");
+                continue;
+            }
+        };
+        let Some(stat) = client.read(control::POLICY_STAT_ATTR)? else {
+            bail!("{name}: the server has no policies (an older uzram serve?)");
+        };
+        for line in stat.lines() {
+            let mut w = line.split_whitespace();
+            let mut row = vec![name.clone()];
+            row.extend(w.by_ref().take(5).map(str::to_string));
+            row.push(w.collect::<Vec<_>>().join(" "));
+            if row.len() != POLICY_HEADERS.len() {
+                bail!("{name}: malformed policy_stat line {line:?}");
+            }
+            rows.push(row);
+        }
+    }
+    let mut out = String::new();
+    let mut all = Vec::new();
+    if !args.noheadings {
+        all.push(POLICY_HEADERS.iter().map(|h| h.to_string()).collect());
+    }
+    all.extend(rows);
+    let widths: Vec<usize> = (0..POLICY_HEADERS.len())
+        .map(|c| {
+            all.iter()
+                .map(|r: &Vec<String>| r[c].len())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for r in &all {
+        let cells: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(c, cell)| {
+                if args.raw {
+                    raw_escape(cell)
+                } else if c == r.len() - 1 {
+                    cell.clone()
+                } else if (3..=5).contains(&c) {
+                    format!("{cell:>w$}", w = widths[c])
+                } else {
+                    format!("{cell:<w$}", w = widths[c])
+                }
+            })
+            .collect();
+        out.push_str(cells.join(" ").trim_end());
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// The rows of uzram's devices: those with a control socket in the socket directory.
+fn uzram_rows(args: &StatusArgs, cols: &[Column]) -> Result<Vec<Vec<String>>> {
+    let (dir, names) = device_names(args)?;
     let mut rows = Vec::new();
     for name in names {
         let mut client = match super::ctl::connect(&dir, &name) {
@@ -599,16 +688,20 @@ fn uzram_rows(args: &StatusArgs, cols: &[Column]) -> Result<Vec<Vec<String>>> {
 
 /// Runs `uzram status`; returns the exit status (0, or 1 on any failure, as zramctl).
 pub fn run(args: StatusArgs) -> i32 {
-    let result = columns(args.output.as_deref(), args.output_all)
-        .map_err(|e| anyhow!(e))
-        .and_then(|cols| {
-            let rows = if args.kernel {
-                kernel_rows(&args, &cols)?
-            } else {
-                uzram_rows(&args, &cols)?
-            };
-            Ok(render(&cols, &rows, args.raw, args.noheadings))
-        });
+    let result = if args.policies {
+        policy_table(&args)
+    } else {
+        columns(args.output.as_deref(), args.output_all)
+            .map_err(|e| anyhow!(e))
+            .and_then(|cols| {
+                let rows = if args.kernel {
+                    kernel_rows(&args, &cols)?
+                } else {
+                    uzram_rows(&args, &cols)?
+                };
+                Ok(render(&cols, &rows, args.raw, args.noheadings))
+            })
+    };
     match result {
         Ok(table) => {
             use std::io::Write;

@@ -36,6 +36,7 @@ pub use idle::IdleCutoff;
 pub use stats::{MetaStats, StatsSnapshot};
 
 use crate::backing::Backing;
+use crate::clock::{Clock, SystemClock};
 use crate::compress::{self, CodecParams, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::store::{BackingLayout, Codecs, Free, Store, WbTarget};
@@ -154,6 +155,8 @@ pub struct Device {
     wb_batch_size: AtomicU32,
     /// Held by the running writeback or recompression (zram's `pp_in_progress`).
     pp_lock: Mutex<()>,
+    /// The clock of slots' access times (`idle N`). Fixed at construction.
+    clock: Arc<dyn Clock>,
 }
 
 /// A shared hold on an initialised device's store (the init lock taken shared).
@@ -171,6 +174,13 @@ impl std::ops::Deref for StoreRef<'_> {
 impl Device {
     /// A new, uninitialised device (initstate 0) with the given page size.
     pub fn new_uninit(page_size_bytes: usize) -> Result<Device> {
+        Device::new_uninit_with_clock(page_size_bytes, Arc::new(SystemClock::new()))
+    }
+
+    /// A new, uninitialised device whose slots' access times (what `idle N` compares) come
+    /// from `clock`: a [`ManualClock`](crate::clock::ManualClock) lets a test age pages
+    /// without waiting.
+    pub fn new_uninit_with_clock(page_size_bytes: usize, clock: Arc<dyn Clock>) -> Result<Device> {
         if !SUPPORTED_PAGE_SIZES_BYTES.contains(&page_size_bytes) {
             return Err(Error::invalid(format!(
                 "page size {page_size_bytes} not supported (4096, 16384 or 65536)"
@@ -186,12 +196,24 @@ impl Device {
             wb_limit: WbLimit::default(),
             wb_batch_size: AtomicU32::new(DEFAULT_WB_BATCH_SIZE),
             pp_lock: Mutex::new(()),
+            clock,
         })
     }
 
     /// A new, initialised device.
     pub fn new(config: DeviceConfig) -> Result<Device> {
-        Device::new_releasing(config, Free::Deferred)
+        Device::new_releasing(config, Free::Deferred, Arc::new(SystemClock::new()))
+    }
+
+    /// A new, initialised device whose access times come from `clock` (see
+    /// [`new_uninit_with_clock`](Device::new_uninit_with_clock)).
+    pub fn new_with_clock(config: DeviceConfig, clock: Arc<dyn Clock>) -> Result<Device> {
+        Device::new_releasing(config, Free::Deferred, clock)
+    }
+
+    /// The clock of slots' access times.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
     }
 
     /// Benchmark baseline (`testing`): a device like [`Device::new`]'s whose release paths
@@ -200,11 +222,11 @@ impl Device {
     /// device's life.
     #[cfg(any(test, feature = "testing"))]
     pub fn bench_new_release_sync(config: DeviceConfig) -> Result<Device> {
-        Device::new_releasing(config, Free::Sync)
+        Device::new_releasing(config, Free::Sync, Arc::new(SystemClock::new()))
     }
 
-    fn new_releasing(config: DeviceConfig, release: Free) -> Result<Device> {
-        let mut dev = Device::new_uninit(config.page_size_bytes)?;
+    fn new_releasing(config: DeviceConfig, release: Free, clock: Arc<dyn Clock>) -> Result<Device> {
+        let mut dev = Device::new_uninit_with_clock(config.page_size_bytes, clock)?;
         dev.release = release;
         {
             let mut st = dev.state.write();
@@ -324,6 +346,7 @@ impl Device {
             codecs,
             pool,
             target,
+            Arc::clone(&self.clock),
         )?;
         st.store = Some(store);
         Ok(())

@@ -37,6 +37,7 @@ use super::unix_socket::{bind_unix, remove_if_ours, SocketId};
 use crate::device::attrs::kstrtou64;
 use crate::device::Device;
 use crate::error::{errno_name, Error, ErrorKind, Result};
+use crate::policy::DevicePolicy;
 use serde::{Deserialize, Serialize};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
@@ -153,6 +154,18 @@ impl ControlServer {
         openers: Option<Arc<Openers>>,
         block_dev: Option<PathBuf>,
     ) -> Result<ControlServer> {
+        Self::start_with_policy(path, device, openers, block_dev, None)
+    }
+
+    /// As [`start_with_block_dev`](Self::start_with_block_dev), also serving the device's
+    /// policies (`policy`, `policy_stat`: see [`crate::policy`]).
+    pub fn start_with_policy(
+        path: &Path,
+        device: Arc<Device>,
+        openers: Option<Arc<Openers>>,
+        block_dev: Option<PathBuf>,
+        policy: Option<Arc<DevicePolicy>>,
+    ) -> Result<ControlServer> {
         let (listener, id) = bind_unix(path)?;
         let fail = |e: io::Error| {
             remove_if_ours(path, id);
@@ -174,6 +187,7 @@ impl ControlServer {
                         let device = Arc::clone(&device);
                         let openers = openers.clone();
                         let block_dev = block_dev.clone();
+                        let policy = policy.clone();
                         let _ = std::thread::Builder::new()
                             .name("uzram-ctl-conn".into())
                             .spawn(move || {
@@ -181,6 +195,7 @@ impl ControlServer {
                                 let frontends = Frontends {
                                     openers: openers.as_deref(),
                                     block_dev: block_dev.as_deref(),
+                                    policy: policy.as_deref(),
                                 };
                                 let _ = serve_connection(stream, &device, &frontends);
                             });
@@ -285,7 +300,13 @@ fn read_line(
 struct Frontends<'a> {
     openers: Option<&'a Openers>,
     block_dev: Option<&'a Path>,
+    policy: Option<&'a DevicePolicy>,
 }
+
+/// The attribute of the device's policy settings (the server's, not zram's).
+pub const POLICY_ATTR: &str = "policy";
+/// The attribute of the policies' counters.
+pub const POLICY_STAT_ATTR: &str = "policy_stat";
 
 /// The name `show` answers the block device's path to (not a zram attribute: zram's device is
 /// its own block device).
@@ -330,8 +351,10 @@ fn serve_connection(stream: UnixStream, device: &Device, frontends: &Frontends) 
             }
         };
         let result = match req {
-            Request::Show { attr } => match frontends.block_dev {
-                Some(b) if attr == BLOCK_DEV_ATTR => Ok(format!("{}\n", b.display())),
+            Request::Show { attr } => match (frontends.block_dev, frontends.policy) {
+                (Some(b), _) if attr == BLOCK_DEV_ATTR => Ok(format!("{}\n", b.display())),
+                (_, Some(p)) if attr == POLICY_ATTR => Ok(p.show()),
+                (_, Some(p)) if attr == POLICY_STAT_ATTR => Ok(p.show_stat()),
                 _ => device.attr_show(&attr),
             },
             Request::Store { attr, value } => {
@@ -358,6 +381,18 @@ fn store(
     value: &str,
     progress: &mut dyn FnMut(String),
 ) -> Result<()> {
+    if let Some(p) = frontends.policy {
+        match attr {
+            POLICY_ATTR => return p.store(value),
+            POLICY_STAT_ATTR => {
+                return Err(Error::new(
+                    ErrorKind::PermissionDenied,
+                    format!("{attr} is read-only"),
+                ))
+            }
+            _ => {}
+        }
+    }
     if attr == "reset" {
         // zram checks the value first, then refuses while the disk is open.
         if kstrtou64(value, 10).is_ok_and(|v| v != 0) {

@@ -59,8 +59,10 @@ pub(crate) use target::{BitmapTarget, WbTarget, ZonedTarget};
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::Duration;
 
+use crate::clock::Clock;
 use crate::compress::{fill_same, same_filled_word};
 use crate::error::{Error, ErrorKind, Result};
 use crate::slot::{SlotFlags, SlotGuard, SlotIndex, SlotState, SlotTable};
@@ -161,8 +163,10 @@ pub(crate) struct Store {
     stats: StoreStats,
     /// Where writeback puts pages, when a backing device was set before initialisation.
     target: Option<WbTarget>,
-    /// Time zero for slots' access times.
-    epoch: Instant,
+    /// Where slots' access times come from (the device's clock).
+    clock: Arc<dyn Clock>,
+    /// The clock's reading at initialisation: time zero for slots' access times.
+    epoch: Duration,
 }
 
 /// Where a slot's page comes from, as seen under its lock.
@@ -177,7 +181,8 @@ impl Store {
     /// A store of `nr_pages` empty slots of `page_size_bytes`, compressing with `codecs`
     /// (the primary at priority 0, recompression codecs above) into `pool`, writing back into
     /// `target`; aligned runs of `multi_pages` pages written at once are stored as one object
-    /// (`multi_page_size`; 1: off). The pool must take objects of a run's size.
+    /// (`multi_page_size`; 1: off). The pool must take objects of a run's size. Access times
+    /// are seconds of `clock` since now.
     pub(crate) fn with_multi_pages(
         page_size_bytes: usize,
         multi_pages: usize,
@@ -185,6 +190,7 @@ impl Store {
         codecs: Codecs,
         pool: ZsPool,
         target: Option<WbTarget>,
+        clock: Arc<dyn Clock>,
     ) -> Result<Store> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let slots = SlotTable::new(nr_pages)?;
@@ -213,7 +219,8 @@ impl Store {
             codecs,
             stats: StoreStats::default(),
             target,
-            epoch: Instant::now(),
+            epoch: clock.now(),
+            clock,
         })
     }
 
@@ -240,7 +247,8 @@ impl Store {
     /// Seconds since initialisation, for slots' access times.
     #[inline]
     fn now_secs(&self) -> u32 {
-        u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX)
+        let since = self.clock.now().saturating_sub(self.epoch);
+        u32::try_from(since.as_secs()).unwrap_or(u32::MAX)
     }
 
     // ---------------------------------------------------------------------------------------

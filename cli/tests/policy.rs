@@ -1,0 +1,361 @@
+//! Automatic policies end to end (docs/policies.md): `uzram serve` with policies in its
+//! configuration file, on the real clock with second-long ages; `uzram ctl policy` and
+//! `policy_stat`; `uzram status --policies`; a real NBD client (qemu-img) writing real pages
+//! and comparing them after the policies acted. And the compaction target: after a 50% random
+//! discard of real program pages, packing back to at most 1.05 with no manual step.
+
+#[path = "../../tests/nbd_support/mod.rs"]
+mod nbd_support;
+
+use nbd_support::{require, run};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+use uzram::clock::SystemClock;
+use uzram::device::{Device, DeviceConfig};
+use uzram::policy::{DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource};
+use uzram_bench::corpus::Corpus;
+
+const BIN: &str = env!("CARGO_BIN_EXE_uzram");
+
+struct Server {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn ctl(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .arg("ctl")
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(args)
+            .output()
+            .unwrap()
+    }
+    fn show(&self, attr: &str) -> String {
+        let o = self.ctl(&[attr]);
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    }
+    fn uri(&self) -> String {
+        format!(
+            "nbd+unix:///zram0?socket={}",
+            self.dir.path().join("zram0.sock").display()
+        )
+    }
+    /// The `policy_stat` line of `policy` as (runs, pages, errors).
+    fn stat(&self, policy: &str) -> (u64, u64, u64) {
+        let s = self.show("policy_stat");
+        let line = s
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(policy))
+            .unwrap_or_else(|| panic!("{s}"));
+        let n: Vec<u64> = line
+            .split_whitespace()
+            .skip(2)
+            .take(3)
+            .map(|x| x.parse().unwrap())
+            .collect();
+        (n[0], n[1], n[2])
+    }
+    fn wait_for(&self, what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: not within 60 s; policy_stat:\n{}",
+                self.show("policy_stat")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve_config(toml: &str) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display().to_string();
+    let cfg = dir.path().join("uzram.toml");
+    std::fs::write(&cfg, toml.replace("{dir}", &d)).unwrap();
+    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
+    let mut child = Command::new(BIN)
+        .arg("serve")
+        .arg("--config")
+        .arg(&cfg)
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let mut out = String::new();
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        out.push_str(&line);
+        out.push('\n');
+        if line.starts_with("serving") {
+            return Server { child, dir };
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!(
+        "uzram serve did not start: {out}{}",
+        std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default()
+    );
+}
+
+/// A file of real pages: a snapshot of this test process (its code, data and a heap of mixed
+/// records), `pages` pages, none same-filled so every one is an object in the pool.
+fn real_pages_file(dir: &Path, pages: usize) -> PathBuf {
+    let heap: Vec<String> = (0..100_000)
+        .map(|i| format!("record {i}: {}", i * 7919))
+        .collect();
+    let mut snap = Vec::new();
+    uzram_bench::corpus::snapshot_pid(std::process::id(), 4096, pages * 4, &mut snap).unwrap();
+    drop(heap);
+    let mut out = Vec::new();
+    for p in snap.chunks_exact(4096) {
+        if p.chunks_exact(8).any(|w| w != &p[..8]) {
+            out.extend_from_slice(p);
+        }
+        if out.len() == pages * 4096 {
+            break;
+        }
+    }
+    assert_eq!(out.len(), pages * 4096, "not enough distinct pages");
+    let path = dir.join("pages.bin");
+    std::fs::write(&path, &out).unwrap();
+    path
+}
+
+#[test]
+fn serve_runs_policies_on_the_real_clock_and_ctl_shows_them() {
+    require("qemu-img");
+    let backing = tempfile::NamedTempFile::new_in("/var/tmp").unwrap();
+    backing.as_file().set_len(16 << 20).unwrap();
+    let s = serve_config(&format!(
+        r#"
+[[device]]
+name = "zram0"
+disksize = "16M"
+socket = "{{dir}}/zram0.sock"
+backing_dev = "{}"
+policy = {{ period_s = 1, idle_age_s = 1, writeback_age_s = 3 }}
+"#,
+        backing.path().display()
+    ));
+    let policy = s.show("policy");
+    assert!(policy.contains("idle_age_s=1\n") && policy.contains("writeback_age_s=3\n"));
+    assert!(policy.contains("compact_ratio=off\n"), "{policy}");
+
+    // Real pages through a real client; the policies age them and write them back.
+    let pages = real_pages_file(s.dir.path(), 512);
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&pages)
+        .arg(s.uri()));
+    s.wait_for("idle aging", || s.stat("idle").1 > 0);
+    s.wait_for("writeback", || s.stat("writeback").1 >= 512);
+    let bd: Vec<u64> = s
+        .show("bd_stat")
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    assert_eq!(bd[0], 512, "every page on the backing file");
+    assert_eq!(s.stat("writeback").2, 0, "no errors");
+    // Read back (from the backing file) through the client: identical.
+    let compare = || {
+        run(Command::new("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "raw"])
+            .arg(&pages)
+            .arg(s.uri()));
+    };
+    compare();
+
+    // Settings change on the running server: writeback off, compaction on.
+    let o = s.ctl(&["policy", "writeback_age_s=off", "compact_ratio=1.05"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(s.show("policy").contains("writeback_age_s=off\n"));
+    // A bad value: EINVAL as the exit status, nothing changed.
+    let before = s.show("policy");
+    let o = s.ctl(&["policy", "compact_ratio=0.5"]);
+    assert_eq!(o.status.code(), Some(libc::EINVAL), "{o:?}");
+    let o = s.ctl(&["policy", "no_such_key=1"]);
+    assert_eq!(o.status.code(), Some(libc::EINVAL), "{o:?}");
+    assert_eq!(s.show("policy"), before);
+    let o = s.ctl(&["policy_stat", "1"]);
+    assert_eq!(o.status.code(), Some(libc::EACCES), "{o:?}");
+
+    // The pages again in RAM, then every other one discarded by the client: the pool is
+    // half empty, and the compaction policy packs it with no manual step.
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&pages)
+        .arg(s.uri()));
+    let mut discard = Command::new("qemu-io");
+    discard.args(["-f", "raw"]);
+    for i in (0..512).step_by(2) {
+        discard.args(["-c", &format!("discard {} 4k", i * 4096)]);
+    }
+    run(discard.arg(s.uri()));
+    s.wait_for("compaction", || s.stat("compact").1 > 0);
+    let mm: Vec<u64> = s
+        .show("mm_stat")
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    assert!(mm[6] > 0, "pages_compacted");
+
+    // uzram status --policies: a row per policy.
+    let o = Command::new(BIN)
+        .args(["status", "--policies", "--dir"])
+        .arg(s.dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let table = String::from_utf8(o.stdout).unwrap();
+    eprintln!("{table}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 6, "{table}");
+    assert!(
+        lines[0].starts_with("NAME  POLICY     STATE RUNS"),
+        "{table}"
+    );
+    assert!(lines[0].ends_with("LAST-ERROR"));
+    assert!(lines[1].starts_with("zram0 writeback  off "), "{table}");
+    assert!(lines[3].starts_with("zram0 idle       on  "), "{table}");
+    assert!(lines[4].starts_with("zram0 compact    on  "), "{table}");
+
+    // Stops in seconds with the policy thread running.
+    let t = Instant::now();
+    let mut s = s;
+    run(Command::new("kill").args(["-TERM", &s.child.id().to_string()]));
+    let status = s.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+/// A 64 KiB-page corpus of every program `uzram corpus` knows (shared with
+/// `cli/tests/packing.rs`: the same file in the same place, made once per build directory).
+fn corpus_path() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("packing");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("pages-64k.bin");
+        if Corpus::load(&path).is_err() {
+            let out = Command::new(BIN)
+                .args([
+                    "corpus",
+                    "--page-size",
+                    "65536",
+                    "--pages-per-program",
+                    "1024",
+                ])
+                .arg("--out")
+                .arg(&path)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "uzram corpus failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        path
+    })
+}
+
+/// The issue's target: after a 50% random discard of real pages, `mem_used_total /
+/// compr_data_size` back to at most 1.05 by the compaction policy alone (the policy thread on
+/// the real clock; nobody calls `compact`).
+#[test]
+fn compaction_policy_repacks_a_half_discarded_pool_to_1_05() {
+    const TARGET: f64 = 1.05;
+    let corpus = Corpus::load(corpus_path()).unwrap();
+    let data = corpus.pages_bytes();
+    let pages = data.len() / 4096;
+    let dev = Arc::new(
+        Device::new(DeviceConfig {
+            disksize_bytes: data.len() as u64,
+            ..DeviceConfig::default()
+        })
+        .unwrap(),
+    );
+    dev.write_at(data, 0).unwrap();
+    let policy = Arc::new(DevicePolicy::new("zram0", Arc::clone(&dev)));
+    policy
+        .store(&format!("compact_ratio={TARGET} period_s=1"))
+        .unwrap();
+    let ratio = |dev: &Device| {
+        let s = dev.stats();
+        s.mem_used_total_bytes as f64 / s.compr_data_size_bytes as f64
+    };
+    let full = ratio(&dev);
+    // Half the pages, chosen at random, discarded (through the deferred-free queue).
+    let mut order: Vec<usize> = (0..pages).collect();
+    order.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(23));
+    let gone = &order[..pages / 2];
+    for &i in gone {
+        dev.discard(i as u64 * 4096, 4096).unwrap();
+    }
+    // For the figure only: the packing once the discarded objects are freed, before any
+    // compaction (the policy's compaction would drain the queue itself).
+    dev.flush_deferred();
+    let loose = ratio(&dev);
+    assert_eq!(dev.stats().pages_compacted, 0);
+    let runner = PolicyRunner::start(
+        vec![Arc::clone(&policy)],
+        Arc::new(SystemClock::new()),
+        Arc::new(ManualPressure::new()) as Arc<dyn PressureSource>,
+        uzram::policy::TICK,
+    )
+    .unwrap();
+    let runs_before = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while policy.counters(PolicyKind::Compact).runs == runs_before || ratio(&dev) > TARGET {
+        assert!(
+            Instant::now() < deadline,
+            "not repacked within 60 s: ratio {:.4}, {}",
+            ratio(&dev),
+            policy.show_stat()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    runner.stop();
+    let packed = ratio(&dev);
+    let c = policy.counters(PolicyKind::Compact);
+    eprintln!(
+        "compaction policy: {pages} pages of real programs; packing {full:.4} full, {loose:.4} \
+         after discarding {} at random, {packed:.4} after {} policy compaction(s) freeing {} \
+         pages (target {TARGET})",
+        gone.len(),
+        c.runs,
+        c.pages
+    );
+    assert!(packed <= TARGET, "{packed}");
+    // Every page left reads back identical; every discarded one reads zeroes.
+    let mut buf = vec![0u8; 4096];
+    let mut discarded = vec![false; pages];
+    for &i in gone {
+        discarded[i] = true;
+    }
+    for i in 0..pages {
+        dev.read_at(&mut buf, i as u64 * 4096).unwrap();
+        if discarded[i] {
+            assert!(buf.iter().all(|&b| b == 0), "page {i}");
+        } else {
+            assert!(buf == data[i * 4096..(i + 1) * 4096], "page {i}");
+        }
+    }
+}
