@@ -114,25 +114,21 @@ fn serve_config(toml: &str) -> Server {
     );
 }
 
-/// A file of real pages: a snapshot of this test process (its code, data and a heap of mixed
-/// records), `pages` pages, none same-filled so every one is an object in the pool.
+/// A file of real pages: this test binary's own file (code and data compress as a program's
+/// memory does), `pages` pages that are not same-filled (so each is an object in the pool),
+/// each stamped with its index so a misplaced page is caught.
 fn real_pages_file(dir: &Path, pages: usize) -> PathBuf {
-    let heap: Vec<String> = (0..100_000)
-        .map(|i| format!("record {i}: {}", i * 7919))
+    let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+    let usable: Vec<&[u8]> = exe
+        .chunks_exact(4096)
+        .filter(|p| p.chunks_exact(8).any(|w| w != &p[..8]))
         .collect();
-    let mut snap = Vec::new();
-    uzram_bench::corpus::snapshot_pid(std::process::id(), 4096, pages * 4, &mut snap).unwrap();
-    drop(heap);
-    let mut out = Vec::new();
-    for p in snap.chunks_exact(4096) {
-        if p.chunks_exact(8).any(|w| w != &p[..8]) {
-            out.extend_from_slice(p);
-        }
-        if out.len() == pages * 4096 {
-            break;
-        }
+    assert!(usable.len() >= pages, "test binary too small");
+    let mut out = Vec::with_capacity(pages * 4096);
+    for (i, p) in usable.iter().take(pages).enumerate() {
+        out.extend_from_slice(&(i as u64).to_le_bytes());
+        out.extend_from_slice(&p[8..]);
     }
-    assert_eq!(out.len(), pages * 4096, "not enough distinct pages");
     let path = dir.join("pages.bin");
     std::fs::write(&path, &out).unwrap();
     path
