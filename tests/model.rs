@@ -168,6 +168,9 @@ struct Harness {
     /// Dictionaries trained and installed.
     trainings: AtomicU64,
     written_back: AtomicU64,
+    /// Most multi-page objects seen on the backing device after a writeback (a sign that
+    /// runs were written back whole at all).
+    runs_written_back: AtomicU64,
     wb_errors: AtomicU64,
     gcs: AtomicU64,
     gc_errors: AtomicU64,
@@ -365,6 +368,7 @@ impl Harness {
             read_fault_epoch: AtomicU64::new(0),
             writebacks: AtomicU64::new(0),
             written_back: AtomicU64::new(0),
+            runs_written_back: AtomicU64::new(0),
             wb_errors: AtomicU64::new(0),
             gcs: AtomicU64::new(0),
             gc_errors: AtomicU64::new(0),
@@ -663,9 +667,11 @@ impl Harness {
             Err(e) => return self.fail(format!("writeback {spec:?} failed: {e}")),
         }
         self.writebacks.fetch_add(1, Ordering::Relaxed);
-        let after = self.dev.stats().bd_writes;
+        let after = self.dev.stats();
         self.written_back
-            .fetch_add(after.saturating_sub(before), Ordering::Relaxed);
+            .fetch_add(after.bd_writes.saturating_sub(before), Ordering::Relaxed);
+        self.runs_written_back
+            .fetch_max(after.multi_wb_objects, Ordering::Relaxed);
         Ok(())
     }
 
@@ -875,8 +881,10 @@ impl Harness {
         let s = self.dev.stats();
         let d = self.dev.deferred_stats();
         // Same-filled and written-back slots hold no allocator object (`bd_count` is in 4 KiB
-        // units, as zram's bd_stat; a written-back page takes one page-sized block).
-        let wb_pages = s.bd_count * 4096 / self.cfg.page_size as u64;
+        // units, as zram's bd_stat; a written-back page takes one page-sized block, a
+        // written-back multi-page object the blocks `multi_wb_blocks` counts).
+        let wb_pages =
+            s.bd_count * 4096 / self.cfg.page_size as u64 - s.multi_wb_blocks + s.multi_wb_pages;
         // A multi-page object is one object for all the pages pointing into it.
         let expected = s.pages_stored - s.same_pages - wb_pages - s.multi_pages + s.multi_objects;
         if objects(&self.dev) != expected || d.pending != 0 {
@@ -1115,7 +1123,8 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
         "seed {} ok: {} resets, {} ENOMEM writes, {} pages compacted, {} writebacks ({} failed) \
          wrote {} pages, {} gc ({} failed; chaos's reclaimed {} zones, relocated {} records), \
          {} recompressions (recomp_stat since the last reset {}), {} dictionaries trained \
-         (dict_stat {:?}), {} reads failed by injected faults, mm_stat {}, multi_stat {} {}, \
+         (dict_stat {:?}), {} reads failed by injected faults, mm_stat {}, multi_stat {} {} \
+         (at most {} written back after a writeback), \
          bd_stat {}, bd_checksum_errors {} (since the last reset), zone_stat {}, deferred \
          (since the last reset) {d:?}{policy_stat}",
         cfg.seed,
@@ -1143,6 +1152,7 @@ fn run_model(cfg: ModelConfig) -> Result<String, String> {
         s.mm_stat().trim(),
         s.multi_objects,
         s.multi_pages,
+        h.runs_written_back.load(Ordering::Relaxed),
         s.bd_stat().trim(),
         s.bd_checksum_errors,
         zone_stat.trim()
@@ -1193,19 +1203,24 @@ fn model_16k_deflate() {
 }
 
 /// `multi_page_size` 64K on a 4 KiB device: runs of 16 pages as one object, broken up by 4 KiB
-/// and sub-page writes, discards, frees, recompression, writeback, compaction and resets.
+/// and sub-page writes, discards, frees, recompression, compaction and resets; written back
+/// whole (runs of adjacent blocks; single pages compressed or not) and read back.
 #[test]
 fn model_4k_lz4_multi_64k() {
     let mut cfg = ModelConfig::new(4096, "lz4");
     cfg.multi_page_size = 65536;
+    cfg.compressed_writeback = cfg.seed % 2 == 0;
     run_or_panic(cfg);
 }
 
-/// `multi_page_size` 16K with zstd.
+/// `multi_page_size` 16K with zstd, written back to the zoned layout (a run is one record
+/// naming its group's first slot; GC moves the group's pages together).
 #[test]
-fn model_4k_zstd_multi_16k() {
+fn model_4k_zstd_multi_16k_zoned() {
     let mut cfg = ModelConfig::new(4096, "zstd");
     cfg.multi_page_size = 16384;
+    cfg.pages_per_thread = 160;
+    cfg.zoned = true;
     run_or_panic(cfg);
 }
 

@@ -4,6 +4,9 @@
 //! them); the last page out frees the object. Same-filled and incompressible runs are stored
 //! page by page. The model test (`model_4k_*_multi_*`) mixes all of it under concurrency.
 
+use std::sync::Arc;
+
+use uzram::backing::MemBacking;
 use uzram::device::Device;
 
 const PAGE: usize = 4096;
@@ -43,6 +46,12 @@ fn multi_stat(dev: &Device) -> (u64, u64) {
     (s.multi_objects, s.multi_pages)
 }
 
+/// `multi_stat`'s written-back columns: objects, pages pointing at them, blocks they take.
+fn multi_wb_stat(dev: &Device) -> (u64, u64, u64) {
+    let s = dev.stats();
+    (s.multi_wb_objects, s.multi_wb_pages, s.multi_wb_blocks)
+}
+
 fn check(dev: &Device, want: &[Vec<u8>]) {
     let mut got = vec![0u8; want.len() * PAGE];
     dev.read_at(&mut got, 0).unwrap();
@@ -65,7 +74,10 @@ fn a_run_is_one_object_and_small_writes_break_out_only_their_page() {
     // Two aligned runs in one request, then a 4 KiB page write and a run shifted by a page.
     dev.write_at(&want.concat(), 0).unwrap();
     assert_eq!(multi_stat(&dev), (2, 32));
-    assert_eq!(dev.attr_show("multi_stat").unwrap(), "       2       32\n");
+    assert_eq!(
+        dev.attr_show("multi_stat").unwrap(),
+        "       2       32        0        0        0\n"
+    );
     let s = dev.stats();
     assert_eq!(s.pages_stored, 32);
     assert_eq!(s.orig_data_size_bytes, 32 * PAGE as u64);
@@ -147,4 +159,95 @@ fn unaligned_short_same_filled_and_incompressible_runs_are_stored_page_by_page()
     assert!(got == random);
     dev.read_at(&mut got, 4 * PAGE as u64).unwrap();
     assert!(got == want[4..8].concat());
+}
+
+/// A device of 8 runs of 16 pages with a backing device in `layout`.
+fn device_with_backing(layout: &str) -> Device {
+    let dev = Device::new_uninit(PAGE).unwrap();
+    dev.set_backing(Arc::new(MemBacking::new(8 << 20).unwrap()))
+        .unwrap();
+    dev.attr_store("backing_layout", layout).unwrap();
+    if layout == "zoned" {
+        dev.attr_store("zone_size", "1M").unwrap();
+    }
+    dev.attr_store("multi_page_size", "64K").unwrap();
+    dev.attr_store("disksize", &(8 * RUN * PAGE).to_string())
+        .unwrap();
+    dev
+}
+
+/// Writeback takes a multi-page object whole (one write of its compressed bytes) when every
+/// page still pointing into it was selected, and only then; its pages read back through the
+/// backing device (one read, decompressed once); a page written or discarded inside it
+/// breaks out alone; the last page out gives its blocks back. Both layouts.
+#[test]
+fn writeback_takes_whole_runs_and_reads_them_back() {
+    for layout in ["bitmap", "zoned"] {
+        let dev = device_with_backing(layout);
+        let mut want: Vec<Vec<u8>> = (0..4 * RUN).map(text_page).collect();
+        dev.write_at(&want.concat(), 0).unwrap();
+        // Page 20 leaves the second run before the writeback: that run's live pages are the
+        // other 15.
+        want[20] = text_page(7020);
+        dev.write_at(&want[20], 20 * PAGE as u64).unwrap();
+        assert_eq!(multi_stat(&dev), (4, 63));
+        let ram = dev.stats();
+
+        // One page of a run selected: the run stays in RAM (the other pages are not).
+        dev.attr_store("writeback", "page_index=3").unwrap();
+        assert_eq!(multi_wb_stat(&dev), (0, 0, 0), "{layout}");
+        assert_eq!(dev.stats().bd_count, 0);
+        // The whole of run 0 and the live pages of run 1 (page 20 is written back on its
+        // own), and half of run 2: runs 0 and 1 go.
+        dev.attr_store("writeback", "page_indexes=0-39").unwrap();
+        let s = dev.stats();
+        let (objects, pages, blocks) = multi_wb_stat(&dev);
+        assert_eq!((objects, pages), (2, 31), "{layout}");
+        assert!((2..=32).contains(&blocks), "{layout}: {blocks} blocks");
+        assert_eq!(s.bd_count, blocks + 1, "{layout}");
+        assert_eq!(multi_stat(&dev), (2, 32));
+        assert!(s.compr_data_size_bytes < ram.compr_data_size_bytes);
+        assert_eq!(s.pages_stored, ram.pages_stored);
+        // Idle writeback: after `idle all`, every run goes.
+        dev.attr_store("idle", "all").unwrap();
+        dev.attr_store("writeback", "idle").unwrap();
+        assert_eq!(multi_stat(&dev), (0, 0), "{layout}");
+        assert_eq!(multi_wb_stat(&dev).0, 4, "{layout}");
+        check(&dev, &want);
+        let reads = dev.stats().bd_reads;
+        // check() reads every page twice: once in order (one backing read per run, the
+        // others from the thread's cache), once in reverse (again one per run).
+        assert!(reads <= 2 * 4 + 2, "{layout}: {reads} backing reads");
+
+        // Break-outs from a written-back run: a page write, a sub-page write, a discard.
+        want[1] = text_page(9001);
+        dev.write_at(&want[1], PAGE as u64).unwrap();
+        want[2][512..1024].fill(0x5a);
+        dev.write_at(&want[2][512..1024], (2 * PAGE + 512) as u64)
+            .unwrap();
+        dev.discard(3 * PAGE as u64, PAGE as u64).unwrap();
+        want[3] = vec![0; PAGE];
+        assert_eq!(multi_wb_stat(&dev).1, 63 - 3, "{layout}");
+        check(&dev, &want);
+        // Rewriting run 3 whole replaces its written-back object with one in RAM.
+        for (i, w) in want.iter_mut().enumerate().skip(3 * RUN) {
+            *w = text_page(11000 + i);
+        }
+        dev.write_at(&want[3 * RUN..].concat(), (3 * RUN * PAGE) as u64)
+            .unwrap();
+        assert_eq!(multi_stat(&dev), (1, 16));
+        assert_eq!(multi_wb_stat(&dev).0, 3);
+        check(&dev, &want);
+        if layout == "zoned" {
+            // GC moves a run's record and every page pointing at it.
+            dev.attr_store("gc", "1").unwrap();
+            check(&dev, &want);
+        }
+        // Everything out: no block is left.
+        dev.discard(0, (8 * RUN * PAGE) as u64).unwrap();
+        dev.flush().unwrap();
+        let s = dev.stats();
+        assert_eq!((s.pages_stored, s.bd_count), (0, 0), "{layout}");
+        assert_eq!(multi_wb_stat(&dev), (0, 0, 0));
+    }
 }

@@ -131,7 +131,10 @@ pub const ATTRIBUTES: &[Attr] = &[
     ),
     Attr::ro("multi_stat", |d| {
         let s = d.stats();
-        format!("{:>8} {:>8}\n", s.multi_objects, s.multi_pages)
+        format!(
+            "{:>8} {:>8} {:>8} {:>8} {:>8}\n",
+            s.multi_objects, s.multi_pages, s.multi_wb_objects, s.multi_wb_pages, s.multi_wb_blocks
+        )
     }),
     Attr::rw(
         "recomp_algorithm",

@@ -39,8 +39,9 @@ pub struct BlockIndex(pub u64);
 struct Pin {
     /// Readers holding the pin.
     readers: u32,
-    /// The owner released the block while it was pinned: free it when the last reader goes.
-    released: bool,
+    /// The owner released the block (and the `released` - 1 blocks after it, a multi-page
+    /// object's) while it was pinned: free them when the last reader goes. 0: not released.
+    released: u64,
 }
 
 #[derive(Debug)]
@@ -107,6 +108,38 @@ impl BlockBitmap {
         self.bd_count.load(Ordering::Relaxed)
     }
 
+    /// Allocates the first `count` adjacent free blocks (a written-back multi-page object's),
+    /// or `None` when no such range is free. O(blocks) in the worst case: runs are written
+    /// back far less often than pages, and mostly at the sequential end of the bitmap.
+    pub fn alloc_run(&self, count: u64) -> Option<BlockIndex> {
+        if count <= 1 {
+            return self.alloc();
+        }
+        let mut g = self.inner.lock();
+        let is_set = |g: &Inner, b: u64| g.words[(b / 64) as usize] & (1 << (b % 64)) != 0;
+        let mut start = g.hint;
+        let mut b = start;
+        while b < self.blocks {
+            if is_set(&g, b) {
+                b += 1;
+                start = b;
+                continue;
+            }
+            b += 1;
+            if b - start == count {
+                for x in start..b {
+                    g.words[(x / 64) as usize] |= 1 << (x % 64);
+                }
+                if g.hint == start {
+                    g.hint = b;
+                }
+                self.bd_count.fetch_add(count, Ordering::Relaxed);
+                return Some(BlockIndex(start));
+            }
+        }
+        None
+    }
+
     /// Allocates the first free block, or `None` when the backing device is full.
     pub fn alloc(&self) -> Option<BlockIndex> {
         let mut g = self.inner.lock();
@@ -150,14 +183,23 @@ impl BlockBitmap {
     /// unpins it. Panics if the block is not allocated or was already released: each block is
     /// released exactly once.
     pub fn release(&self, block: BlockIndex) {
+        self.release_run(block, 1);
+    }
+
+    /// Releases `count` blocks from `block` (a written-back multi-page object's, allocated by
+    /// [`alloc_run`](Self::alloc_run); it is pinned by its first block), as
+    /// [`release`](Self::release) does one.
+    pub fn release_run(&self, block: BlockIndex, count: u64) {
         let mut g = self.inner.lock();
         if let Some(pin) = g.pins.get_mut(&block.0) {
-            assert!(!pin.released, "block {} released twice", block.0);
-            pin.released = true;
+            assert!(pin.released == 0, "block {} released twice", block.0);
+            pin.released = count;
             return;
         }
-        Self::clear_bit(&mut g, block);
-        self.bd_count.fetch_sub(1, Ordering::Relaxed);
+        for b in block.0..block.0 + count {
+            Self::clear_bit(&mut g, BlockIndex(b));
+        }
+        self.bd_count.fetch_sub(count, Ordering::Relaxed);
     }
 
     fn clear_bit(g: &mut Inner, block: BlockIndex) {
@@ -182,7 +224,7 @@ impl BlockBitmap {
             block.0
         );
         let pin = g.pins.entry(block.0).or_default();
-        assert!(!pin.released, "pinning released block {}", block.0);
+        assert!(pin.released == 0, "pinning released block {}", block.0);
         pin.readers += 1;
         BlockPin {
             bitmap: self,
@@ -197,10 +239,10 @@ impl BlockBitmap {
         if pin.readers == 0 {
             let released = pin.released;
             g.pins.remove(&block.0);
-            if released {
-                Self::clear_bit(&mut g, block);
-                self.bd_count.fetch_sub(1, Ordering::Relaxed);
+            for b in block.0..block.0 + released {
+                Self::clear_bit(&mut g, BlockIndex(b));
             }
+            self.bd_count.fetch_sub(released, Ordering::Relaxed);
         }
     }
 
@@ -269,6 +311,29 @@ mod tests {
         assert!(!b.is_allocated(x));
         assert_eq!(b.bd_count(), 1);
         assert_eq!(b.alloc(), Some(x));
+    }
+
+    #[test]
+    fn runs_take_the_first_free_range_and_are_released_whole() {
+        let b = BlockBitmap::new(200);
+        let one = b.alloc().unwrap();
+        assert_eq!(b.alloc_run(3), Some(BlockIndex(1)));
+        b.release(one);
+        // Block 0 is free but too short for 2: the run goes after the first one.
+        assert_eq!(b.alloc_run(2), Some(BlockIndex(4)));
+        assert_eq!(b.alloc(), Some(BlockIndex(0)));
+        // Across a word boundary, then none left that long.
+        assert_eq!(b.alloc_run(100), Some(BlockIndex(6)));
+        assert_eq!(b.alloc_run(100), None);
+        assert_eq!(b.bd_count(), 106);
+        // A pinned run is freed whole by its last reader.
+        let p = b.pin(BlockIndex(1));
+        b.release_run(BlockIndex(1), 3);
+        assert!(b.is_allocated(BlockIndex(3)));
+        drop(p);
+        assert!(!b.is_allocated(BlockIndex(1)) && !b.is_allocated(BlockIndex(3)));
+        assert_eq!(b.bd_count(), 103);
+        assert_eq!(b.alloc_run(3), Some(BlockIndex(1)));
     }
 
     #[test]

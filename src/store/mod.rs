@@ -76,11 +76,20 @@ use target::WbPin;
 pub(crate) const MAX_MULTI_PAGES: usize = 16;
 
 /// A thread's last decompressed multi-page object, so reads of its neighbouring pages
-/// decompress it once: `key` is `(store id, handle, multi_frees)` when `run` holds it.
+/// decompress it once: `key` is `(store id, where, multi_frees)` when `run` holds it.
 #[derive(Default)]
 struct RunCache {
-    key: Option<(u64, u64, u64)>,
+    key: Option<(u64, RunWhere, u64)>,
     run: Vec<u8>,
+    /// The blocks of a written-back object, as read.
+    raw: Vec<u8>,
+}
+
+/// Where a multi-page object lives: its handle in RAM, or its backing location.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunWhere {
+    Handle(u64),
+    Backing(u64),
 }
 
 thread_local! {
@@ -173,8 +182,9 @@ pub(crate) struct Store {
 enum Source<'a> {
     /// Already in the output buffer.
     Done,
-    /// On the backing device: read through the pin after dropping the slot lock.
-    Backing(WbPin<'a>, SlotState),
+    /// On the backing device: read through the pin after dropping the slot lock. With the
+    /// value of `multi_frees` seen under the lock (for a multi-page object's cache key).
+    Backing(WbPin<'a>, SlotState, u64),
 }
 
 impl Store {
@@ -268,7 +278,9 @@ impl Store {
         drop(g);
         match source? {
             Source::Done => Ok(()),
-            Source::Backing(pin, st) => self.read_backing(index, &pin, st, out, scratch),
+            Source::Backing(pin, st, frees) => {
+                self.read_backing(index, &pin, st, frees, out, scratch)
+            }
         }
     }
 
@@ -325,8 +337,9 @@ impl Store {
     /// Stores an aligned run of [`multi_pages`](Self::multi_pages) pages starting at slot
     /// `first` (a multiple of it), written at once (`data`: the run), compressed as one object
     /// that every slot of the group points into (MULTI). `dst`: at least
-    /// `compress_bound(run size)` bytes of scratch. A run whose pages are all same-filled, or
-    /// that does not compress below its pages' worth of memory, is stored page by page. The
+    /// `compress_bound(run size)` bytes of scratch. A run whose pages are all same-filled is
+    /// stored page by page; one that does not compress below its pages' worth of memory is
+    /// stored as raw (HUGE) or same-filled pages, without compressing them again. The
     /// group's slots are locked in ascending order (as every multi-slot path locks them), so
     /// the run replaces them all at once; a failure leaves the old contents.
     pub(crate) fn write_run(
@@ -350,7 +363,24 @@ impl Store {
         }
         let comp_len = self.codecs.primary().compress(data, dst)?;
         if comp_len >= self.huge_run_bytes {
-            return per_page(dst);
+            // Compressing the pages one by one again would be wasted: a page that compressed
+            // alone below the huge threshold would save the run at least as much (compressing
+            // the whole is no worse than its parts, up to the codec's expansion of the
+            // others: zstd stores incompressible blocks raw, lz4 adds a byte per 255), and
+            // the run saved less. So its pages are stored raw (HUGE), or same-filled.
+            for (k, p) in data.chunks(page).enumerate() {
+                let prepared = match same_filled_word(p) {
+                    Some(word) => Prepared::Same(word),
+                    None => Prepared::Object {
+                        handle: self.store_object(p, limit_pages)?,
+                        size_bytes: page,
+                        huge: true,
+                    },
+                };
+                let mut g = self.slots.lock(SlotIndex(first.0 + k as u64));
+                self.publish(&mut g, prepared);
+            }
+            return Ok(());
         }
         let handle = self.store_object(&dst[..comp_len], limit_pages)?;
         let mut guards: [Option<SlotGuard<'_>>; MAX_MULTI_PAGES] = Default::default();
@@ -379,21 +409,44 @@ impl Store {
     /// decompressing it unless this thread's [`RunCache`] holds it. The caller holds the lock
     /// of a slot pointing at it.
     fn read_multi(&self, handle: Handle, k: usize, out: &mut [u8]) -> Result<()> {
-        let run_bytes = self.multi_pages * self.page_size_bytes;
         // Loaded after the slot lock was taken: a handle freed and reused since the cache was
         // filled has moved this counter (see `multi_frees`).
         let frees = self.multi_frees.load(Ordering::Acquire);
+        self.with_run_cache(
+            RunWhere::Handle(handle.to_raw()),
+            frees,
+            k,
+            out,
+            |run, _| {
+                self.pool
+                    .read(handle, |obj| self.codecs.primary().decompress(obj, run))
+            },
+        )
+    }
+
+    /// Copies page `k` of the multi-page object at `at` into `out`: from this thread's
+    /// [`RunCache`] if it holds the object as of `frees` (the `multi_frees` seen under the lock
+    /// of a slot pointing at it), else after `fill` decompressed it into the cache's run
+    /// (`fill` gets the run and a scratch buffer).
+    fn with_run_cache(
+        &self,
+        at: RunWhere,
+        frees: u64,
+        k: usize,
+        out: &mut [u8],
+        fill: impl FnOnce(&mut [u8], &mut Vec<u8>) -> Result<()>,
+    ) -> Result<()> {
+        let run_bytes = self.multi_pages * self.page_size_bytes;
         RUN_CACHE.with(|cache| {
             let mut c = cache.borrow_mut();
-            let key = Some((self.id, handle.to_raw(), frees));
+            let c = &mut *c;
+            let key = Some((self.id, at, frees));
             if c.key != key {
                 c.key = None;
                 if c.run.len() < run_bytes {
                     c.run.resize(run_bytes, 0);
                 }
-                let run = &mut c.run[..run_bytes];
-                self.pool
-                    .read(handle, |obj| self.codecs.primary().decompress(obj, run))?;
+                fill(&mut c.run[..run_bytes], &mut c.raw)?;
                 c.key = key;
             }
             let page = self.page_size_bytes;
@@ -435,9 +488,9 @@ impl Store {
             let mut g = self.slots.lock(index);
             let _pin = match self.read_slot(&g, page)? {
                 Source::Done => None,
-                Source::Backing(pin, st) => {
+                Source::Backing(pin, st, frees) => {
                     drop(g);
-                    self.read_backing(index, &pin, st, page, dst)?;
+                    self.read_backing(index, &pin, st, frees, page, dst)?;
                     g = self.slots.lock(index);
                     if g.state().wb_location() != Some(pin.location()) {
                         continue;
@@ -510,7 +563,8 @@ impl Store {
                     g.index().0
                 )));
             };
-            return Ok(Source::Backing(target.pin(location), st));
+            let frees = self.multi_frees.load(Ordering::Acquire);
+            return Ok(Source::Backing(target.pin(location), st, frees));
         }
         let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
         if st.has(SlotFlags::MULTI) {
@@ -530,15 +584,29 @@ impl Store {
     }
 
     /// Reads a written-back page through its pin (no slot lock held) and counts `bd_reads`.
+    /// A page of a written-back multi-page object comes from this thread's [`RunCache`], or
+    /// the whole object is read (counted once) and decompressed into it; `frees` is the
+    /// `multi_frees` seen under the slot lock.
     fn read_backing(
         &self,
         index: SlotIndex,
         pin: &WbPin<'_>,
         st: SlotState,
+        frees: u64,
         out: &mut [u8],
         scratch: &mut [u8],
     ) -> Result<()> {
         let codec = self.codecs.get(st.codec())?;
+        if st.has(SlotFlags::MULTI) {
+            let n = self.multi_pages as u64;
+            let first = index.0 - index.0 % n;
+            let k = (index.0 % n) as usize;
+            return self.with_run_cache(RunWhere::Backing(st.value), frees, k, out, |run, raw| {
+                pin.read_run(first, st, &*codec, run, raw)?;
+                StoreStats::add(&self.stats.bd_reads, 1);
+                Ok(())
+            });
+        }
         pin.read_page(index.0, st, &*codec, out, scratch)?;
         StoreStats::add(&self.stats.bd_reads, 1);
         Ok(())
@@ -589,9 +657,14 @@ impl Store {
             StoreStats::sub(&s.same_pages, 1);
         } else if let Some(location) = st.wb_location() {
             // Only writeback makes a slot WB, into this store's target. Exactly once: the slot
-            // is emptied below under the same lock.
+            // is emptied below under the same lock (for a multi-page object, by the last slot
+            // of its group pointing at it).
             if let Some(target) = self.target.as_ref() {
-                target.release(location);
+                if st.has(SlotFlags::MULTI) {
+                    self.release_wb_run(g.index(), st, target);
+                } else {
+                    target.release(location, 1);
+                }
             }
         } else {
             self.release_object(g.index(), st, how);
@@ -600,6 +673,23 @@ impl Store {
         self.codecs.release(st.codec());
         StoreStats::sub(&s.pages_stored, 1);
         g.set_empty();
+    }
+
+    /// A slot pointing at a written-back multi-page object lets go of it: the last one of the
+    /// group releases its location. The caller holds the slot lock and empties the slot.
+    fn release_wb_run(&self, index: SlotIndex, st: SlotState, target: &WbTarget) {
+        let s = &self.stats;
+        let group = (index.0 / self.multi_pages as u64) as usize;
+        StoreStats::sub(&s.multi_wb_pages, 1);
+        if self.group_refs[group].fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let blocks = WbTarget::run_blocks(st.size_bytes(), self.page_size_bytes);
+        StoreStats::sub(&s.multi_wb_objects, 1);
+        StoreStats::sub(&s.multi_wb_blocks, blocks);
+        // A location given back may be another object's next: the caches of this one go.
+        self.multi_frees.fetch_add(1, Ordering::Release);
+        target.release(st.value, blocks);
     }
 
     /// Frees the slot's pool object and takes it out of `compr_data_size` and `huge_pages`
@@ -691,14 +781,11 @@ impl Store {
         accepts: impl Fn(&SlotState) -> bool,
     ) -> Option<usize> {
         // Look without the lock first, so empty slots cost nothing (and their table pages stay
-        // uncommitted); decide again under the lock.
-        // Pages of multi-page objects are not written back (yet): their object is shared.
+        // uncommitted); decide again under the lock. A page of a multi-page object is marked
+        // like any other; writeback takes the object only when every page pointing into it is
+        // marked ([`copy_run`](Self::copy_run)).
         let st = self.slots.entry(index).state_unlocked();
-        if st.is_empty()
-            || st.has(SlotFlags::SAME)
-            || st.has(SlotFlags::WB)
-            || st.has(SlotFlags::MULTI)
-        {
+        if st.is_empty() || st.has(SlotFlags::SAME) || st.has(SlotFlags::WB) {
             return None;
         }
         let mut g = self.slots.lock(index);
@@ -706,7 +793,6 @@ impl Store {
         if st.is_empty()
             || st.has(SlotFlags::SAME)
             || st.has(SlotFlags::WB)
-            || st.has(SlotFlags::MULTI)
             || st.has(SlotFlags::PP_SLOT)
             || !accepts(&st)
         {
@@ -716,10 +802,30 @@ impl Store {
         Some(st.size_bytes())
     }
 
-    /// Clears PP_SLOT of one slot, under its lock (zram's `release_pp_slot`).
+    /// Clears PP_SLOT of one slot, under its lock (zram's `release_pp_slot`); for a page of a
+    /// multi-page object in RAM, of every page pointing into it (one lock at a time): the
+    /// object goes only with all of them, so none may keep a mark that would keep it from the
+    /// next writeback's scan.
     pub(crate) fn clear_pp(&self, index: SlotIndex) {
         let mut g = self.slots.lock(index);
+        let st = g.state();
         g.clear_flags(SlotFlags::PP_SLOT);
+        drop(g);
+        if self.multi_pages > 1 && st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
+            self.clear_run_pp(self.group_first(index));
+        }
+    }
+
+    /// Clears PP_SLOT of every page of the group starting at `first` that points into its
+    /// multi-page object in RAM (at most one per group), one lock at a time.
+    pub(crate) fn clear_run_pp(&self, first: SlotIndex) {
+        for k in 0..self.multi_pages as u64 {
+            let mut g = self.slots.lock(SlotIndex(first.0 + k));
+            let st = g.state();
+            if st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
+                g.clear_flags(SlotFlags::PP_SLOT);
+            }
+        }
     }
 
     /// Copies writeback candidate `index` into `out` under its lock, if it still has PP_SLOT:
@@ -792,8 +898,141 @@ impl Store {
             }
         }
         g.set_wb(location, st.size_bytes(), keep, st.codec());
-        target.commit(location);
+        target.commit(location, 1);
         true
+    }
+
+    /// Whether slot `index` holds a page of a multi-page object in RAM (a look without its
+    /// lock, for writeback to choose its path: [`copy_run`](Self::copy_run) decides again).
+    pub(crate) fn is_multi(&self, index: SlotIndex) -> bool {
+        let st = self.slots.entry(index).state_unlocked();
+        st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB)
+    }
+
+    /// The first slot of the multi-page group holding `index`.
+    pub(crate) fn group_first(&self, index: SlotIndex) -> SlotIndex {
+        SlotIndex(index.0 - index.0 % self.multi_pages as u64)
+    }
+
+    /// Locks every slot of the multi-page group starting at `first`, in ascending order (the
+    /// order of every path holding several slot locks).
+    fn lock_group(&self, first: SlotIndex) -> [Option<SlotGuard<'_>>; MAX_MULTI_PAGES] {
+        let mut guards: [Option<SlotGuard<'_>>; MAX_MULTI_PAGES] = Default::default();
+        for (k, g) in guards.iter_mut().take(self.multi_pages).enumerate() {
+            *g = Some(self.slots.lock(SlotIndex(first.0 + k as u64)));
+        }
+        guards
+    }
+
+    /// Copies the multi-page object of the group holding writeback candidate `index` into
+    /// `out` (the object as stored: it is written back compressed whatever
+    /// `compressed_writeback` says, since its pages share it), under the group's locks, if
+    /// every slot still pointing into it has PP_SLOT: the rule is that an object goes only
+    /// when all its live pages were selected. Otherwise (or if it is gone) clears PP_SLOT on
+    /// the group and returns `None`. `out` is at least a run.
+    pub(crate) fn copy_run(&self, index: SlotIndex, out: &mut [u8]) -> Option<Copied> {
+        let first = self.group_first(index);
+        let mut guards = self.lock_group(first);
+        let mut handle = None;
+        let mut all_marked = true;
+        for g in guards.iter().flatten() {
+            let st = g.state();
+            if st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
+                handle = Some(st);
+                all_marked &= st.has(SlotFlags::PP_SLOT);
+            }
+        }
+        let copied = handle.filter(|_| all_marked).map(|st| {
+            let h = Handle::from_raw(st.value).expect("a MULTI slot holds an object");
+            let len = self.pool.read(h, |obj| {
+                out[..obj.len()].copy_from_slice(obj);
+                obj.len()
+            });
+            Copied {
+                handle: st.value,
+                len_bytes: len,
+                codec: st.codec(),
+                huge: false,
+            }
+        });
+        if copied.is_none() {
+            for g in guards.iter_mut().flatten() {
+                let st = g.state();
+                if st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
+                    g.clear_flags(SlotFlags::PP_SLOT);
+                }
+            }
+        }
+        copied
+    }
+
+    /// Finishes a multi-page object whose write to `location` completed: under the locks of
+    /// the group starting at `first`, if every slot still pointing at object `handle` has
+    /// PP_SLOT (none was read, overwritten or freed meanwhile; pages broken out of it are
+    /// not its any more), frees the object and points those slots at `location` (WB and
+    /// MULTI, size and codec kept; the group's reference count stays), commits the location,
+    /// and returns how many slots now point there. Otherwise clears PP_SLOT on the group and
+    /// returns `None`: the caller gives the location back. Counts `bd_writes` (in blocks)
+    /// either way.
+    pub(crate) fn finish_run_writeback(
+        &self,
+        first: SlotIndex,
+        handle: u64,
+        location: u64,
+    ) -> Option<u64> {
+        let mut guards = self.lock_group(first);
+        let mut live = 0u64;
+        let mut all_marked = true;
+        let mut obj = None;
+        for g in guards.iter().flatten() {
+            let st = g.state();
+            if st.has(SlotFlags::MULTI) && st.handle_raw() == Some(handle) {
+                live += 1;
+                all_marked &= st.has(SlotFlags::PP_SLOT);
+                obj = Some(st);
+            }
+        }
+        let target = self.target.as_ref();
+        let (Some(st), Some(target), true) = (obj, target, all_marked) else {
+            for g in guards.iter_mut().flatten() {
+                if g.state().handle_raw() == Some(handle) {
+                    g.clear_flags(SlotFlags::PP_SLOT);
+                }
+            }
+            if let Some(st) = obj {
+                let blocks = WbTarget::run_blocks(st.size_bytes(), self.page_size_bytes);
+                StoreStats::add(&self.stats.bd_writes, blocks);
+            }
+            return None;
+        };
+        let s = &self.stats;
+        let blocks = WbTarget::run_blocks(st.size_bytes(), self.page_size_bytes);
+        StoreStats::add(&s.bd_writes, blocks);
+        debug_assert_eq!(
+            u64::from(
+                self.group_refs[(first.0 / self.multi_pages as u64) as usize]
+                    .load(Ordering::Relaxed)
+            ),
+            live
+        );
+        // The handle may come back for another object: the caches of this one go first.
+        self.multi_frees.fetch_add(1, Ordering::Release);
+        self.pool
+            .free(Handle::from_raw(handle).expect("a MULTI slot holds an object"));
+        StoreStats::sub(&s.compr_data_size_bytes, st.size_bytes() as u64);
+        StoreStats::sub(&s.multi_objects, 1);
+        StoreStats::sub(&s.multi_pages, live);
+        StoreStats::add(&s.multi_wb_objects, 1);
+        StoreStats::add(&s.multi_wb_pages, live);
+        StoreStats::add(&s.multi_wb_blocks, blocks);
+        for g in guards.iter_mut().flatten() {
+            let gs = g.state();
+            if gs.has(SlotFlags::MULTI) && gs.handle_raw() == Some(handle) {
+                g.set_wb(location, st.size_bytes(), SlotFlags::MULTI, st.codec());
+            }
+        }
+        target.commit(location, blocks);
+        Some(live)
     }
 
     // ---------------------------------------------------------------------------------------
@@ -913,6 +1152,9 @@ impl Store {
             bd_checksum_errors: self.target.as_ref().map_or(0, WbTarget::checksum_errors),
             multi_objects: get(&s.multi_objects),
             multi_pages: get(&s.multi_pages),
+            multi_wb_objects: get(&s.multi_wb_objects),
+            multi_wb_pages: get(&s.multi_wb_pages),
+            multi_wb_blocks: get(&s.multi_wb_blocks),
         }
     }
 
@@ -986,7 +1228,35 @@ impl Store {
 impl GcOwner for Store {
     /// Under the slot lock: if the slot is WB at `old`, point it at `new` (size, flags,
     /// priority and access time kept: a move is not an access) and call `moved`.
+    ///
+    /// A record of a written-back multi-page object names the first slot of its group, and
+    /// every slot of the group still pointing at it moves together, under the group's locks.
     fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc, moved: &dyn Fn()) -> bool {
+        if self.multi_pages > 1 {
+            let first = SlotIndex(slot);
+            if first.0 % self.multi_pages as u64 == 0
+                && first.0 + self.multi_pages as u64 <= self.slots.len()
+            {
+                let mut guards = self.lock_group(first);
+                let mut any = false;
+                for g in guards.iter_mut().flatten() {
+                    let st = g.state();
+                    if st.wb_location() == Some(old.to_raw()) {
+                        if !any && st.has(SlotFlags::MULTI) {
+                            // A thread may cache another object that was at `new` before GC
+                            // moved it away: keys made from now on differ.
+                            self.multi_frees.fetch_add(1, Ordering::Release);
+                        }
+                        g.set_wb(new.to_raw(), st.size_bytes(), st.flags(), st.codec());
+                        any = true;
+                    }
+                }
+                if any {
+                    moved();
+                }
+                return any;
+            }
+        }
         let mut g = self.slots.lock(SlotIndex(slot));
         let st = g.state();
         if st.wb_location() != Some(old.to_raw()) {

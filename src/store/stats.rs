@@ -45,6 +45,11 @@ pub(crate) struct StoreStats {
     pub(crate) multi_objects: AtomicU64,
     /// Slots pointing into them.
     pub(crate) multi_pages: AtomicU64,
+    /// Multi-page objects on the backing device (written back whole), the pages of their
+    /// groups pointing at them, and the page-sized blocks they take (in `bd_count`).
+    pub(crate) multi_wb_objects: AtomicU64,
+    pub(crate) multi_wb_pages: AtomicU64,
+    pub(crate) multi_wb_blocks: AtomicU64,
 }
 
 impl StoreStats {
@@ -123,6 +128,13 @@ pub struct StatsSnapshot {
     /// Pages (slots) pointing into them: counted in `pages_stored`, their objects' bytes once
     /// in `compr_data_size` (`multi_stat`'s second column).
     pub multi_pages: u64,
+    /// Multi-page objects written back whole (`multi_stat`'s third column).
+    pub multi_wb_objects: u64,
+    /// Pages pointing at them (`multi_stat`'s fourth column; in `pages_stored`).
+    pub multi_wb_pages: u64,
+    /// Page-sized blocks they take on the backing device (`multi_stat`'s fifth column; in
+    /// `bd_count`, in device pages).
+    pub multi_wb_blocks: u64,
 }
 
 /// What `meta_stat` shows: the device's memory besides `mem_used_total` (the pool's zspages), in

@@ -179,38 +179,51 @@ impl WbTarget {
         }
     }
 
-    /// Releases the location a WB slot pointed at (it was overwritten, discarded or reset).
-    /// The caller holds the slot's lock and empties the slot: exactly once per location.
-    pub(crate) fn release(&self, location: u64) {
+    /// Releases the location a WB slot pointed at (it was overwritten, discarded or reset),
+    /// `blocks` page-sized blocks long (1 for a page; a multi-page object's from
+    /// [`run_blocks`](Self::run_blocks)). The caller holds the lock of the slot (the last one
+    /// of a multi-page object's group pointing there) and empties it: exactly once per location.
+    pub(crate) fn release(&self, location: u64, blocks: u64) {
         match self {
-            WbTarget::Bitmap(t) => t.bitmap.release(BlockLoc::from_raw(location).block),
+            WbTarget::Bitmap(t) => t
+                .bitmap
+                .release_run(BlockLoc::from_raw(location).block, blocks),
             WbTarget::Zoned(t) => {
                 t.store.release(ZoneLoc::from_raw(location));
-                t.pages.fetch_sub(1, Ordering::Relaxed);
+                t.pages.fetch_sub(blocks, Ordering::Relaxed);
             }
         }
     }
 
-    /// A location writeback wrote now belongs to a slot: the caller holds that slot's lock and
-    /// has just pointed it there, so a release (under the same lock) always follows this.
-    pub(crate) fn commit(&self, location: u64) {
+    /// A location writeback wrote, `blocks` long, now belongs to a slot (or a multi-page
+    /// object's group): the caller holds that slot's lock (the group's) and has just pointed it
+    /// there, so a release (under the same lock) always follows this.
+    pub(crate) fn commit(&self, location: u64, blocks: u64) {
         match self {
             // The block was allocated when writeback reserved it.
             WbTarget::Bitmap(_) => {}
             WbTarget::Zoned(t) => {
                 t.store.commit(ZoneLoc::from_raw(location));
-                t.pages.fetch_add(1, Ordering::Relaxed);
+                t.pages.fetch_add(blocks, Ordering::Relaxed);
             }
         }
     }
 
-    /// A location writeback reserved that no slot took (its write failed, or its slot changed
-    /// meanwhile): given back. No slot lock is needed: no slot points there.
-    pub(crate) fn abort(&self, location: u64) {
+    /// A location writeback reserved, `blocks` long, that no slot took (its write failed, or
+    /// its slot changed meanwhile): given back. No slot lock is needed: no slot points there.
+    pub(crate) fn abort(&self, location: u64, blocks: u64) {
         match self {
-            WbTarget::Bitmap(t) => t.bitmap.release(BlockLoc::from_raw(location).block),
+            WbTarget::Bitmap(t) => t
+                .bitmap
+                .release_run(BlockLoc::from_raw(location).block, blocks),
             WbTarget::Zoned(t) => t.store.abort(ZoneLoc::from_raw(location)),
         }
+    }
+
+    /// Page-sized blocks a written-back multi-page object of `size_bytes` takes: in the bitmap
+    /// layout its blocks, in the zoned layout what `bd_count` counts for its record.
+    pub(crate) fn run_blocks(size_bytes: usize, page_size_bytes: usize) -> u64 {
+        size_bytes.div_ceil(page_size_bytes) as u64
     }
 
     /// Pages on the backing device (zram's `bd_count`, in pages): allocated blocks (those of
@@ -255,9 +268,10 @@ impl BitmapTarget {
         self.page_size_bytes
     }
 
-    /// The slot value for `block` holding `data` (the whole block as written).
+    /// The slot value for `block` holding `data` (the whole block as written, or the blocks
+    /// of a multi-page object from `block` on).
     pub(crate) fn location(&self, block: BlockIndex, data: &[u8]) -> u64 {
-        debug_assert_eq!(data.len(), self.page_size_bytes);
+        debug_assert_eq!(data.len() % self.page_size_bytes, 0);
         let crc = if self.checked.load(Ordering::Relaxed) {
             block_crc(block.0, data)
         } else {
@@ -327,6 +341,75 @@ impl WbPin<'_> {
         match self {
             WbPin::Block(t, pin, crc) => read_block(t, pin, *crc, st, codec, out, scratch),
             WbPin::Zone(t, pin) => read_record(t, slot, pin, st, codec, out),
+        }
+    }
+
+    /// Reads the written-back multi-page object of a MULTI slot of the group starting at slot
+    /// `first` (its state, under its lock when the pin was taken, is `st`: the object's size
+    /// and codec) and decompresses it into `out` (the whole run); `scratch` is resized to hold
+    /// its blocks. Verified as [`read_page`](Self::read_page) verifies; `EIO` otherwise.
+    pub(crate) fn read_run(
+        &self,
+        first: u64,
+        st: SlotState,
+        codec: &dyn Codec,
+        out: &mut [u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        let size = st.size_bytes();
+        let decompress = |obj: &[u8], out: &mut [u8]| {
+            codec.decompress(obj, out).map_err(|e| {
+                Error::io(format!(
+                    "written-back multi-page object of slot {first} does not decompress: {e}"
+                ))
+            })
+        };
+        match self {
+            WbPin::Block(t, pin, crc) => {
+                let blocks = WbTarget::run_blocks(size, t.page_size_bytes) as usize;
+                scratch.resize(blocks * t.page_size_bytes, 0);
+                let offset = t.offset(pin.block());
+                t.backing.read_at(scratch, offset).map_err(|e| {
+                    Error::io(format!(
+                        "reading written-back multi-page object from block {} of {}: {e}",
+                        pin.block().0,
+                        t.backing.describe()
+                    ))
+                })?;
+                if t.checked.load(Ordering::Relaxed) {
+                    let got = block_crc(pin.block().0, scratch);
+                    if got != *crc {
+                        return Err(t.mismatches.note(
+                            &t.backing.describe(),
+                            offset,
+                            &format!("written-back blocks {}+{blocks}", pin.block().0),
+                            &format!("CRC-32C {got:#010x}, written {crc:#010x}"),
+                        ));
+                    }
+                }
+                decompress(&scratch[..size], out)
+            }
+            WbPin::Zone(t, pin) => {
+                let (h, payload) = t.store.read_record(pin.loc(), first).map_err(|e| {
+                    Error::io(format!(
+                        "reading written-back multi-page object of slot {first} from {:?} of \
+                         {}: {e}",
+                        pin.loc(),
+                        t.store.backing().describe()
+                    ))
+                })?;
+                if !h.is_compressed() || h.prio != st.codec() || payload.len() != size {
+                    return Err(Error::io(format!(
+                        "record of slot {first}: flags {}, codec {}, {} bytes; the slot says a \
+                         multi-page object of codec {}, {size} bytes",
+                        h.flags,
+                        h.prio,
+                        payload.len(),
+                        st.codec()
+                    )));
+                }
+                decompress(&payload, out)
+            }
         }
     }
 }

@@ -49,6 +49,9 @@ pub struct PpCtl {
     /// The highest bucket that may still hold candidates.
     top: usize,
     total: u64,
+    /// Multi-page groups with a page filed already: a group is filed once (its object goes
+    /// whole, see `Store::copy_run`), however many of its pages are marked.
+    groups: std::collections::HashSet<u64>,
 }
 
 impl PpCtl {
@@ -60,6 +63,7 @@ impl PpCtl {
             taken: vec![0; n],
             top: n - 1,
             total: 0,
+            groups: std::collections::HashSet::new(),
         }
     }
 
@@ -88,9 +92,16 @@ impl PpCtl {
             let Some(size_bytes) = store.mark_pp(SlotIndex(i), &accepts) else {
                 continue;
             };
+            self.total += 1;
+            if store.multi_pages() > 1
+                && store.is_multi(SlotIndex(i))
+                && !self.groups.insert(store.group_first(SlotIndex(i)).0)
+            {
+                continue;
+            }
+            // A multi-page object is larger than a page: the last bucket, with the HUGE pages.
             let b = (size_bytes / PP_BUCKET_BYTES).min(self.buckets.len() - 1);
             self.buckets[b].push(i);
-            self.total += 1;
         }
     }
 

@@ -70,6 +70,11 @@ pub(super) trait Placement {
     /// reservation, and returns its backing location (what the slot will hold). An error
     /// stops taking candidates with it; nothing was placed.
     fn place(&mut self, slot: SlotIndex, copied: &Copied) -> Result<u64>;
+    /// Places a multi-page object `obj` (compressed, `blocks` page-sized blocks' worth) of
+    /// the group starting at slot `first`, with its own room (not the page reservation),
+    /// and returns its location (what the group's slots will hold). An error (`ENOSPC`: no
+    /// room that large) stops taking candidates; nothing was placed.
+    fn place_run(&mut self, first: SlotIndex, obj: &[u8], codec: u8, blocks: u64) -> Result<u64>;
     /// The writes ready to submit. `all`: the engine takes no more candidates before it reaps,
     /// so everything placed goes out now.
     fn ready(&mut self, all: bool) -> Vec<PlacedWrite>;
@@ -94,13 +99,17 @@ pub(super) struct PlacedWrite {
     pub(super) locations: Vec<u64>,
 }
 
-/// What a pending page stands for.
+/// What a pending page (or multi-page object) stands for.
 #[derive(Debug, Clone, Copy)]
 struct Pending {
+    /// The page's slot, or the first slot of the object's group.
     slot: SlotIndex,
-    /// The zsmalloc handle that was copied: the slot must still hold it.
+    /// The zsmalloc handle that was copied: the slot (the group's slots) must still hold it.
     handle: u64,
     charge: Charge,
+    /// Page-sized blocks the location spans: 1 for a page; a multi-page object's when `run`.
+    blocks: u64,
+    run: bool,
 }
 
 /// The state of one writeback call. Owned by the writeback task alone (no lock). Invariant:
@@ -112,6 +121,8 @@ struct Engine<'a, P> {
     limit: &'a WbLimit,
     /// Limit units one page costs.
     units: u64,
+    /// A multi-page object copied out (empty without `multi_page_size`).
+    run_buf: Vec<u8>,
     queue: Box<dyn IoQueue + 'a>,
     placement: P,
     pending: HashMap<u64, Pending>,
@@ -146,6 +157,11 @@ pub(super) fn run<P: Placement>(
         target,
         limit,
         units: units_per_page(store.page_size_bytes()),
+        run_buf: if store.multi_pages() > 1 {
+            vec![0; store.multi_pages() * store.page_size_bytes()]
+        } else {
+            Vec::new()
+        },
         queue: target.backing().new_queue(depth)?,
         placement,
         pending: HashMap::with_capacity(depth),
@@ -199,6 +215,9 @@ impl<P: Placement> Engine<'_, P> {
 
     /// Takes candidate `index` (see the module docs, steps 1-4).
     fn take(&mut self, index: SlotIndex) {
+        if self.store.multi_pages() > 1 && self.store.is_multi(index) {
+            return self.take_run(index);
+        }
         if !self.limit.has_budget(self.units) {
             self.store.clear_pp(index);
             self.stop = Some(Error::io("writeback_limit exhausted"));
@@ -232,6 +251,8 @@ impl<P: Placement> Engine<'_, P> {
                         slot: index,
                         handle: copied.handle,
                         charge,
+                        blocks: 1,
+                        run: false,
                     },
                 );
             }
@@ -241,6 +262,60 @@ impl<P: Placement> Engine<'_, P> {
                 self.report.failed += 1;
                 self.stop = Some(err);
             }
+        }
+    }
+
+    /// Takes the multi-page object of the group holding candidate `index`: the same steps as
+    /// a page, with the object copied as stored (only when every page pointing into it is
+    /// a candidate: `Store::copy_run`), charged for the blocks it takes, and placed in room
+    /// of its own.
+    fn take_run(&mut self, index: SlotIndex) {
+        let first = self.store.group_first(index);
+        if !self.limit.has_budget(self.units) {
+            self.store.clear_run_pp(first);
+            self.stop = Some(Error::io("writeback_limit exhausted"));
+            return;
+        }
+        let Some(copied) = self.store.copy_run(index, &mut self.run_buf) else {
+            self.report.skipped += 1;
+            return;
+        };
+        let page = self.store.page_size_bytes();
+        let blocks = WbTarget::run_blocks(copied.len_bytes, page);
+        let Some(charge) = self.limit.charge(blocks * self.units) else {
+            self.store.clear_run_pp(first);
+            self.stop = Some(Error::io("writeback_limit exhausted"));
+            return;
+        };
+        let obj = &self.run_buf[..copied.len_bytes];
+        match self.placement.place_run(first, obj, copied.codec, blocks) {
+            Ok(location) => {
+                self.pending.insert(
+                    location,
+                    Pending {
+                        slot: first,
+                        handle: copied.handle,
+                        charge,
+                        blocks,
+                        run: true,
+                    },
+                );
+            }
+            Err(err) => {
+                self.limit.refund(charge);
+                self.store.clear_run_pp(first);
+                self.report.failed += 1;
+                self.stop = Some(err);
+            }
+        }
+    }
+
+    /// Clears the PP_SLOT marks of a pending page, or of a pending object's group.
+    fn clear_pending_pp(&self, p: &Pending) {
+        if p.run {
+            self.store.clear_run_pp(p.slot);
+        } else {
+            self.store.clear_pp(p.slot);
         }
     }
 
@@ -291,9 +366,9 @@ impl<P: Placement> Engine<'_, P> {
                 .pending
                 .remove(location)
                 .expect("every placed location is pending");
-            self.target.abort(*location);
+            self.target.abort(*location, p.blocks);
             self.limit.refund(p.charge);
-            self.store.clear_pp(p.slot);
+            self.clear_pending_pp(&p);
             self.report.failed += 1;
         }
     }
@@ -316,7 +391,7 @@ impl<P: Placement> Engine<'_, P> {
                 let lost: Vec<u64> = self.in_flight.drain().flat_map(|(_, l)| l).collect();
                 for location in lost {
                     if let Some(p) = self.pending.remove(&location) {
-                        self.store.clear_pp(p.slot);
+                        self.clear_pending_pp(&p);
                         self.report.failed += 1;
                     }
                 }
@@ -348,12 +423,20 @@ impl<P: Placement> Engine<'_, P> {
                 .pending
                 .remove(&location)
                 .expect("every location in flight is pending");
-            if self.store.finish_writeback(p.slot, p.handle, location) {
-                self.report.written += 1;
+            let moved = if p.run {
+                self.store.finish_run_writeback(p.slot, p.handle, location)
             } else {
-                // Changed while in flight: its new contents stay; the location goes back.
-                self.target.abort(location);
-                self.report.changed += 1;
+                self.store
+                    .finish_writeback(p.slot, p.handle, location)
+                    .then_some(1)
+            };
+            match moved {
+                Some(pages) => self.report.written += pages,
+                None => {
+                    // Changed while in flight: its new contents stay; the location goes back.
+                    self.target.abort(location, p.blocks);
+                    self.report.changed += 1;
+                }
             }
         }
     }

@@ -9,6 +9,11 @@
 //! CRC-32C of the whole block buffer (checked on read-back, see `crate::store::target`). When every buffer is taken (or no more
 //! candidates come) the placed pages are sorted by block and go out as runs of adjacent blocks,
 //! up to [`max_run_pages`] per write; a completed write's buffers become idle again.
+//!
+//! A multi-page object (`multi_page_size`) goes whole, as stored: it takes the first range of
+//! adjacent free blocks it fits in (`BlockBitmap::alloc_run`), a buffer of those blocks (zero
+//! padded; the CRC-32C covers them all) and one place of the pool, and is written with its
+//! neighbours like a page.
 
 use super::engine::{PlacedWrite, Placement};
 use crate::backing::{AlignedBuf, IoOp, MAX_OP_BUFS};
@@ -38,9 +43,14 @@ pub(super) struct Runs<'a> {
     idle: Vec<AlignedBuf>,
     /// A block reserved for the next page.
     reserved: Option<BlockIndex>,
-    /// Placed pages: block, location (the block with the CRC of the buffer) and buffer.
+    /// Placed pages: block, location (the block with the CRC of the buffer) and buffer (a
+    /// page, or a multi-page object's blocks).
     placed: Vec<(BlockIndex, u64, AlignedBuf)>,
     max_run: usize,
+    /// Page buffers standing for multi-page objects' buffers while those are placed or in
+    /// flight: each object takes one place of the pool (so at most `batch` requests are out,
+    /// each at most a run of 64 KiB) and its own buffer, dropped when it completes.
+    parked: Vec<AlignedBuf>,
 }
 
 impl<'a> Runs<'a> {
@@ -58,6 +68,7 @@ impl<'a> Runs<'a> {
             reserved: None,
             placed: Vec::with_capacity(batch),
             max_run: max_run_pages(batch),
+            parked: Vec::new(),
         })
     }
 }
@@ -102,6 +113,29 @@ impl Placement for Runs<'_> {
         Ok(location)
     }
 
+    fn place_run(&mut self, _first: SlotIndex, obj: &[u8], _codec: u8, blocks: u64) -> Result<u64> {
+        let page = self.target.page_size_bytes();
+        let block = self.target.bitmap().alloc_run(blocks).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NoSpace,
+                format!("no {blocks} adjacent free blocks on the backing device"),
+            )
+        })?;
+        let mut buf = match AlignedBuf::new_zeroed(blocks as usize * page) {
+            Ok(buf) => buf,
+            Err(err) => {
+                self.target.bitmap().release_run(block, blocks);
+                return Err(err);
+            }
+        };
+        buf[..obj.len()].copy_from_slice(obj);
+        self.parked
+            .push(self.idle.pop().expect("placed only with room"));
+        let location = self.target.location(block, &buf);
+        self.placed.push((block, location, buf));
+        Ok(location)
+    }
+
     fn ready(&mut self, all: bool) -> Vec<PlacedWrite> {
         if !all || self.placed.is_empty() {
             return Vec::new();
@@ -112,14 +146,15 @@ impl Placement for Runs<'_> {
         let mut writes = Vec::new();
         let mut it = placed.into_iter().peekable();
         while let Some((first, location, buf)) = it.next() {
-            let mut last = first;
+            // One past the last block written so far.
+            let mut end = first.0 + (buf.len() as u64).div_ceil(page);
             let mut locations = vec![location];
             let mut bufs = vec![buf];
             while locations.len() < self.max_run {
                 match it.peek() {
-                    Some((b, _, _)) if b.0 == last.0 + 1 => {
+                    Some((b, _, _)) if b.0 == end => {
                         let (b, location, buf) = it.next().expect("peeked");
-                        last = b;
+                        end = b.0 + (buf.len() as u64).div_ceil(page);
                         locations.push(location);
                         bufs.push(buf);
                     }
@@ -139,7 +174,19 @@ impl Placement for Runs<'_> {
     fn written(&mut self, _op: &IoOp) {}
 
     fn recycle(&mut self, op: IoOp) {
-        self.idle.extend(op.bufs);
+        let page = self.target.page_size_bytes();
+        for buf in op.bufs {
+            if buf.len() == page {
+                self.idle.push(buf);
+            } else {
+                // A multi-page object's buffer: its place in the pool comes back.
+                self.idle.push(
+                    self.parked
+                        .pop()
+                        .expect("a run's buffer parks a page buffer"),
+                );
+            }
+        }
     }
 
     fn write_failed(&mut self, _locations: &[u64]) {}

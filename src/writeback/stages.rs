@@ -85,6 +85,16 @@ impl Placement for Stages<'_> {
         }
     }
 
+    fn place_run(&mut self, first: SlotIndex, obj: &[u8], codec: u8, _blocks: u64) -> Result<u64> {
+        // A multi-page object's record names the first slot of its group (read-back and GC
+        // look for it there).
+        match self.writer.append(first.0, codec, FLAG_COMPRESSED, obj) {
+            Ok(loc) => Ok(loc.to_raw()),
+            Err(err) if err.kind() == ErrorKind::NoSpace => Err(err),
+            Err(err) => Err(Error::io(format!("zoned writeback: {err}"))),
+        }
+    }
+
     fn ready(&mut self, _all: bool) -> Vec<PlacedWrite> {
         std::iter::from_fn(|| self.writer.take_ready())
             .map(|sw| PlacedWrite {
