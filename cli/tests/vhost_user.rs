@@ -3,8 +3,12 @@
 //! The server runs here, on the host; a real QEMU guest (`scripts/zoned-vm --vhost-user-blk`,
 //! Debian's 6.12 kernel under TCG, the guest's memory a shared memfd) attaches the socket and
 //! runs this same test binary inside, which checks what the guest's virtio_blk driver sees
-//! and drives the disk with the real fio and e2fsprogs; a second guest (a new QEMU, a new
-//! connection) then finds the filesystem the first one left.
+//! and drives the disks with the real fio, e2fsprogs and the kernel's swap. Three guests, one
+//! after the other, on one server (`--swap`, two devices): the first makes a filesystem on
+//! zram0, resets the device as a reboot does and finds it intact, and swaps on zram1 with a
+//! memory hog larger than its RAM; the second is killed (-9) with fio writing to zram1; the
+//! third (a new QEMU, new connections) finds the filesystem, is served on zram1, and stays
+//! connected while the server is stopped (in seconds).
 
 #[path = "../../tests/vm_support/mod.rs"]
 mod vm_support;
@@ -20,6 +24,8 @@ use process_support::{run, wait_timeout};
 
 const UZRAM: &str = env!("CARGO_BIN_EXE_uzram");
 const DISK_BYTES: u64 = 256 << 20;
+/// The swap disk: more than the hog pushes out of a 384 MiB guest.
+const SWAP_DISK_BYTES: u64 = 1 << 30;
 const QUEUES: usize = 2;
 
 fn host_program(name: &str) -> String {
@@ -32,11 +38,13 @@ fn host_program(name: &str) -> String {
     panic!("{name} is not installed (scripts/debian-packages.txt lists its package)")
 }
 
-/// A running `uzram serve --vhost-user` and the vhost-user socket it printed.
+/// A running `uzram serve --swap --config` of two devices with vhost-user sockets:
+/// `zram0` (a filesystem's disk) and `zram1` (a swap disk).
 struct Server {
     child: Child,
     dir: tempfile::TempDir,
-    vhost_socket: PathBuf,
+    /// The vhost-user sockets of zram0 and zram1.
+    sockets: [PathBuf; 2],
 }
 
 impl Drop for Server {
@@ -48,14 +56,25 @@ impl Drop for Server {
 
 fn serve() -> Server {
     let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("uzram.toml");
+    let mut text = String::new();
+    for (name, size) in [("zram0", DISK_BYTES), ("zram1", SWAP_DISK_BYTES)] {
+        text.push_str(&format!(
+            "[[device]]\nname = \"{name}\"\ndisksize = \"{size}\"\nsocket = \"{}\"\n\
+             vhost_user = true\n",
+            dir.path().join(format!("{name}.sock")).display()
+        ));
+    }
+    std::fs::write(&config, text).unwrap();
+    // --swap as a host serving its guests' swap would run it: memory locked, an I/O flusher.
     let mut child = Command::new(UZRAM)
-        .args(["serve", "--vhost-user", "--disksize", "256M", "--socket"])
-        .arg(dir.path().join("zram0.sock"))
+        .args(["serve", "--swap", "--config"])
+        .arg(&config)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("uzram serve starts");
-    let mut vhost_socket = None;
+    let mut sockets = Vec::new();
     let mut printed = String::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
@@ -64,19 +83,20 @@ fn serve() -> Server {
         printed.push_str(&line);
         printed.push('\n');
         if let Some(rest) = line.trim().strip_prefix("vhost-user-blk: ") {
-            vhost_socket = rest.split_whitespace().next().map(PathBuf::from);
+            sockets.extend(rest.split_whitespace().next().map(PathBuf::from));
         }
         if line.starts_with("serving") || Instant::now() > deadline {
             break;
         }
     }
-    let Some(vhost_socket) = vhost_socket else {
+    if sockets.len() != 2 {
         let mut err = String::new();
         let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-        panic!("uzram serve --vhost-user printed no socket:\n{printed}{err}");
-    };
-    // Beside the NBD socket, and the QEMU options that attach it.
-    assert_eq!(vhost_socket, dir.path().join("zram0.vhost.sock"));
+        panic!("uzram serve --vhost-user printed no sockets:\n{printed}{err}");
+    }
+    // Beside the NBD sockets, and the QEMU options that attach them.
+    assert_eq!(sockets[0], dir.path().join("zram0.vhost.sock"));
+    assert_eq!(sockets[1], dir.path().join("zram1.vhost.sock"));
     assert!(
         printed.contains("-device vhost-user-blk-pci,chardev=zram0"),
         "{printed}"
@@ -85,7 +105,7 @@ fn serve() -> Server {
     Server {
         child,
         dir,
-        vhost_socket,
+        sockets: [sockets[0].clone(), sockets[1].clone()],
     }
 }
 
@@ -94,12 +114,12 @@ fn serve() -> Server {
 fn write_real_files(server_pid: u32, dir: &Path) -> Vec<&'static str> {
     let mut memory = Vec::new();
     let pages =
-        uzram_bench::corpus::snapshot_pid(server_pid, 4096, 8192, &mut memory).expect("snapshot");
+        uzram_bench::corpus::snapshot_pid(server_pid, 4096, 4096, &mut memory).expect("snapshot");
     assert!(pages > 100, "only {pages} pages of the server's memory");
-    // The first 8 MiB of our own code (the whole of a debug build would crowd the guest's
-    // initramfs).
+    // The first 4 MiB of our own code (more would crowd the guest's initramfs, which is in
+    // its RAM).
     let mut code = std::fs::read(UZRAM).unwrap();
-    code.truncate(8 << 20);
+    code.truncate(4 << 20);
     let mut same = Vec::new();
     for i in 0..1024u32 {
         same.extend_from_slice(&[(i % 7) as u8 * 0x11; 4096]);
@@ -117,76 +137,106 @@ fn write_real_files(server_pid: u32, dir: &Path) -> Vec<&'static str> {
     files.iter().map(|(n, _)| *n).collect()
 }
 
-fn sysfs(attr: &str) -> String {
-    std::fs::read_to_string(format!("/sys/block/vda/{attr}"))
-        .unwrap_or_else(|e| panic!("/sys/block/vda/{attr}: {e}"))
+/// Inside the guest: the disk whose serial (GET_ID) is `name`, as /dev/vdX.
+fn disk_with_serial(name: &str) -> PathBuf {
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        for e in std::fs::read_dir("/sys/block").unwrap() {
+            let e = e.unwrap();
+            let serial = std::fs::read_to_string(e.path().join("serial")).unwrap_or_default();
+            if serial.trim() == name {
+                let dev = Path::new("/dev").join(e.file_name());
+                if dev.exists() {
+                    return dev;
+                }
+            }
+        }
+        assert!(Instant::now() < end, "no disk with serial {name}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn sysfs(dev: &Path, attr: &str) -> String {
+    let name = dev.file_name().unwrap().to_string_lossy();
+    std::fs::read_to_string(format!("/sys/block/{name}/{attr}"))
+        .unwrap_or_else(|e| panic!("/sys/block/{name}/{attr}: {e}"))
         .trim()
         .to_string()
 }
 
-/// Inside the guest: /dev/vda is the uzram device.
-fn guest_body() {
-    let pages = PathBuf::from(std::env::var("UZRAM_VHOST_PAGES").expect("UZRAM_VHOST_PAGES"));
-    let dev = Path::new("/dev/vda");
-    if std::env::var_os("UZRAM_VHOST_REREAD").is_some() {
-        // A second guest (a new QEMU, so a new vhost-user connection): the filesystem the
-        // first one left is there, clean, with the same files.
-        run(Command::new("e2fsck").args(["-f", "-n"]).arg(dev));
-        let mnt = Path::new("/tmp/mnt");
-        std::fs::create_dir_all(mnt).unwrap();
-        run(Command::new("mount").args(["-t", "ext4"]).arg(dev).arg(mnt));
-        let mut n = 0;
-        for e in std::fs::read_dir(&pages).unwrap() {
-            let name = e.unwrap().file_name();
-            let back = std::fs::read(mnt.join(&name)).unwrap();
-            assert!(
-                back == std::fs::read(pages.join(&name)).unwrap(),
-                "{name:?} differs"
-            );
-            n += 1;
-        }
-        assert_eq!(n, 4);
-        run(Command::new("umount").arg(mnt));
-        return;
-    }
-    assert!(dev.exists(), "no /dev/vda in the guest");
-    // The virtio-blk config space: size, zram's 4 KiB blocks, discard in pages, the serial
-    // (GET_ID) is the device's name, one hardware queue per virtqueue, a write-back cache.
-    assert_eq!(sysfs("size"), (DISK_BYTES >> 9).to_string());
-    assert_eq!(sysfs("queue/logical_block_size"), "4096");
-    assert_eq!(sysfs("queue/discard_granularity"), "4096");
-    assert_ne!(sysfs("queue/write_zeroes_max_bytes"), "0");
-    assert_eq!(sysfs("queue/write_cache"), "write back");
-    assert_eq!(sysfs("serial"), "zram0");
-    let hw_queues = std::fs::read_dir("/sys/block/vda/mq").unwrap().count();
-    assert_eq!(hw_queues, QUEUES, "hardware queues");
-
-    // fio with a checksum in every block: two jobs on both queues, depth 16, then read back.
-    let fio = run(Command::new("fio").args([
-        "--name=verify",
-        "--filename=/dev/vda",
-        "--thread",
-        "--direct=1",
-        "--ioengine=libaio",
-        "--iodepth=16",
-        "--numjobs=2",
-        "--size=48M",
-        "--offset_increment=64M",
-        "--rw=randwrite",
-        "--bssplit=4k/60:16k/20:64k/15:256k/5",
-        "--verify=crc32c",
-        "--do_verify=1",
-        "--verify_fatal=1",
-        "--group_reporting",
-    ]));
+/// fio with a checksum in every block: two jobs on both queues, depth 16, random writes of
+/// 4 KiB–256 KiB, then every block read back and verified.
+fn fio_verify(dev: &Path, size_mib: u64) {
+    let fio = run(Command::new("fio")
+        .args([
+            "--name=verify",
+            "--thread",
+            "--direct=1",
+            "--ioengine=libaio",
+            "--iodepth=16",
+            "--numjobs=2",
+            "--rw=randwrite",
+            "--bssplit=4k/60:16k/20:64k/15:256k/5",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--group_reporting",
+        ])
+        .arg(format!("--filename={}", dev.display()))
+        .arg(format!("--size={size_mib}M"))
+        .arg(format!("--offset_increment={}M", size_mib + 16)));
     println!("{fio}");
     assert!(fio.contains("err= 0"), "{fio}");
+}
+
+/// Mounts `dev` and checks that it holds exactly the files of `pages`, the same bytes.
+fn check_files(dev: &Path, pages: &Path) {
+    run(Command::new("e2fsck").args(["-f", "-n"]).arg(dev));
+    let mnt = Path::new("/tmp/mnt");
+    std::fs::create_dir_all(mnt).unwrap();
+    run(Command::new("mount").args(["-t", "ext4"]).arg(dev).arg(mnt));
+    let mut n = 0;
+    for e in std::fs::read_dir(pages).unwrap() {
+        let name = e.unwrap().file_name();
+        let back = std::fs::read(mnt.join(&name)).unwrap();
+        assert!(
+            back == std::fs::read(pages.join(&name)).unwrap(),
+            "{name:?} differs"
+        );
+        n += 1;
+    }
+    assert_eq!(n, 4);
+    run(Command::new("umount").arg(mnt));
+}
+
+/// The first guest: zram0 is checked, written with fio, discarded, given a filesystem of real
+/// pages, reset as at a reboot; zram1 is its swap.
+fn guest_first(pages: &Path) {
+    let dev = disk_with_serial("zram0");
+    // The virtio-blk config space: size, zram's 4 KiB blocks, discard in pages, the serial
+    // (GET_ID) is the device's name, one hardware queue per virtqueue, a write-back cache.
+    assert_eq!(sysfs(&dev, "size"), (DISK_BYTES >> 9).to_string());
+    assert_eq!(sysfs(&dev, "queue/logical_block_size"), "4096");
+    assert_eq!(sysfs(&dev, "queue/discard_granularity"), "4096");
+    assert_ne!(sysfs(&dev, "queue/write_zeroes_max_bytes"), "0");
+    assert_eq!(sysfs(&dev, "queue/write_cache"), "write back");
+    let mq = format!(
+        "/sys/block/{}/mq",
+        dev.file_name().unwrap().to_string_lossy()
+    );
+    assert_eq!(
+        std::fs::read_dir(mq).unwrap().count(),
+        QUEUES,
+        "hardware queues"
+    );
+
+    fio_verify(&dev, 48);
     // Discard and write-zeroes reach the device: the range reads back as zeroes.
     run(Command::new("blkdiscard")
         .args(["-o", "0", "-l", "1048576"])
-        .arg(dev));
+        .arg(&dev));
     let mut head = vec![1u8; 1 << 20];
-    std::fs::File::open(dev)
+    std::fs::File::open(&dev)
         .unwrap()
         .read_exact(&mut head)
         .unwrap();
@@ -197,13 +247,14 @@ fn guest_body() {
 
     // A filesystem of real pages: mkfs (which discards the disk), files, fsck, reread after
     // dropping the guest's caches.
-    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(dev));
+    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&dev));
     let mnt = Path::new("/tmp/mnt");
     std::fs::create_dir_all(mnt).unwrap();
-    let mount = || run(Command::new("mount").args(["-t", "ext4"]).arg(dev).arg(mnt));
-    let umount = || run(Command::new("umount").arg(mnt));
-    mount();
-    let names: Vec<_> = std::fs::read_dir(&pages)
+    run(Command::new("mount")
+        .args(["-t", "ext4"])
+        .arg(&dev)
+        .arg(mnt));
+    let names: Vec<_> = std::fs::read_dir(pages)
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
@@ -211,33 +262,244 @@ fn guest_body() {
     for n in &names {
         std::fs::copy(pages.join(n), mnt.join(n)).unwrap();
     }
-    umount();
-    run(Command::new("e2fsck").args(["-f", "-n"]).arg(dev));
+    run(Command::new("umount").arg(mnt));
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
-    mount();
-    for n in &names {
-        let back = std::fs::read(mnt.join(n)).unwrap();
-        let orig = std::fs::read(pages.join(n)).unwrap();
-        assert!(back == orig, "{n:?} differs after remount");
-    }
-    umount();
+    check_files(&dev, pages);
+
+    // The device reset a reboot does: the driver lets go of the device (virtio reset: QEMU
+    // stops the vhost-user rings, GET_VRING_BASE) and probes it again (features, memory
+    // table, rings anew, on the same connection); the filesystem is intact.
+    let block = dev.file_name().unwrap().to_string_lossy().into_owned();
+    let virtio = std::fs::read_link(format!("/sys/block/{block}/device")).unwrap();
+    let virtio = virtio.file_name().unwrap().to_string_lossy().into_owned();
+    let driver = "/sys/bus/virtio/drivers/virtio_blk";
+    std::fs::write(format!("{driver}/unbind"), &virtio).unwrap();
+    assert!(!dev.exists() || disk_serials().iter().all(|s| s != "zram0"));
+    std::fs::write(format!("{driver}/bind"), &virtio).unwrap();
+    let dev = disk_with_serial("zram0");
+    check_files(&dev, pages);
+    println!("zram0 intact after a device reset");
+
+    guest_swap(&disk_with_serial("zram1"));
 }
 
-#[test]
-fn vhost_user_guest_fio_and_filesystem() {
-    const NAME: &str = "vhost_user_guest_fio_and_filesystem";
-    if std::env::var_os("UZRAM_VM").is_some() {
-        guest_body();
-        return;
+fn disk_serials() -> Vec<String> {
+    std::fs::read_dir("/sys/block")
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.unwrap().path().join("serial")).ok())
+        .map(|s| s.trim().to_string())
+        .collect()
+}
+
+fn vmstat(name: &str) -> u64 {
+    let v = std::fs::read_to_string("/proc/vmstat").unwrap();
+    v.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /proc/vmstat"))
+}
+
+fn mem_total_bytes() -> u64 {
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib << 10
+}
+
+const PAGE: usize = 4096;
+
+/// Page `i` of the hog, version `v`: half same-filled, three eighths compressible text, one
+/// eighth random, each stamped with its index and version (a misplaced or stale page shows).
+fn hog_page(i: usize, v: u64, out: &mut [u8]) {
+    let mut x =
+        (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    match i % 8 {
+        0..=3 => {
+            let w = x | 1;
+            for c in out.chunks_mut(8) {
+                c.copy_from_slice(&w.to_le_bytes());
+            }
+        }
+        4..=6 => {
+            for (k, c) in out.chunks_mut(32).enumerate() {
+                let line = format!("swap page {i:9} v{v} line {:3}....", k % 50);
+                c.copy_from_slice(&line.as_bytes()[..32]);
+            }
+        }
+        _ => {
+            for c in out.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                c.copy_from_slice(&x.to_le_bytes());
+            }
+        }
     }
-    let mut s = serve();
-    let pages = s.dir.path().join("pages");
-    write_real_files(s.child.id(), &pages);
-    let mut args: Vec<String> = ["--kernel", "6.12", "--no-zoned", "--mem-mb", "1024"]
-        .map(String::from)
-        .to_vec();
-    args.push("--vhost-user-blk".into());
-    args.push(s.vhost_socket.to_string_lossy().into_owned());
+}
+
+/// An anonymous mapping of `pages` pages, unmapped when dropped.
+struct Hog {
+    ptr: *mut u8,
+    pages: usize,
+}
+
+impl Hog {
+    fn new(pages: usize) -> Hog {
+        // SAFETY: a fresh private anonymous mapping; no address hint, no file.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+        Hog {
+            ptr: ptr.cast(),
+            pages,
+        }
+    }
+
+    fn page(&mut self, i: usize) -> &mut [u8] {
+        assert!(i < self.pages);
+        // SAFETY: page i lies inside the mapping, which lives as long as `self`, and the
+        // returned slice borrows `self` mutably, so no other slice of it exists meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * PAGE), PAGE) }
+    }
+
+    fn fill(&mut self, v: u64) {
+        for i in 0..self.pages {
+            hog_page(i, v, self.page(i));
+        }
+    }
+
+    /// Every page as [`hog_page`] made it; the number of bad pages. From the last page to
+    /// the first: the pages filled last are the ones still in RAM, so they are checked before
+    /// swapping the others in pushes them out (forwards, every page would go out and in).
+    fn bad_pages(&mut self, v: u64) -> usize {
+        let mut want = vec![0u8; PAGE];
+        let mut bad = 0;
+        for i in (0..self.pages).rev() {
+            hog_page(i, v, &mut want);
+            if self.page(i) != &want[..] {
+                bad += 1;
+            }
+        }
+        bad
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, not used after this.
+        unsafe { libc::munmap(self.ptr.cast(), self.pages * PAGE) };
+    }
+}
+
+/// Swap on the vhost-user disk: a memory hog 1.25 times the guest's RAM, of same-filled,
+/// compressible and random pages, every page verified, twice with different contents; swap
+/// really used, both ways. (The server is outside the guest: the guest's memory pressure
+/// cannot stall it, unlike a swap server inside the machine it serves.)
+fn guest_swap(dev: &Path) {
+    run(Command::new("mkswap").arg(dev));
+    run(Command::new("swapon").arg(dev));
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    assert!(swaps.contains(dev.to_str().unwrap()), "{swaps}");
+    let ram = mem_total_bytes();
+    let (out0, in0) = (vmstat("pswpout"), vmstat("pswpin"));
+    // 1.25 times RAM: well past it (about half the hog is out at any time, with the
+    // initramfs's files in RAM), and small enough for TCG on a loaded machine (1.5 times a
+    // 640 MiB guest took 9 minutes a round there).
+    let pages = (ram * 5 / 4) as usize / PAGE;
+    let mut hog = Hog::new(pages);
+    for v in 1..=2 {
+        let t = Instant::now();
+        hog.fill(v);
+        let bad = hog.bad_pages(v);
+        println!(
+            "swap round {v}: {pages} pages ({} MiB, RAM {} MiB), {} s, pswpout {} pswpin {}",
+            (pages * PAGE) >> 20,
+            ram >> 20,
+            t.elapsed().as_secs(),
+            vmstat("pswpout") - out0,
+            vmstat("pswpin") - in0
+        );
+        assert_eq!(bad, 0, "{bad} bad pages in round {v}");
+    }
+    let (out, inn) = (vmstat("pswpout") - out0, vmstat("pswpin") - in0);
+    assert!(out as usize > pages / 4, "pswpout {out} for {pages} pages");
+    assert!(inn > 0, "pswpin {inn}");
+    drop(hog);
+    run(Command::new("swapoff").arg(dev));
+}
+
+/// The second guest: fio writing to zram1 when its QEMU is killed.
+fn guest_killed() {
+    let dev = disk_with_serial("zram1");
+    let mut fio = Command::new("fio")
+        .args([
+            "--name=killed",
+            "--direct=1",
+            "--ioengine=libaio",
+            "--iodepth=32",
+            "--rw=randrw",
+            "--bs=4k",
+            "--size=64M",
+            "--time_based",
+            "--runtime=600",
+        ])
+        .arg(format!("--filename={}", dev.display()))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(fio.try_wait().unwrap().is_none(), "fio ended early");
+    println!("{KILL_MARK}");
+    let _ = fio.wait();
+    panic!("the guest was not killed");
+}
+
+/// The last guest: a new QEMU finds zram0's filesystem and is served on zram1 (whose last
+/// front end was killed); then it stays connected while the server is stopped.
+fn guest_last(pages: &Path) {
+    check_files(&disk_with_serial("zram0"), pages);
+    fio_verify(&disk_with_serial("zram1"), 32);
+    println!("{CONNECTED_MARK}");
+    std::thread::sleep(Duration::from_secs(600));
+    panic!("the guest was not stopped");
+}
+
+const KILL_MARK: &str = "UZRAM-VHOST: fio running";
+const CONNECTED_MARK: &str = "UZRAM-VHOST: checked, staying connected";
+
+/// `scripts/zoned-vm` arguments for a guest of `mem_mb` with `sockets` as its disks.
+fn vm_args(sockets: &[&Path], mem_mb: u32, pages: &Path) -> Vec<String> {
+    // A generous timeout: the first guest's swap rounds take minutes under TCG on a busy
+    // machine.
+    let mut args: Vec<String> = [
+        "--kernel",
+        "6.12",
+        "--no-zoned",
+        "--timeout-s",
+        "1500",
+        "--mem-mb",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.push(mem_mb.to_string());
+    for s in sockets {
+        args.push("--vhost-user-blk".into());
+        args.push(s.to_string_lossy().into_owned());
+    }
     args.push("--vhost-queues".into());
     args.push(QUEUES.to_string());
     for inc in [
@@ -250,26 +512,193 @@ fn vhost_user_guest_fio_and_filesystem() {
         args.push("--include".into());
         args.push(inc);
     }
+    args
+}
+
+/// The QEMU attached to `socket` (its command line names it).
+fn qemu_pid(socket: &Path) -> u32 {
+    let want = socket.to_string_lossy().into_owned();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.starts_with("qemu-system") && cmdline.contains(&want) {
+            return pid;
+        }
+    }
+    panic!("no QEMU attached to {want}")
+}
+
+/// A guest running in the background: its output lines, as they come.
+struct Guest {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Guest {
+    fn start(name: &str, args: &[String], env: &[(&str, &str)]) -> Guest {
+        let mut child = vm_support::spawn_test(name, args, env);
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                println!("guest: {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Guest { child, lines }
+    }
+
+    /// Waits for the guest to print `mark`.
+    fn wait_for(&mut self, mark: &str) {
+        let end = Instant::now() + Duration::from_secs(600);
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(mark) => return,
+                Ok(_) => {}
+                Err(e) => panic!("the guest did not print {mark:?}: {e} (its output is above)"),
+            }
+        }
+    }
+}
+
+impl Drop for Guest {
+    /// Stops the VM: SIGTERM to the VM script, which stops its QEMU (SIGKILL would leave the
+    /// QEMU running, in a session of its own).
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        if wait_timeout(&mut self.child, Duration::from_secs(30)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The server's locked memory: its own (`VmLck`), and what of the guests' memfds is locked.
+fn locked_kib(pid: u32) -> (u64, u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let vm_lck = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmLck:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let (mut guest_rss, mut guest_locked, mut in_guest) = (0, 0, false);
+    for l in smaps.lines() {
+        let field = |name: &str| -> Option<u64> {
+            l.strip_prefix(name)?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()
+        };
+        if let Some(first) = l.split_whitespace().next() {
+            if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+                in_guest = l.contains("/memfd:");
+                continue;
+            }
+        }
+        if in_guest {
+            if let Some(v) = field("Rss:") {
+                guest_rss += v;
+            }
+            if let Some(v) = field("Locked:") {
+                guest_locked += v;
+            }
+        }
+    }
+    (vm_lck, guest_rss, guest_locked)
+}
+
+#[test]
+fn vhost_user_guests() {
+    const NAME: &str = "vhost_user_guests";
+    if std::env::var_os("UZRAM_VM").is_some() {
+        let pages = PathBuf::from(std::env::var("UZRAM_VHOST_PAGES").unwrap());
+        match std::env::var("UZRAM_VHOST_STEP").unwrap().as_str() {
+            "first" => guest_first(&pages),
+            "killed" => guest_killed(),
+            "last" => guest_last(&pages),
+            s => panic!("step {s}"),
+        }
+        return;
+    }
+    let mut s = serve();
+    let pages = s.dir.path().join("pages");
+    write_real_files(s.child.id(), &pages);
+    let pages_s = pages.to_str().unwrap();
+    let [disk, swap] = [s.sockets[0].clone(), s.sockets[1].clone()];
+
+    // 1. A guest uses zram0 as its disk (fio, discard, a filesystem, a device reset as at a
+    // reboot) and zram1 as its swap.
     vm_support::boot_test(
         NAME,
-        &args,
-        &[("UZRAM_VHOST_PAGES", pages.to_str().unwrap())],
+        &vm_args(&[&disk, &swap], 384, &pages),
+        &[
+            ("UZRAM_VHOST_PAGES", pages_s),
+            ("UZRAM_VHOST_STEP", "first"),
+        ],
     );
 
-    // The guest's files are in the device, compressed.
-    let dir = s.dir.path().to_path_buf();
-    let mm = run(Command::new(UZRAM)
-        .args(["ctl", "--dir"])
-        .arg(&dir)
-        .arg("mm_stat"));
-    let orig: u64 = mm.split_whitespace().next().unwrap().parse().unwrap();
-    assert!(orig > 8 << 20, "mm_stat {mm}");
+    // 2. A guest writing to zram1 when its QEMU is killed (-9): the server goes on.
+    let mut g = Guest::start(
+        NAME,
+        &vm_args(&[&swap], 512, &pages),
+        &[
+            ("UZRAM_VHOST_PAGES", pages_s),
+            ("UZRAM_VHOST_STEP", "killed"),
+        ],
+    );
+    g.wait_for(KILL_MARK);
+    run(Command::new("kill").args(["-KILL", &qemu_pid(&swap).to_string()]));
+    let st = wait_timeout(&mut g.child, Duration::from_secs(60)).expect("the VM script ended");
+    assert!(!st.success(), "{st}");
+    drop(g);
+    assert!(s.child.try_wait().unwrap().is_none(), "the server died");
 
-    // The guest is gone; SIGTERM: the server exits 0 in seconds and removes its sockets.
+    // 3. A new QEMU: zram0's filesystem is intact, zram1 is served; it stays connected.
+    let mut g = Guest::start(
+        NAME,
+        &vm_args(&[&disk, &swap], 512, &pages),
+        &[("UZRAM_VHOST_PAGES", pages_s), ("UZRAM_VHOST_STEP", "last")],
+    );
+    g.wait_for(CONNECTED_MARK);
+    // --swap: the server's memory is locked, the guest's (mapped, and touched by requests)
+    // is not.
+    let (vm_lck, guest_rss, guest_locked) = locked_kib(s.child.id());
+    println!("server: VmLck {vm_lck} kB; guest memory mapped: Rss {guest_rss} kB, Locked {guest_locked} kB");
+    assert!(vm_lck > 0, "--swap locked nothing");
+    assert!(guest_rss > 0, "no guest memory mapped in the server");
+    assert_eq!(guest_locked, 0, "guest memory locked in the server");
+
+    // The guests' data is in the devices, compressed.
+    let dir = s.dir.path().to_path_buf();
+    for (dev, at_least) in [("zram0", 8u64 << 20), ("zram1", 16 << 20)] {
+        let mm = run(Command::new(UZRAM)
+            .args(["ctl", "--dir"])
+            .arg(&dir)
+            .args(["--dev", dev, "mm_stat"]));
+        let orig: u64 = mm.split_whitespace().next().unwrap().parse().unwrap();
+        assert!(orig > at_least, "{dev} mm_stat {mm}");
+    }
+
+    // SIGTERM with a guest connected: the server exits 0 in seconds and removes its sockets.
+    let t = Instant::now();
     run(Command::new("kill")
         .args(["-TERM", &s.child.id().to_string()])
         .stdout(Stdio::null()));
     let st = wait_timeout(&mut s.child, Duration::from_secs(30)).expect("the server stopped");
+    let stop_secs = t.elapsed().as_secs_f64();
+    drop(g);
     let mut err = String::new();
     s.child
         .stderr
@@ -278,6 +707,9 @@ fn vhost_user_guest_fio_and_filesystem() {
         .read_to_string(&mut err)
         .unwrap();
     assert!(st.success(), "{st}: {err}");
+    assert!(stop_secs < 10.0, "stopping took {stop_secs:.1} s");
     assert!(!err.contains("dropped"), "{err}");
-    assert!(!s.vhost_socket.exists(), "the vhost-user socket is left");
+    for sock in [&disk, &swap] {
+        assert!(!sock.exists(), "{} is left", sock.display());
+    }
 }

@@ -65,7 +65,8 @@ const SECTOR_SHIFT: u32 = 9;
 pub struct VhostUserConfig {
     /// Virtqueues offered (the guest may use fewer), each served by its own thread.
     pub nr_queues: u16,
-    /// Serving swap: the bounce buffers are locked with the rest of the server (`mlockall`).
+    /// Serving swap: the bounce buffers are locked with the rest of the server (`mlockall`),
+    /// but not the guest's memory (see `unlock_guest_memory`).
     pub swap: bool,
 }
 
@@ -91,6 +92,8 @@ struct BlkBackend {
     device: Arc<dyn BlockDevice>,
     name: String,
     nr_queues: u16,
+    /// `--swap`: the server's memory is locked (`mlockall`); the guest's is unlocked again.
+    swap: bool,
     /// Guest memory, replaced by each `SET_MEM_TABLE` (`update_memory`).
     mem: RwLock<Option<Mem>>,
     event_idx: AtomicBool,
@@ -344,6 +347,9 @@ impl VhostUserBackend for BlkBackend {
             *self.mem.write() = None;
             return Err(e);
         }
+        if self.swap {
+            unlock_guest_memory(&mem);
+        }
         *self.mem.write() = Some(mem);
         Ok(())
     }
@@ -423,6 +429,32 @@ fn check_regions(mem: &Mem) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Under `--swap` (`mlockall(MCL_FUTURE | MCL_ONFAULT)`, `frontend::swap`) every new mapping
+/// is locked as it is touched, the guest's memory too: each page a request's data passed
+/// through would stay locked in RAM for as long as the guest runs, up to the whole guest,
+/// charged to the server. The guest's memory is the front end's (QEMU locks it or not:
+/// `-overcommit mem-lock=on`), and the server needs none of it locked to make progress (a
+/// fault on it is a fault QEMU's own threads take too), so its regions are unlocked
+/// (`munlock` clears the lock-on-fault mark). Best effort: a failure only leaves them locked.
+fn unlock_guest_memory(mem: &Mem) {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+    for region in mem.memory().iter() {
+        let Ok(addr) = region.get_host_address(MemoryRegionAddress(0)) else {
+            continue;
+        };
+        // SAFETY: munlock only changes the locking of the pages of [addr, addr + len), which
+        // is exactly this region's mapping (made by vm-memory, alive while `mem` is); it
+        // reads and writes no memory.
+        let rc = unsafe { libc::munlock(addr.cast(), region.len() as usize) };
+        if rc != 0 {
+            eprintln!(
+                "uzram: vhost-user: munlock of guest memory: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
 type Daemon = VhostUserDaemon<Arc<BlkBackend>>;
 
 fn new_daemon(name: &str, backend: &Arc<BlkBackend>) -> Result<Daemon> {
@@ -478,6 +510,7 @@ impl VhostUserExport {
             device,
             name: name.to_string(),
             nr_queues: cfg.nr_queues,
+            swap: cfg.swap,
             mem: RwLock::new(None),
             event_idx: AtomicBool::new(false),
             bounce: (0..cfg.nr_queues)

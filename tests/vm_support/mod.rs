@@ -112,3 +112,22 @@ pub fn boot_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) {
         "{name} did not run in the VM; its output is above"
     );
 }
+
+/// Outside the VM: boots it with `vm_args` in the background, running test `name` of this
+/// binary with the environment `env` (names starting with `UZRAM_`), its standard output
+/// piped (the guest's output as it comes): for tests that act on the host while the guest
+/// runs.
+#[allow(dead_code)]
+pub fn spawn_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) -> std::process::Child {
+    let script = vm_script();
+    let exe = std::env::current_exe().expect("the test binary's path");
+    Command::new(&script)
+        .args(vm_args)
+        .arg("--")
+        .arg(&exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()))
+}
