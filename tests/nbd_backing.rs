@@ -12,6 +12,7 @@ use uzram::ErrorKind;
 
 mod nbdkit_support;
 mod page_support;
+mod tls_support;
 
 use nbdkit_support::NbdServer;
 use page_support::{bd, check_all, fill, PAGE};
@@ -288,7 +289,7 @@ fn backing_dev_refuses_bad_uris_and_unusable_servers() {
     let errno = |v: &str| dev.attr_store("backing_dev", v).unwrap_err().errno();
     assert_eq!(errno("nbd+unix:///x"), libc::EINVAL);
     assert_eq!(errno("nbd://host:notaport/x"), libc::EINVAL);
-    assert_eq!(errno("nbds://127.0.0.1/x"), libc::EOPNOTSUPP);
+    assert_eq!(errno("nbds://127.0.0.1/x"), libc::EINVAL);
     let dir = tempfile::tempdir().unwrap();
     let nowhere = format!("nbd+unix:///x?socket={}", dir.path().join("none").display());
     assert_eq!(errno(&nowhere), libc::EIO);
@@ -667,4 +668,65 @@ fn a_reconnection_blocks_no_other_call() {
     }
     // A new memory export: empty.
     assert!(buf.iter().all(|&x| x == 0));
+}
+
+/// `nbds://` and `nbds+unix://` against nbdkit --tls=require with x509 certificates (made with
+/// openssl) that also demands a client certificate (--tls-verify-peer): the client alone and
+/// writeback through the device over TLS, on a unix socket and on TCP; the errors: no client
+/// certificate or a CA that did not sign the server's (the TLS handshake fails: EIO), plain
+/// NBD to a server requiring TLS and TLS to a server without it (EOPNOTSUPP), a certificate
+/// directory that does not exist (EINVAL), TLS-PSK (EOPNOTSUPP).
+#[test]
+fn tls_to_nbdkit_with_certificates() {
+    let creds = tls_support::make_creds();
+    let certs = format!("--tls-certificates={}", creds.server().display());
+    let tls_args = ["--tls=require", &certs, "--tls-verify-peer"];
+    let server = NbdServer::nbdkit(&[&tls_args[..], &["memory", "size=8M"]].concat());
+    let unix = |dir: &std::path::Path| {
+        format!(
+            "nbds+unix:///?socket={}&tls-certificates={}",
+            server.socket.display(),
+            dir.display()
+        )
+    };
+    let b = open(&unix(&creds.client()));
+    assert!(b.is_tls() && b.structured_replies());
+    queued_round_trip(&b, 2048);
+    b.flush().unwrap();
+    drop(b);
+    let pages = 400;
+    writeback_round_trip(&device_on(&unix(&creds.client()), pages, true), pages);
+
+    let (tcp, port) = NbdServer::nbdkit_tcp(&[&tls_args[..], &["memory", "size=8M"]].concat());
+    let uri = format!(
+        "nbds://127.0.0.1:{port}/?tls-certificates={}",
+        creds.client().display()
+    );
+    let b = open(&uri);
+    assert_eq!(b.connection_count(), NbdOptions::default().connections);
+    queued_round_trip(&b, 2048);
+    drop(b);
+    writeback_round_trip(&device_on(&uri, pages, false), pages);
+    drop(tcp);
+
+    let dev = Device::new_uninit(PAGE).unwrap();
+    let errno = |v: &str| dev.attr_store("backing_dev", v).unwrap_err().errno();
+    assert_eq!(errno(&unix(&creds.anonymous())), libc::EIO);
+    let other = tls_support::make_creds();
+    assert_eq!(errno(&unix(&other.client())), libc::EIO);
+    assert_eq!(errno(&server.uri()), libc::EOPNOTSUPP);
+    assert_eq!(
+        errno(&unix(std::path::Path::new("/nonexistent"))),
+        libc::EINVAL
+    );
+    let psk = format!("{}&tls-psk-file=/k", unix(&creds.client()));
+    assert_eq!(errno(&psk), libc::EOPNOTSUPP);
+    let plain = NbdServer::nbdkit(&["memory", "size=1M"]);
+    let to_plain = format!(
+        "nbds+unix:///?socket={}&tls-certificates={}",
+        plain.socket.display(),
+        creds.client().display()
+    );
+    assert_eq!(errno(&to_plain), libc::EOPNOTSUPP);
+    assert_eq!(dev.attr_show("backing_dev").unwrap(), "none\n");
 }

@@ -6,9 +6,13 @@
 //! `writeback idle` to the NBD export (bitmap store, sequential layout), then the same to
 //! `compare_file` (prepared once: created and written through; batch 1 on the synchronous
 //! engine, larger batches on io_uring, as `uzram bench writeback` does). Medians of `repeats`.
-//! The figures asked for: NBD over the file at each batch (nbdkit's `file` plugin on the same
-//! disk: the protocol's cost), and NBD batched over NBD batch 1 (nbdkit's `delay` filter at
-//! 1 ms a request: what requests in flight buy on a network round trip).
+//! The file is written twice per batch size: as the writeback engine writes it (no flush: its
+//! pages count as written back once the device has them, which may be in its cache), and with
+//! the durability the NBD queue gives ([`FlushedBacking`]: a write counts once an `fdatasync`
+//! after it returned, flushes batched by the NBD queue's own policy). The
+//! second is the like-with-like anchor: NBD over it at each batch (nbdkit's `file` plugin on
+//! the same disk: the protocol's cost). And NBD batched over NBD batch 1 (nbdkit's `delay`
+//! filter at 1 ms a request: what requests in flight buy on a network round trip).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -21,8 +25,110 @@ use crate::writeback::{
     engine_for, open_backing, prepare_backing, timed_writeback, Layout, Sample, Target,
 };
 use crate::{f, median, Table};
-use uzram::backing::{Backing, NbdBacking, NbdOptions};
+use uzram::backing::{
+    Backing, IoCompletion, IoKind, IoOp, IoQueue, NbdBacking, NbdOptions, SubmitResult,
+};
 use uzram::{Error, Result};
+
+/// A backing whose queued writes complete only once a flush sent after them returned, with
+/// the NBD queue's policy (`src/backing/nbd/mod.rs`): completed writes wait; one flush
+/// (`fdatasync`) covers them all, made when the caller must wait and no write is left in
+/// flight, or half the queue's depth waits for one; a failed flush fails them. The direct
+/// file with the durability, and the flush count, the NBD queue gives a written-back page.
+#[derive(Debug)]
+struct FlushedBacking<B>(B);
+
+impl<B: Backing> Backing for FlushedBacking<B> {
+    fn size_bytes(&self) -> u64 {
+        self.0.size_bytes()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.0.read_at(buf, offset)
+    }
+    fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> Result<()> {
+        self.0.writev_at(bufs, offset)?;
+        self.0.flush()
+    }
+    fn flush(&self) -> Result<()> {
+        self.0.flush()
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn new_queue(&self, depth: usize) -> Result<Box<dyn IoQueue + '_>> {
+        Ok(Box::new(FlushedQueue {
+            inner: self.0.new_queue(depth)?,
+            backing: &self.0,
+            held: Vec::new(),
+            ready: Vec::new(),
+        }))
+    }
+}
+
+/// [`FlushedBacking`]'s queue.
+#[derive(Debug)]
+struct FlushedQueue<'a> {
+    inner: Box<dyn IoQueue + 'a>,
+    backing: &'a dyn Backing,
+    /// Writes completed, waiting for a flush.
+    held: Vec<IoCompletion>,
+    /// Finished, to be returned.
+    ready: Vec<IoCompletion>,
+}
+
+impl FlushedQueue<'_> {
+    fn file(&mut self, done: Vec<IoCompletion>) {
+        for c in done {
+            if c.op.kind == IoKind::Write && c.result.is_ok() {
+                self.held.push(c);
+            } else {
+                self.ready.push(c);
+            }
+        }
+    }
+
+    fn flush_held(&mut self) {
+        let result = self.backing.flush();
+        for mut c in self.held.drain(..) {
+            if let Err(e) = &result {
+                c.result = Err(e.clone());
+            }
+            self.ready.push(c);
+        }
+    }
+}
+
+impl IoQueue for FlushedQueue<'_> {
+    fn depth(&self) -> usize {
+        self.inner.depth()
+    }
+    fn submit(&mut self, op: IoOp) -> SubmitResult {
+        if self.in_flight() >= self.depth() {
+            return Err((Error::invalid("queue full"), op));
+        }
+        self.inner.submit(op)
+    }
+    fn wait(&mut self, min_complete: usize) -> Result<Vec<IoCompletion>> {
+        let done = self.inner.wait(0)?;
+        self.file(done);
+        loop {
+            if self.ready.len() >= min_complete.min(self.in_flight()) {
+                break;
+            }
+            let on_wire = self.inner.in_flight();
+            if !self.held.is_empty() && (on_wire == 0 || 2 * self.held.len() >= self.depth()) {
+                self.flush_held();
+                continue;
+            }
+            let done = self.inner.wait(1)?;
+            self.file(done);
+        }
+        Ok(std::mem::take(&mut self.ready))
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight() + self.held.len() + self.ready.len()
+    }
+}
 
 /// Options of the NBD writeback benchmark.
 #[derive(Debug, Clone)]
@@ -94,6 +200,15 @@ pub fn run(corpus: &Corpus, opts: &RemoteBenchOptions) -> Result<Value> {
                     f(s.pages_per_s)
                 );
                 samples.entry(("file", batch)).or_default().push(s);
+                let b = Arc::new(FlushedBacking(open_backing(file, engine_for(batch))?));
+                let s = timed_writeback(corpus, opts.pages, opts.progress, b, target, batch, 0)?;
+                eprintln!(
+                    "  run {}/{reps}: file batch {batch:>3} ({}, batched fdatasync): {:>9} pages/s",
+                    rep + 1,
+                    engine_for(batch).name(),
+                    f(s.pages_per_s)
+                );
+                samples.entry(("file+flush", batch)).or_default().push(s);
             }
         }
     }
@@ -110,7 +225,9 @@ pub fn run(corpus: &Corpus, opts: &RemoteBenchOptions) -> Result<Value> {
         "batch",
         "nbd pages/s",
         "file pages/s",
+        "file+flush pages/s",
         "nbd / file",
+        "nbd / file+flush",
         "nbd x batch 1",
         "writes",
     ]);
@@ -120,10 +237,18 @@ pub fn run(corpus: &Corpus, opts: &RemoteBenchOptions) -> Result<Value> {
         serde_json::Map::new(),
         serde_json::Map::new(),
     );
+    let (mut flushed_json, mut flushed_ratio_json) =
+        (serde_json::Map::new(), serde_json::Map::new());
     for &batch in &opts.batch_sizes {
         let n = med(("nbd", batch)).unwrap_or(f64::NAN);
         let file = med(("file", batch));
         let ratio = file.map_or(f64::NAN, |fl| n / fl);
+        let flushed = med(("file+flush", batch));
+        let flushed_ratio = flushed.map_or(f64::NAN, |fl| n / fl);
+        if let Some(fl) = flushed {
+            flushed_json.insert(batch.to_string(), json!(fl));
+            flushed_ratio_json.insert(batch.to_string(), json!(flushed_ratio));
+        }
         let x = nbd1.map_or(f64::NAN, |b| n / b);
         nbd_json.insert(batch.to_string(), json!(n));
         if let Some(fl) = file {
@@ -137,7 +262,9 @@ pub fn run(corpus: &Corpus, opts: &RemoteBenchOptions) -> Result<Value> {
             batch.to_string(),
             f(n),
             file.map_or("-".into(), f),
+            flushed.map_or("-".into(), f),
             f(ratio),
+            f(flushed_ratio),
             f(x),
             samples[&("nbd", batch)][0].ops.to_string(),
         ]);
@@ -172,6 +299,8 @@ pub fn run(corpus: &Corpus, opts: &RemoteBenchOptions) -> Result<Value> {
         "nbd_pages_per_s": nbd_json,
         "file_pages_per_s": file_json,
         "nbd_over_file": ratio_json,
+        "file_flushed_pages_per_s": flushed_json,
+        "nbd_over_file_flushed": flushed_ratio_json,
         "nbd_speedup_vs_batch1": speedup_json,
     }))
 }
@@ -215,7 +344,13 @@ mod tests {
         let _ = nbdkit.kill();
         let _ = nbdkit.wait();
         let doc = doc.unwrap();
-        for key in ["nbd_pages_per_s", "file_pages_per_s", "nbd_over_file"] {
+        for key in [
+            "nbd_pages_per_s",
+            "file_pages_per_s",
+            "nbd_over_file",
+            "file_flushed_pages_per_s",
+            "nbd_over_file_flushed",
+        ] {
             for batch in ["1", "8"] {
                 assert!(doc[key][batch].as_f64().unwrap() > 0.0, "{key} {batch}");
             }

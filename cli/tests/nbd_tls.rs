@@ -5,130 +5,17 @@
 
 #[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
+#[path = "../../tests/tls_support/mod.rs"]
+mod tls_support;
 
 use nbd_support::*;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use tls_support::{make_creds, Creds};
 use uzram::frontend::nbd::protocol::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_uzram");
-
-/// Credentials: `dir/server` (server-cert.pem, server-key.pem, ca-cert.pem), `dir/client`
-/// (ca-cert.pem, client-cert.pem, client-key.pem) and `dir/anonymous` (ca-cert.pem only).
-struct Creds {
-    dir: tempfile::TempDir,
-}
-
-impl Creds {
-    fn server(&self) -> PathBuf {
-        self.dir.path().join("server")
-    }
-    fn client(&self) -> PathBuf {
-        self.dir.path().join("client")
-    }
-    fn anonymous(&self) -> PathBuf {
-        self.dir.path().join("anonymous")
-    }
-}
-
-fn openssl(dir: &Path, args: &[&str]) {
-    run(Command::new("openssl").current_dir(dir).args(args));
-}
-
-fn make_creds() -> Creds {
-    require("openssl");
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-    ];
-    openssl(
-        d,
-        &[
-            &["req", "-x509"][..],
-            &ec,
-            &[
-                "-keyout",
-                "ca-key.pem",
-                "-out",
-                "ca-cert.pem",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=uzram test CA",
-            ],
-        ]
-        .concat(),
-    );
-    for (who, usage) in [("server", "serverAuth"), ("client", "clientAuth")] {
-        std::fs::write(
-            d.join(format!("{who}.ext")),
-            format!(
-                "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\n\
-                 keyUsage=digitalSignature\n"
-            ),
-        )
-        .unwrap();
-        openssl(
-            d,
-            &[
-                &["req"][..],
-                &ec,
-                &[
-                    "-keyout",
-                    &format!("{who}-key.pem"),
-                    "-out",
-                    &format!("{who}.csr"),
-                    "-subj",
-                    &format!("/CN={who}"),
-                ],
-            ]
-            .concat(),
-        );
-        openssl(
-            d,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &format!("{who}.csr"),
-                "-CA",
-                "ca-cert.pem",
-                "-CAkey",
-                "ca-key.pem",
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-out",
-                &format!("{who}-cert.pem"),
-                "-extfile",
-                &format!("{who}.ext"),
-            ],
-        );
-    }
-    for (sub, files) in [
-        (
-            "server",
-            &["ca-cert.pem", "server-cert.pem", "server-key.pem"][..],
-        ),
-        (
-            "client",
-            &["ca-cert.pem", "client-cert.pem", "client-key.pem"][..],
-        ),
-        ("anonymous", &["ca-cert.pem"][..]),
-    ] {
-        std::fs::create_dir(d.join(sub)).unwrap();
-        for f in files {
-            std::fs::copy(d.join(f), d.join(sub).join(f)).unwrap();
-        }
-    }
-    Creds { dir }
-}
 
 struct Running {
     child: Child,

@@ -43,6 +43,33 @@ impl NbdServer {
         NbdServer::start(cmd, dir, socket, "", Some(pidfile))
     }
 
+    /// `nbdkit` with `args` on TCP 127.0.0.1 at a free port; returns the server and its port.
+    pub fn nbdkit_tcp(args: &[&str]) -> (NbdServer, u16) {
+        let dir = tmpdir();
+        // A port the kernel just had free (a race with other processes is unlikely and fails
+        // the start loudly).
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let pidfile = dir.path().join("nbdkit.pid");
+        let mut cmd = Command::new("nbdkit");
+        cmd.args([
+            "--foreground",
+            "--exit-with-parent",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .arg("--pidfile")
+        .arg(&pidfile)
+        .args(args);
+        let socket = dir.path().join("unused");
+        (NbdServer::start(cmd, dir, socket, "", Some(pidfile)), port)
+    }
+
     /// `qemu-nbd` serving the raw file `file` as export `export`, `connections` clients at once.
     pub fn qemu_nbd(file: &Path, export: &str, connections: u32) -> NbdServer {
         let dir = tmpdir();

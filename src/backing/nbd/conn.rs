@@ -35,18 +35,21 @@
 //! Lock order: `send_lock` before `pending`; the reader takes `pending` alone.
 
 use std::collections::HashMap;
-use std::io::{self, IoSlice, Read, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::io;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::stream::{Socket, Stream};
 use super::uri::{Address, NbdUri};
 use crate::backing::IoOp;
 use crate::error::{Error, ErrorKind, Result};
 use crate::frontend::nbd::protocol::*;
+use rustls::pki_types::ServerName;
+use rustls::ClientConfig;
 
 /// How often the reader checks deadlines while it waits for a reply.
 pub(super) const READER_TICK: Duration = Duration::from_millis(200);
@@ -93,88 +96,6 @@ impl ExportInfo {
     /// Whether the server advertises `flag`.
     pub fn has(&self, flag: u16) -> bool {
         self.flags & flag != 0
-    }
-}
-
-/// A connected socket.
-#[derive(Debug)]
-pub(super) enum Stream {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-}
-
-impl Stream {
-    fn set_timeouts(&self, read: Option<Duration>, write: Option<Duration>) -> io::Result<()> {
-        match self {
-            Stream::Tcp(s) => {
-                s.set_read_timeout(read)?;
-                s.set_write_timeout(write)
-            }
-            Stream::Unix(s) => {
-                s.set_read_timeout(read)?;
-                s.set_write_timeout(write)
-            }
-        }
-    }
-
-    fn shutdown(&self) {
-        let _ = match self {
-            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
-            Stream::Unix(s) => s.shutdown(Shutdown::Both),
-        };
-    }
-
-    fn read_some(&self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => (&*s).read(buf),
-            Stream::Unix(s) => (&*s).read(buf),
-        }
-    }
-
-    fn write_some(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => (&*s).write_vectored(bufs),
-            Stream::Unix(s) => (&*s).write_vectored(bufs),
-        }
-    }
-
-    /// Writes all of `parts` back to back (vectored, resuming after short writes).
-    fn write_all_parts(&self, parts: &[&[u8]]) -> io::Result<()> {
-        let (mut idx, mut at) = (0usize, 0usize);
-        while idx < parts.len() {
-            let slices: Vec<IoSlice<'_>> = std::iter::once(&parts[idx][at..])
-                .chain(parts[idx + 1..].iter().copied())
-                .take(crate::backing::MAX_OP_BUFS)
-                .map(IoSlice::new)
-                .collect();
-            let mut n = match self.write_some(&slices) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            };
-            while idx < parts.len() && n >= parts[idx].len() - at {
-                n -= parts[idx].len() - at;
-                idx += 1;
-                at = 0;
-            }
-            at += n;
-        }
-        Ok(())
-    }
-
-    /// Reads exactly `buf` (the handshake: the socket's read timeout bounds each wait).
-    fn read_exact_plain(&self, buf: &mut [u8]) -> io::Result<()> {
-        let mut at = 0;
-        while at < buf.len() {
-            match self.read_some(&mut buf[at..]) {
-                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => at += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
     }
 }
 
@@ -353,16 +274,26 @@ fn io_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::io(format!("{what}: {e}"))
 }
 
-/// Connects to `uri` and runs the fixed-newstyle handshake with `NBD_OPT_GO`, every step by
-/// `timeout`. Returns the connection (its reader not yet started).
+/// What every connection of a backing shares.
+#[derive(Debug, Default)]
+pub(super) struct Shared {
+    /// Chunks received.
+    pub counts: Arc<ChunkCounts>,
+    /// With TLS: the client configuration and the name the server's certificate must carry.
+    pub tls: Option<(Arc<ClientConfig>, ServerName<'static>)>,
+}
+
+/// Connects to `uri` and runs the fixed-newstyle handshake (TLS first when `shared` has it)
+/// with `NBD_OPT_GO`, every step by `timeout`. Returns the connection (its reader not yet
+/// started).
 pub(super) fn connect(
     uri: &NbdUri,
     name: &str,
     timeout: Duration,
-    counts: &Arc<ChunkCounts>,
+    shared: &Shared,
 ) -> Result<Conn> {
     let what = format!("NBD server {name}");
-    let stream = match &uri.address {
+    let socket = match &uri.address {
         Address::Tcp { host, port } => {
             let addrs: Vec<_> = (host.as_str(), *port)
                 .to_socket_addrs()
@@ -386,20 +317,22 @@ pub(super) fn connect(
             };
             s.set_nodelay(true)
                 .map_err(|e| io_err(&format!("{what}: TCP_NODELAY"), e))?;
-            Stream::Tcp(s)
+            Socket::Tcp(s)
         }
-        Address::Unix(path) => Stream::Unix(
+        Address::Unix(path) => Socket::Unix(
             UnixStream::connect(path)
                 .map_err(|e| io_err(&format!("{what}: connecting to {}", path.display()), e))?,
         ),
     };
+    let mut stream = Stream::plain(socket);
     stream
         .set_timeouts(Some(timeout), Some(timeout))
         .map_err(|e| io_err(&what, e))?;
-    let info = handshake(&stream, &uri.export).map_err(|e| match e.kind() {
-        ErrorKind::Io => Error::io(format!("{what}: handshake: {}", e.message())),
-        k => Error::new(k, format!("{what}: {}", e.message())),
-    })?;
+    let info =
+        handshake(&mut stream, &uri.export, shared.tls.as_ref()).map_err(|e| match e.kind() {
+            ErrorKind::Io => Error::io(format!("{what}: handshake: {}", e.message())),
+            k => Error::new(k, format!("{what}: {}", e.message())),
+        })?;
     // From now on reads wake every tick (deadline checks); a send blocked this long fails.
     stream
         .set_timeouts(Some(READER_TICK), Some(timeout))
@@ -410,7 +343,7 @@ pub(super) fn connect(
         pending: Mutex::new(Pending::default()),
         info,
         name: name.to_string(),
-        counts: Arc::clone(counts),
+        counts: Arc::clone(&shared.counts),
     })
 }
 
@@ -426,12 +359,17 @@ fn be_u64(b: &[u8]) -> u64 {
     u64::from_be_bytes(a)
 }
 
-/// The client side of the fixed-newstyle handshake: greeting, client flags, `NBD_OPT_GO` for
+/// The client side of the fixed-newstyle handshake: greeting, client flags, with `tls`
+/// `NBD_OPT_STARTTLS` and the TLS handshake, `NBD_OPT_STRUCTURED_REPLY`, `NBD_OPT_GO` for
 /// `export` asking for `NBD_INFO_BLOCK_SIZE`, then the info replies up to `NBD_REP_ACK`.
-fn handshake(s: &Stream, export: &str) -> Result<ExportInfo> {
-    let rd = |buf: &mut [u8]| s.read_exact_plain(buf).map_err(|e| io_err("reading", e));
+fn handshake(
+    s: &mut Stream,
+    export: &str,
+    tls: Option<&(Arc<ClientConfig>, ServerName<'static>)>,
+) -> Result<ExportInfo> {
     let mut greeting = [0u8; 18];
-    rd(&mut greeting)?;
+    s.read_exact_plain(&mut greeting)
+        .map_err(|e| io_err("reading", e))?;
     if be_u64(&greeting[0..8]) != NBDMAGIC {
         return Err(Error::io("not an NBD server (bad magic)"));
     }
@@ -455,6 +393,12 @@ fn handshake(s: &Stream, export: &str) -> Result<ExportInfo> {
     }
     s.write_all_parts(&[&client_flags.to_be_bytes()])
         .map_err(|e| io_err("sending the client flags", e))?;
+    if let Some((config, name)) = tls {
+        start_tls(s)?;
+        s.start_tls(Arc::clone(config), name.clone())?;
+    }
+    let s = &*s;
+    let rd = |buf: &mut [u8]| s.read_exact_plain(buf).map_err(|e| io_err("reading", e));
     let structured_replies = negotiate_structured_replies(s)?;
     let mut msg = Vec::new();
     let mut data = Vec::new();
@@ -502,7 +446,10 @@ fn handshake(s: &Stream, export: &str) -> Result<ExportInfo> {
                 let text = String::from_utf8_lossy(&d).into_owned();
                 let (kind, what) = match t {
                     REP_ERR_UNKNOWN => (ErrorKind::NotFound, "no such export"),
-                    REP_ERR_TLS_REQD => (ErrorKind::Unsupported, "the server requires TLS"),
+                    REP_ERR_TLS_REQD => (
+                        ErrorKind::Unsupported,
+                        "the server requires TLS (use nbds://)",
+                    ),
                     REP_ERR_POLICY => (ErrorKind::PermissionDenied, "refused by policy"),
                     REP_ERR_UNSUP => (
                         ErrorKind::Unsupported,
@@ -541,6 +488,41 @@ fn handshake(s: &Stream, export: &str) -> Result<ExportInfo> {
         max_block_bytes: max,
         structured_replies,
     })
+}
+
+/// Sends `NBD_OPT_STARTTLS` and reads its answer: `NBD_REP_ACK`, or `EOPNOTSUPP` when the
+/// server does not offer TLS.
+fn start_tls(s: &Stream) -> Result<()> {
+    let mut msg = Vec::with_capacity(16);
+    msg.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    msg.extend_from_slice(&OPT_STARTTLS.to_be_bytes());
+    msg.extend_from_slice(&0u32.to_be_bytes());
+    s.write_all_parts(&[&msg])
+        .map_err(|e| io_err("sending NBD_OPT_STARTTLS", e))?;
+    let mut h = [0u8; 20];
+    s.read_exact_plain(&mut h)
+        .map_err(|e| io_err("reading", e))?;
+    let len = be_u32(&h[16..20]);
+    if be_u64(&h[0..8]) != OPTION_REPLY_MAGIC
+        || be_u32(&h[8..12]) != OPT_STARTTLS
+        || len > MAX_OPTION_BYTES
+    {
+        return Err(Error::io("bad reply to NBD_OPT_STARTTLS"));
+    }
+    let mut d = vec![0u8; len as usize];
+    s.read_exact_plain(&mut d)
+        .map_err(|e| io_err("reading", e))?;
+    match be_u32(&h[12..16]) {
+        REP_ACK if len == 0 => Ok(()),
+        t if t & (1 << 31) != 0 => Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "the server does not offer TLS ({})",
+                String::from_utf8_lossy(&d)
+            ),
+        )),
+        t => Err(Error::io(format!("reply type {t} to NBD_OPT_STARTTLS"))),
+    }
 }
 
 /// Asks for structured replies: `NBD_REP_ACK` turns them on; an error reply (a server without
@@ -964,6 +946,7 @@ impl Conn {
                 length: 0,
             };
             let _ = self.stream.write_all_parts(&[&h.encode()]);
+            self.stream.close_notify();
         }
         self.kill("disconnected");
     }

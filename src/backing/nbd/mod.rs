@@ -4,7 +4,9 @@
 //!
 //! # Parts
 //!
-//! - [`uri`]: the URI forms.
+//! - [`uri`]: the URI forms (`nbds` with TLS: certificates, no PSK).
+//! - `stream`: a connection's socket, plain or TLS (rustls's client side after
+//!   `NBD_OPT_STARTTLS`).
 //! - `conn`: one connection: the fixed-newstyle handshake with `NBD_OPT_GO` (export size, block
 //!   size constraints, transmission flags), requests from any thread, a reader thread matching
 //!   simple replies to waiters by cookie, and a deadline on every request.
@@ -40,6 +42,7 @@
 //! handshake too.
 
 mod conn;
+mod stream;
 pub mod uri;
 
 use std::collections::VecDeque;
@@ -50,7 +53,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use self::conn::{lock, Conn, Done, Job, Waiter};
+use self::conn::{lock, Conn, Done, Job, Shared, Waiter};
 pub use self::conn::{ChunkCounts, ExportInfo};
 use self::uri::NbdUri;
 use super::{
@@ -130,8 +133,8 @@ pub struct NbdBacking {
     cookies: AtomicU64,
     /// Connections opened (the first included) and lost, for tests and stats.
     connects: AtomicU64,
-    /// Structured reply chunks received, for tests and stats.
-    counts: Arc<ChunkCounts>,
+    /// What the connections share: chunk counts (for tests and stats) and TLS.
+    shared: Shared,
 }
 
 impl NbdBacking {
@@ -139,13 +142,21 @@ impl NbdBacking {
     /// and hold at least one 4 KiB block; its size is rounded down to whole blocks.
     pub fn open(uri: &str, options: &NbdOptions) -> Result<NbdBacking> {
         let parsed = NbdUri::parse(uri)?;
-        let counts = Arc::new(ChunkCounts::default());
+        let mut shared = Shared::default();
+        if let Some(t) = &parsed.tls {
+            let config = stream::client_config(&t.certificates)?;
+            let name =
+                rustls::pki_types::ServerName::try_from(t.hostname.clone()).map_err(|e| {
+                    Error::invalid(format!("NBD URI {uri}: TLS name {:?}: {e}", t.hostname))
+                })?;
+            shared.tls = Some((config, name));
+        }
         if options.connections == 0 || options.request_timeout.is_zero() {
             return Err(Error::invalid(
                 "NBD options: connections and timeout must be non-zero",
             ));
         }
-        let first = conn::connect(&parsed, uri, options.request_timeout, &counts)?;
+        let first = conn::connect(&parsed, uri, options.request_timeout, &shared)?;
         let info = first.info;
         if info.has(TFLAG_READ_ONLY) {
             return Err(Error::new(
@@ -189,7 +200,7 @@ impl NbdBacking {
         let extra_timeout = options.request_timeout.min(EXTRA_CONNECTION_TIMEOUT);
         let mut opened = vec![first];
         while opened.len() < wanted {
-            match conn::connect(&parsed, uri, extra_timeout, &counts) {
+            match conn::connect(&parsed, uri, extra_timeout, &shared) {
                 Ok(c) if c.info.size_bytes == info.size_bytes => opened.push(c),
                 _ => break,
             }
@@ -219,7 +230,7 @@ impl NbdBacking {
             next_slot: AtomicUsize::new(0),
             cookies: AtomicU64::new(1),
             connects: AtomicU64::new(0),
-            counts,
+            shared,
         };
         for (cell, c) in b.slots.iter().zip(opened) {
             b.install(&mut lock(&cell.slot), c);
@@ -243,6 +254,11 @@ impl NbdBacking {
         self.connects.load(Ordering::Relaxed)
     }
 
+    /// Whether the connections run TLS (`nbds://`).
+    pub fn is_tls(&self) -> bool {
+        self.shared.tls.is_some()
+    }
+
     /// Whether the server sends structured replies (negotiated at the first handshake).
     pub fn structured_replies(&self) -> bool {
         self.info.structured_replies
@@ -250,7 +266,7 @@ impl NbdBacking {
 
     /// Structured reply chunks received so far: data, holes, errors.
     pub fn chunk_counts(&self) -> [u64; 3] {
-        let c = &self.counts;
+        let c = &self.shared.counts;
         [&c.data, &c.hole, &c.error].map(|a| a.load(Ordering::Relaxed))
     }
 
@@ -349,7 +365,7 @@ impl NbdBacking {
             &self.uri,
             &self.name,
             self.options.request_timeout,
-            &self.counts,
+            &self.shared,
         )
         .and_then(|c| {
             if c.info.size_bytes < self.size_bytes {

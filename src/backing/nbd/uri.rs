@@ -1,6 +1,10 @@
-//! NBD URIs (the NBD project's `doc/uri.md`): `nbd://HOST[:PORT]/EXPORT` and
-//! `nbd+unix:///EXPORT?socket=PATH`. The TLS schemes (`nbds://`, `nbds+unix://`) are recognised
-//! and refused with `EOPNOTSUPP`: the client speaks plain NBD only.
+//! NBD URIs (the NBD project's `doc/uri.md`): `nbd://HOST[:PORT]/EXPORT`,
+//! `nbd+unix:///EXPORT?socket=PATH`, and their TLS forms `nbds://` and `nbds+unix://` with
+//! libnbd's query parameters `tls-certificates=DIR` (required: `ca-cert.pem`, and
+//! `client-cert.pem` with `client-key.pem` when the server asks for a client certificate) and
+//! `tls-hostname=NAME` (the name the server's certificate must carry: by default the TCP host,
+//! `localhost` on a unix socket). `tls-psk-file` is refused with `EOPNOTSUPP`: rustls has no
+//! TLS-PSK.
 
 use std::path::PathBuf;
 
@@ -18,6 +22,16 @@ pub enum Address {
     Unix(PathBuf),
 }
 
+/// TLS settings of an `nbds` URI.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsParams {
+    /// The certificate directory (`tls-certificates`).
+    pub certificates: PathBuf,
+    /// The name the server's certificate must carry (`tls-hostname`, else the TCP host, else
+    /// `localhost`).
+    pub hostname: String,
+}
+
 /// A parsed NBD URI.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NbdUri {
@@ -25,6 +39,8 @@ pub struct NbdUri {
     pub address: Address,
     /// The export name (percent-decoded; empty for the server's default export).
     pub export: String,
+    /// TLS (`nbds://`, `nbds+unix://`).
+    pub tls: Option<TlsParams>,
 }
 
 /// Whether `value` names an NBD server rather than a path (an `nbd` scheme).
@@ -35,25 +51,20 @@ pub fn is_nbd_uri(value: &str) -> bool {
 }
 
 impl NbdUri {
-    /// Parses an NBD URI; `EINVAL` with the reason for a malformed one, `EOPNOTSUPP` for TLS.
+    /// Parses an NBD URI; `EINVAL` with the reason for a malformed one, `EOPNOTSUPP` for
+    /// TLS-PSK.
     pub fn parse(uri: &str) -> Result<NbdUri> {
         let bad = |why: &str| Error::invalid(format!("NBD URI {uri:?}: {why}"));
         let (scheme, rest) = uri
             .split_once("://")
             .ok_or_else(|| bad("no scheme (nbd:// or nbd+unix://)"))?;
-        match scheme {
-            "nbd" | "nbd+unix" => {}
-            "nbds" | "nbds+unix" => {
-                return Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "NBD URI {uri:?}: TLS to the backing server (nbds) is not supported; \
-                         use nbd:// over a trusted network or a unix socket"
-                    ),
-                ))
-            }
-            _ => return Err(bad("the scheme must be nbd or nbd+unix")),
-        }
+        let (unix, tls) = match scheme {
+            "nbd" => (false, false),
+            "nbd+unix" => (true, false),
+            "nbds" => (false, true),
+            "nbds+unix" => (true, true),
+            _ => return Err(bad("the scheme must be nbd, nbd+unix, nbds or nbds+unix")),
+        };
         let (before_query, query) = match rest.split_once('?') {
             Some((a, q)) => (a, Some(q)),
             None => (rest, None),
@@ -67,25 +78,35 @@ impl NbdUri {
         };
         let export =
             percent_decode(path).ok_or_else(|| bad("bad percent-encoding in the export"))?;
-        let mut socket = None;
+        let (mut socket, mut certificates, mut hostname) = (None, None, None);
         for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = || percent_decode(v).ok_or_else(|| bad("bad percent-encoding"));
             match k {
-                "socket" if scheme == "nbd+unix" => {
-                    socket = Some(percent_decode(v).ok_or_else(|| bad("bad percent-encoding"))?)
+                "socket" if unix => socket = Some(value()?),
+                "tls-certificates" if tls => certificates = Some(value()?),
+                "tls-hostname" if tls => hostname = Some(value()?),
+                "tls-psk-file" if tls => {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        format!(
+                            "NBD URI {uri:?}: TLS-PSK is not supported (rustls has no \
+                             pre-shared keys); use certificates: ?tls-certificates=DIR"
+                        ),
+                    ))
                 }
                 _ => return Err(bad(&format!("unsupported query parameter {k:?}"))),
             }
         }
-        let address = if scheme == "nbd+unix" {
+        let address = if unix {
             if !authority.is_empty() {
                 return Err(bad(
-                    "nbd+unix takes no host (nbd+unix:///EXPORT?socket=PATH)",
+                    "a unix socket URI takes no host (nbd+unix:///EXPORT?socket=PATH)",
                 ));
             }
             match socket {
                 Some(s) if !s.is_empty() => Address::Unix(PathBuf::from(s)),
-                _ => return Err(bad("nbd+unix needs ?socket=PATH")),
+                _ => return Err(bad("a unix socket URI needs ?socket=PATH")),
             }
         } else {
             let (host, port) = split_host_port(authority).ok_or_else(|| bad("bad host or port"))?;
@@ -94,7 +115,29 @@ impl NbdUri {
             }
             Address::Tcp { host, port }
         };
-        Ok(NbdUri { address, export })
+        let tls = match (tls, certificates) {
+            (false, _) => None,
+            (true, None) => {
+                return Err(bad(
+                    "nbds needs ?tls-certificates=DIR (ca-cert.pem; client-cert.pem and \
+                     client-key.pem if the server asks for a client certificate)",
+                ))
+            }
+            (true, Some(dir)) if dir.is_empty() => return Err(bad("empty tls-certificates")),
+            (true, Some(dir)) => Some(TlsParams {
+                certificates: PathBuf::from(dir),
+                hostname: match (hostname, &address) {
+                    (Some(h), _) => h,
+                    (None, Address::Tcp { host, .. }) => host.clone(),
+                    (None, Address::Unix(_)) => "localhost".to_string(),
+                },
+            }),
+        };
+        Ok(NbdUri {
+            address,
+            export,
+            tls,
+        })
     }
 }
 
@@ -192,7 +235,36 @@ mod tests {
             let e = NbdUri::parse(bad).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{bad}: {e}");
         }
-        let e = NbdUri::parse("nbds://h/x").unwrap_err();
+        for bad in [
+            "nbds://h/x",
+            "nbds://h/x?tls-certificates=",
+            "nbd://h/x?tls-certificates=/d",
+            "nbds+unix:///x?tls-certificates=/d",
+            "nbds://h/x?tls-certificates=/d&tls-verify-peer=false",
+        ] {
+            let e = NbdUri::parse(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{bad}: {e}");
+        }
+        let e = NbdUri::parse("nbds://h/x?tls-psk-file=/k").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Unsupported);
+    }
+
+    #[test]
+    fn parses_tls_forms() {
+        let u = NbdUri::parse("nbds://10.0.0.2/wb?tls-certificates=/etc/pki/c%20d").unwrap();
+        assert_eq!(
+            u.tls,
+            Some(TlsParams {
+                certificates: "/etc/pki/c d".into(),
+                hostname: "10.0.0.2".into()
+            })
+        );
+        let u = NbdUri::parse("nbds+unix:///wb?socket=/s&tls-certificates=/c").unwrap();
+        assert_eq!(u.address, Address::Unix("/s".into()));
+        assert_eq!(u.tls.unwrap().hostname, "localhost");
+        let u =
+            NbdUri::parse("nbds://h/?tls-hostname=storage.example&tls-certificates=/c").unwrap();
+        assert_eq!(u.tls.unwrap().hostname, "storage.example");
+        assert_eq!(NbdUri::parse("nbd://h/").unwrap().tls, None);
     }
 }

@@ -69,11 +69,13 @@ impl std::fmt::Debug for Tls {
     }
 }
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+/// The crypto provider every TLS configuration uses (ring), servers' and the NBD backing's.
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
+/// The certificates of a PEM file (`EINVAL` naming it when it holds none or is bad).
+pub(crate) fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
     let v = CertificateDer::pem_file_iter(path)
         .and_then(|it| it.collect::<std::result::Result<Vec<_>, _>>())
         .map_err(|e| Error::invalid(format!("{}: {e}", path.display())))?;
@@ -92,7 +94,7 @@ impl Tls {
         if mode == TlsMode::Off {
             return Err(Error::invalid("TLS is off"));
         }
-        let chain = certs(&files.cert)?;
+        let chain = load_certs(&files.cert)?;
         let key = PrivateKeyDer::from_pem_file(&files.key)
             .map_err(|e| Error::invalid(format!("{}: {e}", files.key.display())))?;
         let builder = rustls::ServerConfig::builder_with_provider(provider())
@@ -102,7 +104,7 @@ impl Tls {
             None => builder.with_no_client_auth(),
             Some(ca) => {
                 let mut roots = rustls::RootCertStore::empty();
-                for c in certs(ca)? {
+                for c in load_certs(ca)? {
                     roots
                         .add(c)
                         .map_err(|e| Error::invalid(format!("{}: {e}", ca.display())))?;

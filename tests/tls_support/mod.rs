@@ -1,0 +1,128 @@
+//! TLS credentials for the NBD TLS tests (`cli/tests/nbd_tls.rs`, the NBD backing's in
+//! `tests/nbd_backing.rs`), made with `openssl`: a CA, a server certificate for `localhost` and
+//! 127.0.0.1, a client certificate, in the file names qemu, libnbd and nbdkit look for. A
+//! missing `openssl` is a failure (scripts/debian-packages.txt installs it).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Credentials: `dir/server` (server-cert.pem, server-key.pem, ca-cert.pem), `dir/client`
+/// (ca-cert.pem, client-cert.pem, client-key.pem) and `dir/anonymous` (ca-cert.pem only).
+pub struct Creds {
+    pub dir: tempfile::TempDir,
+}
+
+impl Creds {
+    pub fn server(&self) -> PathBuf {
+        self.dir.path().join("server")
+    }
+    pub fn client(&self) -> PathBuf {
+        self.dir.path().join("client")
+    }
+    pub fn anonymous(&self) -> PathBuf {
+        self.dir.path().join("anonymous")
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("openssl must be installed (scripts/debian-packages.txt): {e}"));
+    assert!(out.status.success(), "openssl {args:?}: {out:?}");
+}
+
+pub fn make_creds() -> Creds {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    openssl(
+        d,
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca-key.pem",
+                "-out",
+                "ca-cert.pem",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=uzram test CA",
+            ],
+        ]
+        .concat(),
+    );
+    for (who, usage) in [("server", "serverAuth"), ("client", "clientAuth")] {
+        std::fs::write(
+            d.join(format!("{who}.ext")),
+            format!(
+                "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\n\
+                 keyUsage=digitalSignature\n"
+            ),
+        )
+        .unwrap();
+        openssl(
+            d,
+            &[
+                &["req"][..],
+                &ec,
+                &[
+                    "-keyout",
+                    &format!("{who}-key.pem"),
+                    "-out",
+                    &format!("{who}.csr"),
+                    "-subj",
+                    &format!("/CN={who}"),
+                ],
+            ]
+            .concat(),
+        );
+        openssl(
+            d,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &format!("{who}.csr"),
+                "-CA",
+                "ca-cert.pem",
+                "-CAkey",
+                "ca-key.pem",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-out",
+                &format!("{who}-cert.pem"),
+                "-extfile",
+                &format!("{who}.ext"),
+            ],
+        );
+    }
+    for (sub, files) in [
+        (
+            "server",
+            &["ca-cert.pem", "server-cert.pem", "server-key.pem"][..],
+        ),
+        (
+            "client",
+            &["ca-cert.pem", "client-cert.pem", "client-key.pem"][..],
+        ),
+        ("anonymous", &["ca-cert.pem"][..]),
+    ] {
+        std::fs::create_dir(d.join(sub)).unwrap();
+        for f in files {
+            std::fs::copy(d.join(f), d.join(sub).join(f)).unwrap();
+        }
+    }
+    Creds { dir }
+}
