@@ -179,7 +179,7 @@ pub(crate) struct Store {
 }
 
 /// Where a slot's page comes from, as seen under its lock.
-enum Source<'a> {
+pub(crate) enum Source<'a> {
     /// Already in the output buffer.
     Done,
     /// On the backing device: read through the pin after dropping the slot lock. With the
@@ -405,10 +405,10 @@ impl Store {
         Ok(())
     }
 
-    /// Copies page `k` of the multi-page object `handle` (`size_bytes` compressed) into `out`,
-    /// decompressing it unless this thread's [`RunCache`] holds it. The caller holds the lock
-    /// of a slot pointing at it.
-    fn read_multi(&self, handle: Handle, k: usize, out: &mut [u8]) -> Result<()> {
+    /// Copies page `k` of the multi-page object `handle`, compressed by codec id `codec`, into
+    /// `out`, decompressing it unless this thread's [`RunCache`] holds it. The caller holds the
+    /// lock of a slot pointing at it.
+    fn read_multi(&self, handle: Handle, codec: u8, k: usize, out: &mut [u8]) -> Result<()> {
         // Loaded after the slot lock was taken: a handle freed and reused since the cache was
         // filled has moved this counter (see `multi_frees`).
         let frees = self.multi_frees.load(Ordering::Acquire);
@@ -418,8 +418,8 @@ impl Store {
             k,
             out,
             |run, _| {
-                self.pool
-                    .read(handle, |obj| self.codecs.primary().decompress(obj, run))
+                let codec = self.codecs.get(codec)?;
+                self.pool.read(handle, |obj| codec.decompress(obj, run))
             },
         )
     }
@@ -545,7 +545,7 @@ impl Store {
 
     /// Reads the slot's page into `out` (one page) if it is in RAM; for a WB slot pins its
     /// location and returns the pin. The caller holds the slot lock.
-    fn read_slot<'a>(&'a self, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<Source<'a>> {
+    pub(crate) fn read_slot<'a>(&'a self, g: &SlotGuard<'_>, out: &mut [u8]) -> Result<Source<'a>> {
         let st = g.state();
         if st.is_empty() {
             out.fill(0);
@@ -569,7 +569,7 @@ impl Store {
         let handle = Handle::from_raw(st.value).expect("non-empty slot has a handle");
         if st.has(SlotFlags::MULTI) {
             let k = (g.index().0 % self.multi_pages as u64) as usize;
-            self.read_multi(handle, k, out)?;
+            self.read_multi(handle, st.codec(), k, out)?;
             return Ok(Source::Done);
         }
         self.pool.read(handle, |obj| {

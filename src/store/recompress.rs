@@ -32,6 +32,14 @@
 //!    takes it); otherwise it is left as it was.
 //! 7. At the end every candidate not reached loses PP_SLOT.
 //!
+//! A multi-page object (`multi_page_size`) goes through the same steps as one candidate
+//! ([`Store::recompress_run`]), under the locks of its group's slots (ascending) where a page
+//! takes its slot's: only when every page still pointing into it is marked (writeback's
+//! rule); the run is decompressed whole; a result must also stay below the size above which a
+//! run is stored page by page, and `threshold` compares bytes per page; the new object and its
+//! codec id go to every page still pointing at the old one, and the old handle's cached runs
+//! are invalidated (`multi_frees`) before it is freed.
+//!
 //! Reads decompress with the codec of the slot's priority ([`Codecs`](super::Codecs)).
 
 use super::stats::StoreStats;
@@ -42,6 +50,7 @@ use crate::slot::{SlotFlags, SlotIndex, SlotState};
 use crate::units::{kstrtou64, strip_newline};
 use crate::writeback::candidates::PpCtl;
 use crate::zsmalloc::Handle;
+use std::sync::atomic::Ordering;
 
 /// What a `recompress` write asks for (zram's `recompress_store` arguments).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -193,7 +202,6 @@ impl Store {
             (!spec.idle || st.has(SlotFlags::IDLE))
                 && (!spec.huge || st.has(SlotFlags::HUGE))
                 && !st.has(SlotFlags::INCOMPRESSIBLE)
-                && !st.has(SlotFlags::MULTI)
                 && usize::from(st.prio()) + 1 < range.hi
         });
         let mut report = RecompressReport {
@@ -201,12 +209,20 @@ impl Store {
             ..RecompressReport::default()
         };
         let mut budget = spec.max_pages.unwrap_or(u64::MAX);
-        let mut page = vec![0u8; self.page_size_bytes];
-        let mut dst = vec![0u8; compress_bound(self.page_size_bytes)];
+        // A page, or a multi-page object's run.
+        let run_bytes = self.multi_pages * self.page_size_bytes;
+        let mut page = vec![0u8; run_bytes];
+        let mut dst = vec![0u8; compress_bound(run_bytes)];
         let mut result = Ok(());
         while budget > 0 {
             let Some(index) = ctl.select() else { break };
-            let outcome = match self.recompress_slot(index, threshold, range, &mut page, &mut dst) {
+            let outcome = if self.multi_pages > 1 && self.is_multi(index) {
+                self.recompress_run(index, threshold, range, &mut page, &mut dst)
+            } else {
+                let ps = self.page_size_bytes;
+                self.recompress_slot(index, threshold, range, &mut page[..ps], &mut dst)
+            };
+            let outcome = match outcome {
                 Ok(o) => o,
                 Err(e) => {
                     report.tried += 1;
@@ -341,6 +357,154 @@ impl Store {
         self.codecs.release(st.codec());
         self.codecs.acquire(id);
         g.set_handle(new.to_raw(), len, SlotFlags::NONE, id);
+        StoreStats::add(&self.stats.compr_data_size_bytes, len as u64);
+        StoreStats::add(&self.stats.recomp_done, 1);
+        Ok(Outcome::Recompressed(old_size, len))
+    }
+
+    /// Recompresses the multi-page object of the group holding candidate `index`: the steps
+    /// of a page, on the whole run, under the locks of the group's slots (ascending), and
+    /// only when every page still pointing into the object is a candidate (writeback's rule).
+    /// The threshold applies to the object's bytes per page; a result must also stay below
+    /// the size where a run is stored page by page. The new object is published to every
+    /// page pointing into the old one, with the new codec id; INCOMPRESSIBLE marks all of them.
+    fn recompress_run(
+        &self,
+        index: SlotIndex,
+        threshold: usize,
+        range: PrioRange,
+        run: &mut [u8],
+        dst: &mut [u8],
+    ) -> Result<Outcome> {
+        let n = self.multi_pages;
+        let first = self.group_first(index);
+        let per_page = |bytes: usize| bytes.div_ceil(n);
+        let mut guards = self.lock_group(first);
+        let live = |st: &SlotState| st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB);
+        let mut obj = None;
+        let mut all_marked = true;
+        for g in guards.iter().flatten() {
+            let st = g.state();
+            if live(&st) {
+                obj = Some(st);
+                all_marked &= st.has(SlotFlags::PP_SLOT);
+            }
+        }
+        let lo = obj.map_or(range.hi, |st| range.lo.max(usize::from(st.prio()) + 1));
+        let Some(st) =
+            obj.filter(|st| all_marked && per_page(st.size_bytes()) >= threshold && lo < range.hi)
+        else {
+            for g in guards.iter_mut().flatten() {
+                if live(&g.state()) {
+                    g.clear_flags(SlotFlags::PP_SLOT);
+                }
+            }
+            return Ok(Outcome::Skipped);
+        };
+        let raw = st.value;
+        let old_size = st.size_bytes();
+        let handle = Handle::from_raw(raw).expect("a MULTI slot holds an object");
+        let run = &mut run[..n * self.page_size_bytes];
+        let read = self
+            .codecs
+            .get(st.codec())
+            .and_then(|codec| self.pool.read(handle, |obj| codec.decompress(obj, run)));
+        for g in guards.iter_mut().flatten() {
+            if live(&g.state()) {
+                if read.is_err() {
+                    g.clear_flags(SlotFlags::PP_SLOT);
+                } else {
+                    g.clear_flags(SlotFlags::IDLE);
+                }
+            }
+        }
+        read?;
+        drop(guards);
+
+        StoreStats::add(&self.stats.recomp_tried, 1);
+        let footprint_old = self.pool.footprint_bytes(old_size);
+        let mut found = None;
+        for prio in lo..range.hi {
+            let Some((id, codec)) = self.codecs.current(prio) else {
+                continue;
+            };
+            let len = match codec.compress(run, dst) {
+                Ok(len) => len,
+                Err(e) => {
+                    self.clear_run_pp(first);
+                    return Err(e);
+                }
+            };
+            if len < self.huge_run_bytes
+                && self.pool.footprint_bytes(len) < footprint_old
+                && (threshold == 0 || per_page(len) < threshold)
+            {
+                found = Some((id, len));
+                break;
+            }
+        }
+        // Under the group's locks again: the pages still pointing at the old object, all
+        // still marked, or the access won.
+        let relock = |guards: &mut [Option<super::SlotGuard<'_>>]| {
+            let mut ok = true;
+            let mut count = 0u64;
+            for g in guards.iter().flatten() {
+                let st = g.state();
+                if st.handle_raw() == Some(raw) && st.has(SlotFlags::MULTI) {
+                    ok &= st.has(SlotFlags::PP_SLOT);
+                    count += 1;
+                }
+            }
+            (ok && count > 0).then_some(count)
+        };
+        let Some((id, len)) = found else {
+            let last = range.hi > self.codecs.highest();
+            let mut guards = self.lock_group(first);
+            if relock(&mut guards).is_none() {
+                drop(guards);
+                self.clear_run_pp(first);
+                return Ok(Outcome::Raced);
+            }
+            for g in guards.iter_mut().flatten() {
+                if g.state().handle_raw() == Some(raw) {
+                    g.clear_flags(SlotFlags::PP_SLOT);
+                    if last {
+                        g.set_flags(SlotFlags::INCOMPRESSIBLE);
+                    }
+                }
+            }
+            if last {
+                StoreStats::add(&self.stats.recomp_incompressible, 1);
+            }
+            return Ok(Outcome::NotSmaller(last));
+        };
+        let new = match self.pool.malloc(len) {
+            Ok(h) => h,
+            Err(e) => {
+                self.clear_run_pp(first);
+                return Err(e);
+            }
+        };
+        self.pool.write(new, &dst[..len]);
+        let mut guards = self.lock_group(first);
+        if relock(&mut guards).is_none() {
+            drop(guards);
+            self.pool.free(new);
+            self.clear_run_pp(first);
+            return Ok(Outcome::Raced);
+        }
+        // The old handle may come back for another object: the caches of this one go first.
+        self.multi_frees.fetch_add(1, Ordering::Release);
+        self.pool.free(handle);
+        for g in guards.iter_mut().flatten() {
+            let gs = g.state();
+            if gs.handle_raw() == Some(raw) && gs.has(SlotFlags::MULTI) {
+                self.codecs.release(gs.codec());
+                self.codecs.acquire(id);
+                g.set_handle(new.to_raw(), len, SlotFlags::MULTI, id);
+            }
+        }
+        StoreStats::sub(&self.stats.compr_data_size_bytes, old_size as u64);
         StoreStats::add(&self.stats.compr_data_size_bytes, len as u64);
         StoreStats::add(&self.stats.recomp_done, 1);
         Ok(Outcome::Recompressed(old_size, len))

@@ -6,7 +6,8 @@
 //! 1. The caller holds `pp_lock`: no recompression or writeback runs meanwhile.
 //! 2. Sample: up to `samples` pages held in RAM, spread evenly over the device (every k-th
 //!    such page), each decompressed under its slot lock into one sample buffer (same-filled,
-//!    empty and written-back pages are skipped: they teach nothing, or cost backing I/O).
+//!    empty and written-back pages are skipped: they teach nothing, or cost backing I/O; a
+//!    page of a multi-page object is sampled as a page, from its run decompressed once).
 //! 3. Train with libzstd's trainer (`ZDICT_trainFromBuffer`) outside any lock, into a
 //!    dictionary of at most `dict_size` bytes.
 //! 4. Write it to `path` when one is given (created or truncated, mode 0600) before anything
@@ -14,12 +15,11 @@
 //! 5. Build a zstd codec with it (the priority's level, or `level=`) and install it as the
 //!    priority's new current generation.
 
-use super::Store;
+use super::{Source, Store};
 use crate::compress::{self, CodecParams, Dictionary, MAX_DICT_BYTES};
 use crate::error::{Error, ErrorKind, Result};
-use crate::slot::{SlotFlags, SlotIndex};
+use crate::slot::SlotIndex;
 use crate::units::{kstrtou64, parse_size_bytes, strip_newline};
-use crate::zsmalloc::Handle;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
@@ -209,20 +209,12 @@ impl Store {
                 continue;
             }
             let g = self.slots.lock(SlotIndex(i));
-            let st = g.state();
-            let Some(raw) = st.handle_raw() else { continue };
-            let handle = Handle::from_raw(raw).expect("a slot in RAM holds a handle");
-            let ok = self.pool.read(handle, |obj| {
-                if st.has(SlotFlags::HUGE) {
-                    page.copy_from_slice(obj);
-                    true
-                } else {
-                    self.codecs
-                        .get(st.codec())
-                        .and_then(|c| c.decompress(obj, &mut page))
-                        .is_ok()
-                }
-            });
+            if g.state().handle_raw().is_none() {
+                continue;
+            }
+            // The page as a read sees it (a page of a multi-page object through the thread's
+            // run cache, so a run's sampled pages decompress it once), without an access.
+            let ok = matches!(self.read_slot(&g, &mut page), Ok(Source::Done));
             drop(g);
             if ok && compress::same_filled_word(&page).is_none() {
                 data.extend_from_slice(&page);
