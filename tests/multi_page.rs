@@ -76,7 +76,7 @@ fn a_run_is_one_object_and_small_writes_break_out_only_their_page() {
     assert_eq!(multi_stat(&dev), (2, 32));
     assert_eq!(
         dev.attr_show("multi_stat").unwrap(),
-        "       2       32        0        0        0\n"
+        "       2       32        0        0        0        0        0\n"
     );
     let s = dev.stats();
     assert_eq!(s.pages_stored, 32);
@@ -364,4 +364,39 @@ fn recompression_and_train_dict_take_whole_runs() {
         .held
         .iter()
         .all(|&(_, slots, _)| slots == 0));
+}
+
+/// The run cache, as `multi_stat`'s last two columns count it: lz4 decodes a first read's
+/// prefix only (up to its page), so an ordered pass costs two decompressions per run (the
+/// first page's prefix, then the whole) and a read of a run's last page one; zstd decodes
+/// whole runs.
+#[test]
+fn run_cache_hits_and_partial_decompression() {
+    for (codec, misses_per_ordered_run) in [("lz4", 2), ("zstd", 1)] {
+        let dev = Device::new_uninit(PAGE).unwrap();
+        dev.attr_store("comp_algorithm", codec).unwrap();
+        dev.attr_store("multi_page_size", "64K").unwrap();
+        dev.attr_store("disksize", &(4 * RUN * PAGE).to_string())
+            .unwrap();
+        let want: Vec<Vec<u8>> = (0..2 * RUN as u64).map(word_page).collect();
+        dev.write_at(&want.concat(), 0).unwrap();
+        let cache = |dev: &Device| {
+            let s = dev.stats();
+            (s.run_cache_hits, s.run_cache_misses)
+        };
+        let mut p = vec![0u8; PAGE];
+        for (i, w) in want.iter().enumerate() {
+            dev.read_at(&mut p, (i * PAGE) as u64).unwrap();
+            assert!(&p == w, "{codec} page {i}");
+        }
+        let m = misses_per_ordered_run;
+        assert_eq!(cache(&dev), (2 * (16 - m), 2 * m), "{codec}");
+        // Page 3 of run 0 (a prefix), then page 15 of it (the whole), then page 9 (cached).
+        for i in [3usize, 15, 9] {
+            dev.read_at(&mut p, (i * PAGE) as u64).unwrap();
+            assert!(p == want[i], "{codec} page {i}");
+        }
+        let (hits, misses) = cache(&dev);
+        assert_eq!((hits, misses), (2 * (16 - m) + 3 - m, 2 * m + m), "{codec}");
+    }
 }

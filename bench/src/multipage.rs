@@ -52,6 +52,10 @@ struct Row {
     write_mbps_wall: f64,
     seq_read_mbps_cpu: f64,
     rand_read_mbps_cpu: f64,
+    /// Share of the 4 KiB reads of a multi-page object the thread's run cache served, in the
+    /// ordered and the random pass (the last repetition; 0 without multi-page objects).
+    seq_cache_hit_rate: f64,
+    rand_cache_hit_rate: f64,
 }
 
 /// A fresh device holding the corpus' bytes.
@@ -77,6 +81,17 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
     let (mut w_cpu, mut w_wall, mut sr, mut rr) = (vec![], vec![], vec![], vec![]);
     let mut stats = None;
     let mut buf = vec![0u8; PAGE];
+    let (mut seq_hits, mut rand_hits) = (0.0, 0.0);
+    // Hits over all run reads between two stats snapshots.
+    let hit_rate = |a: &uzram::store::StatsSnapshot, b: &uzram::store::StatsSnapshot| {
+        let hits = b.run_cache_hits - a.run_cache_hits;
+        let all = hits + b.run_cache_misses - a.run_cache_misses;
+        if all == 0 {
+            0.0
+        } else {
+            hits as f64 / all as f64
+        }
+    };
     for rep in 0..repeats.max(1) {
         let dev = device(codec, mps, data.len())?;
         let (r, wall, cpu) = time_cpu(|| -> Result<()> {
@@ -99,6 +114,7 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
                 }
             }
         }
+        let s0 = dev.stats();
         let (r, _, cpu) = time_cpu(|| -> Result<()> {
             for i in 0..pages {
                 dev.read_at(&mut buf, (i * PAGE) as u64)?;
@@ -107,6 +123,7 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
         });
         r?;
         sr.push(mbps(data.len() as u64, cpu));
+        let s1 = dev.stats();
         let (r, _, cpu) = time_cpu(|| -> Result<()> {
             for &i in &order {
                 dev.read_at(&mut buf, (i * PAGE) as u64)?;
@@ -115,6 +132,8 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
         });
         r?;
         rr.push(mbps(data.len() as u64, cpu));
+        seq_hits = hit_rate(&s0, &s1);
+        rand_hits = hit_rate(&s1, &dev.stats());
     }
     let s = stats.expect("at least one repetition");
     Ok(Row {
@@ -130,6 +149,8 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
         write_mbps_wall: median(&w_wall),
         seq_read_mbps_cpu: median(&sr),
         rand_read_mbps_cpu: median(&rr),
+        seq_cache_hit_rate: seq_hits,
+        rand_cache_hit_rate: rand_hits,
     })
 }
 
@@ -203,6 +224,7 @@ pub fn run(corpus: &Corpus, opts: &MultipageBenchOptions) -> Result<serde_json::
         "x 4K",
         "seq read MB/s",
         "rand read MB/s",
+        "cache hits seq/rand",
         "objects",
     ])
     .left_align(&[1]);
@@ -228,6 +250,11 @@ pub fn run(corpus: &Corpus, opts: &MultipageBenchOptions) -> Result<serde_json::
                 f(row.write_mbps_cpu / a.write_mbps_cpu),
                 f(row.seq_read_mbps_cpu),
                 f(row.rand_read_mbps_cpu),
+                format!(
+                    "{:.0}%/{:.1}%",
+                    100.0 * row.seq_cache_hit_rate,
+                    100.0 * row.rand_cache_hit_rate
+                ),
                 row.multi_objects.to_string(),
             ]);
             rows.push(row);
@@ -244,6 +271,7 @@ pub fn run(corpus: &Corpus, opts: &MultipageBenchOptions) -> Result<serde_json::
                     mib(used),
                     pct(used, a.mem_used_total_bytes),
                     format!("{} (wall)", f(w)),
+                    String::new(),
                     String::new(),
                     String::new(),
                     String::new(),

@@ -84,6 +84,59 @@ impl Codec for Lz4 {
     fn decompress(&self, src: &[u8], dst: &mut [u8]) -> Result<()> {
         decompress_block(NAME, src, dst)
     }
+
+    fn decompress_prefix(&self, src: &[u8], dst: &mut [u8], prefix_bytes: usize) -> Result<usize> {
+        decompress_block_prefix(NAME, src, dst, prefix_bytes)
+    }
+}
+
+// liblz4's partial decoder (lz4.h, "LZ4_decompress_safe_partial"), in the liblz4 that `lz4-sys`
+// builds and links (the `lz4` crate's block functions use it) but does not declare.
+extern "C" {
+    fn LZ4_decompress_safe_partial(
+        src: *const std::ffi::c_char,
+        dst: *mut std::ffi::c_char,
+        src_size: std::ffi::c_int,
+        target_output_size: std::ffi::c_int,
+        dst_capacity: std::ffi::c_int,
+    ) -> std::ffi::c_int;
+}
+
+/// Decodes one LZ4 block until at least `prefix_bytes` of its output are in `dst` (LZ4 stops
+/// at the end of the sequence that passes them) and returns how many are. Asking for the
+/// whole of `dst` is [`decompress_block`]. Shared with `lz4hc`.
+pub(super) fn decompress_block_prefix(
+    name: &str,
+    src: &[u8],
+    dst: &mut [u8],
+    prefix_bytes: usize,
+) -> Result<usize> {
+    if prefix_bytes >= dst.len() {
+        return decompress_block(name, src, dst).map(|()| dst.len());
+    }
+    let int = |n: usize| {
+        std::ffi::c_int::try_from(n).map_err(|_| Error::io(format!("{name}: {n} bytes")))
+    };
+    let (src_size, capacity) = (int(src.len())?, int(dst.len())?);
+    // SAFETY: liblz4 reads at most `src_size` bytes from `src` and writes at most `capacity`
+    // bytes to `dst`, whatever the input holds ("safe" decoder: malformed input is a negative
+    // return, never an access out of those bounds); both slices are that long and live for
+    // the call; the function keeps no pointer after it returns.
+    let n = unsafe {
+        LZ4_decompress_safe_partial(
+            src.as_ptr().cast(),
+            dst.as_mut_ptr().cast(),
+            src_size,
+            int(prefix_bytes)?,
+            capacity,
+        )
+    };
+    match usize::try_from(n) {
+        Ok(n) if n >= prefix_bytes && n <= dst.len() => Ok(n),
+        _ => Err(Error::io(format!(
+            "{name} decompress: {n} bytes of a {prefix_bytes}-byte prefix"
+        ))),
+    }
 }
 
 /// Decodes one LZ4 block into exactly `dst.len()` bytes. Shared with `lz4hc`, whose output is

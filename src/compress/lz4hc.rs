@@ -69,4 +69,8 @@ impl Codec for Lz4Hc {
     fn decompress(&self, src: &[u8], dst: &mut [u8]) -> Result<()> {
         super::lz4::decompress_block(NAME, src, dst)
     }
+
+    fn decompress_prefix(&self, src: &[u8], dst: &mut [u8], prefix_bytes: usize) -> Result<usize> {
+        super::lz4::decompress_block_prefix(NAME, src, dst, prefix_bytes)
+    }
 }

@@ -24,6 +24,15 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     fn compress(&self, src: &[u8], dst: &mut [u8]) -> Result<usize>;
     /// Decompresses `src` into exactly `dst.len()` bytes, or fails with `ErrorKind::Io`.
     fn decompress(&self, src: &[u8], dst: &mut [u8]) -> Result<()>;
+    /// Decompresses at least the first `prefix_bytes` of `src`'s output into `dst` (as long as
+    /// the whole output) and returns how many leading bytes of `dst` are valid
+    /// (`prefix_bytes..=dst.len()`), or fails with `ErrorKind::Io`. For a page early in a
+    /// multi-page object, whose reader needs only the run's prefix. A codec that cannot stop
+    /// early (zstd decodes a whole block, and a run is one block) decompresses everything.
+    fn decompress_prefix(&self, src: &[u8], dst: &mut [u8], prefix_bytes: usize) -> Result<usize> {
+        let _ = prefix_bytes;
+        self.decompress(src, dst).map(|()| dst.len())
+    }
 }
 
 /// Parameters set through `algorithm_params` (`level=N`, `dict=PATH`); `None` means the

@@ -363,3 +363,41 @@ fn fill_same_inverts_same_filled_word() {
     fill_same(&mut odd, 0x0102_0304_0506_0708);
     assert_eq!(&odd[8..], &0x0102_0304_0506_0708u64.to_ne_bytes()[..3]);
 }
+
+/// `decompress_prefix` of a 64 KiB run: every codec gives at least the prefix asked for,
+/// identical to the input; lz4 and lz4hc stop early (less than the whole for an early page);
+/// corrupt input is `EIO`, never wrong bytes passed off as valid.
+#[test]
+fn prefix_decompression_of_a_run() {
+    let run: Vec<u8> = (0..16).flat_map(|i| text_page(4096, 100 + i)).collect();
+    for codec in all_codecs() {
+        let mut comp = vec![0u8; compress_bound(run.len())];
+        let len = codec.compress(&run, &mut comp).unwrap();
+        for k in [0usize, 1, 7, 15] {
+            let want = (k + 1) * 4096;
+            let mut out = vec![0u8; run.len()];
+            let valid = codec
+                .decompress_prefix(&comp[..len], &mut out, want)
+                .unwrap();
+            assert!(
+                (want..=run.len()).contains(&valid),
+                "{}: {valid}",
+                codec.name()
+            );
+            assert!(out[..valid] == run[..valid], "{} page {k}", codec.name());
+            if codec.name().starts_with("lz4") && k == 0 {
+                assert!(
+                    valid < run.len() / 2,
+                    "{} did not stop early: {valid}",
+                    codec.name()
+                );
+            }
+        }
+        // Truncated input cannot reach a late prefix.
+        let mut out = vec![0u8; run.len()];
+        let e = codec
+            .decompress_prefix(&comp[..len / 2], &mut out, run.len() - 4096)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Io, "{}", codec.name());
+    }
+}

@@ -132,8 +132,14 @@ pub const ATTRIBUTES: &[Attr] = &[
     Attr::ro("multi_stat", |d| {
         let s = d.stats();
         format!(
-            "{:>8} {:>8} {:>8} {:>8} {:>8}\n",
-            s.multi_objects, s.multi_pages, s.multi_wb_objects, s.multi_wb_pages, s.multi_wb_blocks
+            "{:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
+            s.multi_objects,
+            s.multi_pages,
+            s.multi_wb_objects,
+            s.multi_wb_pages,
+            s.multi_wb_blocks,
+            s.run_cache_hits,
+            s.run_cache_misses
         )
     }),
     Attr::rw(

@@ -81,6 +81,8 @@ pub(crate) const MAX_MULTI_PAGES: usize = 16;
 struct RunCache {
     key: Option<(u64, RunWhere, u64)>,
     run: Vec<u8>,
+    /// Leading bytes of `run` decompressed (a prefix when the codec could stop early).
+    valid_bytes: usize,
     /// The blocks of a written-back object, as read.
     raw: Vec<u8>,
 }
@@ -417,40 +419,53 @@ impl Store {
             frees,
             k,
             out,
-            |run, _| {
+            |run, _, want| {
                 let codec = self.codecs.get(codec)?;
-                self.pool.read(handle, |obj| codec.decompress(obj, run))
+                self.pool
+                    .read(handle, |obj| codec.decompress_prefix(obj, run, want))
             },
         )
     }
 
     /// Copies page `k` of the multi-page object at `at` into `out`: from this thread's
-    /// [`RunCache`] if it holds the object as of `frees` (the `multi_frees` seen under the lock
-    /// of a slot pointing at it), else after `fill` decompressed it into the cache's run
-    /// (`fill` gets the run and a scratch buffer).
+    /// [`RunCache`] if it holds the object, as of `frees` (the `multi_frees` seen under the
+    /// lock of a slot pointing at it), at least up to that page; else after `fill`
+    /// decompressed it into the cache's run (`fill` gets the run, a scratch buffer and the
+    /// bytes wanted, and returns the leading bytes it made valid).
+    ///
+    /// A first read of an object decompresses only up to its page (a codec that can stop
+    /// early: lz4; a random 4 KiB read then decodes half a run on average); a later read of
+    /// the same object past that prefix decompresses it whole, so a sequential pass costs one
+    /// page more than a whole decompression, never a decompression per page.
     fn with_run_cache(
         &self,
         at: RunWhere,
         frees: u64,
         k: usize,
         out: &mut [u8],
-        fill: impl FnOnce(&mut [u8], &mut Vec<u8>) -> Result<()>,
+        fill: impl FnOnce(&mut [u8], &mut Vec<u8>, usize) -> Result<usize>,
     ) -> Result<()> {
         let run_bytes = self.multi_pages * self.page_size_bytes;
+        let page = self.page_size_bytes;
+        let need = (k + 1) * page;
         RUN_CACHE.with(|cache| {
             let mut c = cache.borrow_mut();
             let c = &mut *c;
             let key = Some((self.id, at, frees));
-            if c.key != key {
+            let same = c.key == key;
+            if !same || c.valid_bytes < need {
+                StoreStats::add(&self.stats.run_cache_misses, 1);
+                let want = if same { run_bytes } else { need };
                 c.key = None;
                 if c.run.len() < run_bytes {
                     c.run.resize(run_bytes, 0);
                 }
-                fill(&mut c.run[..run_bytes], &mut c.raw)?;
+                c.valid_bytes = fill(&mut c.run[..run_bytes], &mut c.raw, want)?;
                 c.key = key;
+            } else {
+                StoreStats::add(&self.stats.run_cache_hits, 1);
             }
-            let page = self.page_size_bytes;
-            out.copy_from_slice(&c.run[k * page..(k + 1) * page]);
+            out.copy_from_slice(&c.run[k * page..need]);
             Ok(())
         })
     }
@@ -601,11 +616,18 @@ impl Store {
             let n = self.multi_pages as u64;
             let first = index.0 - index.0 % n;
             let k = (index.0 % n) as usize;
-            return self.with_run_cache(RunWhere::Backing(st.value), frees, k, out, |run, raw| {
-                pin.read_run(first, st, &*codec, run, raw)?;
-                StoreStats::add(&self.stats.bd_reads, 1);
-                Ok(())
-            });
+            return self.with_run_cache(
+                RunWhere::Backing(st.value),
+                frees,
+                k,
+                out,
+                |run, raw, _| {
+                    // Whole: a later read of another page would cost another backing read.
+                    let valid = pin.read_run(first, st, &*codec, run, raw, run.len())?;
+                    StoreStats::add(&self.stats.bd_reads, 1);
+                    Ok(valid)
+                },
+            );
         }
         pin.read_page(index.0, st, &*codec, out, scratch)?;
         StoreStats::add(&self.stats.bd_reads, 1);
@@ -1155,6 +1177,8 @@ impl Store {
             multi_wb_objects: get(&s.multi_wb_objects),
             multi_wb_pages: get(&s.multi_wb_pages),
             multi_wb_blocks: get(&s.multi_wb_blocks),
+            run_cache_hits: get(&s.run_cache_hits),
+            run_cache_misses: get(&s.run_cache_misses),
         }
     }
 

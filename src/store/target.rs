@@ -346,8 +346,9 @@ impl WbPin<'_> {
 
     /// Reads the written-back multi-page object of a MULTI slot of the group starting at slot
     /// `first` (its state, under its lock when the pin was taken, is `st`: the object's size
-    /// and codec) and decompresses it into `out` (the whole run); `scratch` is resized to hold
-    /// its blocks. Verified as [`read_page`](Self::read_page) verifies; `EIO` otherwise.
+    /// and codec) and decompresses at least its first `want_bytes` into `out` (the whole run),
+    /// returning how many leading bytes are valid; `scratch` is resized to hold its blocks.
+    /// Verified as [`read_page`](Self::read_page) verifies; `EIO` otherwise.
     pub(crate) fn read_run(
         &self,
         first: u64,
@@ -355,10 +356,11 @@ impl WbPin<'_> {
         codec: &dyn Codec,
         out: &mut [u8],
         scratch: &mut Vec<u8>,
-    ) -> Result<()> {
+        want_bytes: usize,
+    ) -> Result<usize> {
         let size = st.size_bytes();
         let decompress = |obj: &[u8], out: &mut [u8]| {
-            codec.decompress(obj, out).map_err(|e| {
+            codec.decompress_prefix(obj, out, want_bytes).map_err(|e| {
                 Error::io(format!(
                     "written-back multi-page object of slot {first} does not decompress: {e}"
                 ))
