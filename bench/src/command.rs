@@ -59,6 +59,9 @@ struct RecompressArgs {
     /// Where to write the JSON (default: bench/results/recompress-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 /// Where `bench multipage` looks for its corpus (64 KiB pages), built if missing.
@@ -85,6 +88,9 @@ struct MultipageArgs {
     /// Where to write the JSON (default: bench/results/multipage-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -129,6 +135,9 @@ struct WritebackArgs {
     /// Where to write the JSON (default: bench/results/writeback-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
     /// Measure what the CRC-32C of written-back blocks costs instead: writeback and read-back
     /// with and without it (bitmap, sequential, the largest batch size), same run.
     #[arg(long)]
@@ -175,6 +184,9 @@ struct GcArgs {
     /// Where to write the JSON (default: bench/results/gc-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -198,6 +210,9 @@ struct FreeArgs {
     /// Where to write the JSON (default: bench/results/free-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -236,6 +251,9 @@ struct NbdArgs {
     /// Where to write the JSON (default: bench/results/nbd-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -258,6 +276,9 @@ struct StoreArgs {
     /// Where to write the JSON (default: bench/results/store-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -280,6 +301,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let path = crate::json_path(a.json.as_deref(), "gc");
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
+            plot_if(a.plot.as_deref(), &doc)?;
             Ok(())
         }
         BenchCommand::Store(a) => {
@@ -295,6 +317,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let path = crate::json_path(a.json.as_deref(), "store");
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
+            plot_if(a.plot.as_deref(), &doc)?;
             Ok(())
         }
         BenchCommand::Free(a) => {
@@ -309,6 +332,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let path = crate::json_path(a.json.as_deref(), "free");
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
+            plot_if(a.plot.as_deref(), &doc)?;
             Ok(())
         }
         BenchCommand::Multipage(a) => {
@@ -337,6 +361,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let path = crate::json_path(a.json.as_deref(), "multipage");
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
+            plot_if(a.plot.as_deref(), &doc)?;
             Ok(())
         }
         BenchCommand::Nbd(a) => {
@@ -366,6 +391,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let path = crate::json_path(a.json.as_deref(), "nbd");
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
+            plot_if(a.plot.as_deref(), &doc)?;
             Ok(())
         }
         BenchCommand::Recompress(a) => {
@@ -384,6 +410,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let path = crate::json_path(a.json.as_deref(), "recompress");
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
+            plot_if(a.plot.as_deref(), &doc)?;
             Ok(())
         }
         BenchCommand::Writeback(a) => {
@@ -402,6 +429,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let path = crate::json_path(a.json.as_deref(), "writeback-nbd");
                 crate::write_json(&path, &doc)?;
                 println!("wrote {}", path.display());
+                plot_if(a.plot.as_deref(), &doc)?;
                 return Ok(());
             }
             let layouts = a
@@ -440,9 +468,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let path = crate::json_path(a.json.as_deref(), name);
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
+            plot_if(a.plot.as_deref(), &doc)?;
             Ok(())
         }
     }
+}
+
+/// `--plot FILE`: draws the benchmark's main comparison (see [`crate::plot`]).
+fn plot_if(path: Option<&std::path::Path>, doc: &serde_json::Value) -> anyhow::Result<()> {
+    if let Some(path) = path {
+        crate::plot::plot(doc, path)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
 }
 
 /// Loads the corpus at `path`, building it first (with the default programs) when it is the

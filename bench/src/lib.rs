@@ -13,6 +13,7 @@ pub mod gc;
 pub mod kernel_zram;
 pub mod multipage;
 pub mod nbd;
+pub mod plot;
 pub mod recompress;
 pub mod remote;
 pub mod store;

@@ -2,8 +2,11 @@
 //! (`NAME.ctl` next to the export socket, see `uzram::frontend::control`).
 
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use uzram::frontend::control::{self, ControlClient, Request, WireError};
+use std::time::Duration;
+use uzram::frontend::control::{self, ControlClient, Request, WireError, LONG_OPERATIONS};
 
 #[derive(Debug, Args)]
 pub struct CtlArgs {
@@ -67,6 +70,50 @@ pub fn socket_dir(dir: Option<PathBuf>) -> std::result::Result<PathBuf, (i32, St
     Ok(d)
 }
 
+/// How a long operation's progress lines reach the person who started it: on a terminal
+/// (stderr), an indicatif spinner with the elapsed time and the server's latest line, redrawn
+/// in place and cleared when the operation ends; anywhere else (a pipe, a file, a log) each
+/// line as it comes, `uzram: LINE` on stderr, unchanged for scripts that read it.
+enum Progress {
+    /// Lines on stderr.
+    Lines,
+    /// A spinner on the terminal.
+    Bar(ProgressBar),
+}
+
+/// How often the spinner moves between the server's lines (one a second).
+const SPINNER_TICK: Duration = Duration::from_millis(120);
+
+impl Progress {
+    /// The bar for storing `attr` when stderr is a terminal and `attr` is a long operation.
+    fn for_store(attr: &str) -> Progress {
+        if !LONG_OPERATIONS.contains(&attr) || !std::io::stderr().is_terminal() {
+            return Progress::Lines;
+        }
+        let bar = ProgressBar::new_spinner();
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {elapsed:>4} {wide_msg}")
+                .expect("a valid template"),
+        );
+        bar.set_message(format!("{attr}: waiting for the server"));
+        bar.enable_steady_tick(SPINNER_TICK);
+        Progress::Bar(bar)
+    }
+
+    fn line(&self, text: &str) {
+        match self {
+            Progress::Lines => eprintln!("uzram: {text}"),
+            Progress::Bar(b) => b.set_message(text.to_string()),
+        }
+    }
+
+    fn finish(self) {
+        if let Progress::Bar(b) = self {
+            b.finish_and_clear();
+        }
+    }
+}
+
 /// Runs `uzram ctl`; returns the process's exit status (0, or the errno of the failure).
 pub fn run_ctl(args: CtlArgs) -> i32 {
     let dir = match socket_dir(args.dir) {
@@ -83,17 +130,20 @@ pub fn run_ctl(args: CtlArgs) -> i32 {
             return exit_code(errno);
         }
     };
-    let req = if args.value.is_empty() {
-        Request::Show {
+    let (req, progress) = if args.value.is_empty() {
+        let req = Request::Show {
             attr: args.attr.clone(),
-        }
+        };
+        (req, Progress::Lines)
     } else {
-        Request::Store {
+        let req = Request::Store {
             attr: args.attr.clone(),
             value: args.value.join(" "),
-        }
+        };
+        (req, Progress::for_store(&args.attr))
     };
-    let answer = client.call(&req, &mut |p| eprintln!("uzram: {p}"));
+    let answer = client.call(&req, &mut |p| progress.line(p));
+    progress.finish();
     match answer {
         Ok(Ok(text)) => {
             print!("{text}");

@@ -40,7 +40,14 @@ fn run_bench(
     if let Some(b) = backing {
         cmd.arg("--backing").arg(b);
     }
-    let out = cmd.arg("--json").arg(&json_path).output().unwrap();
+    let png_path = dir.join(format!("{name}.png"));
+    let out = cmd
+        .arg("--json")
+        .arg(&json_path)
+        .arg("--plot")
+        .arg(&png_path)
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -50,7 +57,37 @@ fn run_bench(
     for e in expect {
         assert!(stdout.contains(e), "{e:?} missing from: {stdout}");
     }
+    check_plot(&png_path);
     serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap()
+}
+
+/// `--plot`'s PNG: 1000 pixels wide, white, with bars (uzram's blue) and text (dark pixels
+/// left of the bars, where the labels are: the font was found and drawn).
+fn check_plot(path: &Path) {
+    let decoder = png::Decoder::new(std::fs::File::open(path).unwrap());
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    assert_eq!(info.width, 1000, "{}", path.display());
+    assert_eq!(info.color_type, png::ColorType::Rgb);
+    let px = |x: u32, y: u32| {
+        let i = ((y * info.width + x) * 3) as usize;
+        (buf[i], buf[i + 1], buf[i + 2])
+    };
+    let (mut blue, mut dark_left) = (0, 0);
+    for y in 0..info.height {
+        for x in 0..info.width {
+            let (r, g, b) = px(x, y);
+            if (r, g, b) == (47, 98, 168) {
+                blue += 1;
+            }
+            if x < 200 && r < 100 && g < 100 && b < 100 {
+                dark_left += 1;
+            }
+        }
+    }
+    assert!(blue > 100, "{}: no bars", path.display());
+    assert!(dark_left > 100, "{}: no labels", path.display());
 }
 
 #[test]

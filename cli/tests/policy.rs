@@ -6,13 +6,14 @@
 
 #[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
+mod serve_support;
 
 use nbd_support::{require, run};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use std::io::{BufRead, BufReader};
+use serve_support::{serve_config, Server, BIN};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use uzram::clock::SystemClock;
@@ -20,98 +21,33 @@ use uzram::device::{Device, DeviceConfig};
 use uzram::policy::{DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource};
 use uzram_bench::corpus::Corpus;
 
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
-
-struct Server {
-    child: Child,
-    dir: tempfile::TempDir,
+/// The `policy_stat` line of `policy` as (runs, pages, errors).
+fn stat(s: &Server, policy: &str) -> (u64, u64, u64) {
+    let text = s.show("policy_stat");
+    let line = text
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(policy))
+        .unwrap_or_else(|| panic!("{text}"));
+    let n: Vec<u64> = line
+        .split_whitespace()
+        .skip(2)
+        .take(3)
+        .map(|x| x.parse().unwrap())
+        .collect();
+    (n[0], n[1], n[2])
 }
 
-impl Server {
-    fn ctl(&self, args: &[&str]) -> Output {
-        Command::new(BIN)
-            .arg("ctl")
-            .arg("--dir")
-            .arg(self.dir.path())
-            .args(args)
-            .output()
-            .unwrap()
+/// Waits (at most a minute) until `done`.
+fn wait_for(s: &Server, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within 60 s; policy_stat:\n{}",
+            s.show("policy_stat")
+        );
+        std::thread::sleep(Duration::from_millis(100));
     }
-    fn show(&self, attr: &str) -> String {
-        let o = self.ctl(&[attr]);
-        assert!(o.status.success(), "{o:?}");
-        String::from_utf8(o.stdout).unwrap()
-    }
-    fn uri(&self) -> String {
-        format!(
-            "nbd+unix:///zram0?socket={}",
-            self.dir.path().join("zram0.sock").display()
-        )
-    }
-    /// The `policy_stat` line of `policy` as (runs, pages, errors).
-    fn stat(&self, policy: &str) -> (u64, u64, u64) {
-        let s = self.show("policy_stat");
-        let line = s
-            .lines()
-            .find(|l| l.split_whitespace().next() == Some(policy))
-            .unwrap_or_else(|| panic!("{s}"));
-        let n: Vec<u64> = line
-            .split_whitespace()
-            .skip(2)
-            .take(3)
-            .map(|x| x.parse().unwrap())
-            .collect();
-        (n[0], n[1], n[2])
-    }
-    fn wait_for(&self, what: &str, mut done: impl FnMut() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !done() {
-            assert!(
-                Instant::now() < deadline,
-                "{what}: not within 60 s; policy_stat:\n{}",
-                self.show("policy_stat")
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve_config(toml: &str) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display().to_string();
-    let cfg = dir.path().join("uzram.toml");
-    std::fs::write(&cfg, toml.replace("{dir}", &d)).unwrap();
-    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
-    let mut child = Command::new(BIN)
-        .arg("serve")
-        .arg("--config")
-        .arg(&cfg)
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let mut out = String::new();
-    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-        let line = line.unwrap();
-        out.push_str(&line);
-        out.push('\n');
-        if line.starts_with("serving") {
-            return Server { child, dir };
-        }
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    panic!(
-        "uzram serve did not start: {out}{}",
-        std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default()
-    );
 }
 
 /// A file of real pages: this test binary's own file (code and data compress as a program's
@@ -160,15 +96,15 @@ policy = {{ period_s = 1, idle_age_s = 1, writeback_age_s = 3 }}
         .args(["convert", "-n", "-f", "raw", "-O", "raw"])
         .arg(&pages)
         .arg(s.uri()));
-    s.wait_for("idle aging", || s.stat("idle").1 > 0);
-    s.wait_for("writeback", || s.stat("writeback").1 >= 512);
+    wait_for(&s, "idle aging", || stat(&s, "idle").1 > 0);
+    wait_for(&s, "writeback", || stat(&s, "writeback").1 >= 512);
     let bd: Vec<u64> = s
         .show("bd_stat")
         .split_whitespace()
         .map(|x| x.parse().unwrap())
         .collect();
     assert_eq!(bd[0], 512, "every page on the backing file");
-    assert_eq!(s.stat("writeback").2, 0, "no errors");
+    assert_eq!(stat(&s, "writeback").2, 0, "no errors");
     // Read back (from the backing file) through the client: identical.
     let compare = || {
         run(Command::new("qemu-img")
@@ -204,7 +140,7 @@ policy = {{ period_s = 1, idle_age_s = 1, writeback_age_s = 3 }}
         discard.args(["-c", &format!("discard {} 4k", i * 4096)]);
     }
     run(discard.arg(s.uri()));
-    s.wait_for("compaction", || s.stat("compact").1 > 0);
+    wait_for(&s, "compaction", || stat(&s, "compact").1 > 0);
     let mm: Vec<u64> = s
         .show("mm_stat")
         .split_whitespace()
