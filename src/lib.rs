@@ -28,6 +28,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod frontend;
+pub mod memory;
 pub mod policy;
 pub mod slot;
 pub mod store;

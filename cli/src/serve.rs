@@ -485,6 +485,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
     }
     if let Some(report) = &swap {
+        // Everything allocated at start is: what the heap has free from here on is faulted
+        // in for the request paths.
+        uzram::frontend::swap::fault_in_heap_reserve();
         for line in report {
             eprintln!("uzram: --swap: {line}");
         }

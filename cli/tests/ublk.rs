@@ -9,6 +9,7 @@
 mod vm_support;
 
 use std::io::{BufRead, BufReader, Read};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -259,6 +260,313 @@ fn stop(mut s: Server) {
     assert!(st.success(), "{st}: {err}");
     assert!(err.contains(&format!("removed {}", dev.display())), "{err}");
     assert!(!dev.exists(), "{} still exists", dev.display());
+}
+
+fn vmstat(name: &str) -> u64 {
+    let v = std::fs::read_to_string("/proc/vmstat").unwrap();
+    v.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /proc/vmstat"))
+}
+
+fn mem_total_bytes() -> u64 {
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kib << 10
+}
+
+const PAGE: usize = 4096;
+
+/// Page `i` of the hog, version `v`: half same-filled, three eighths compressible text, one
+/// eighth random, each stamped with its index and version (a misplaced or stale page shows).
+fn hog_page(i: usize, v: u64, out: &mut [u8]) {
+    let mut x =
+        (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    match i % 8 {
+        0..=3 => {
+            let w = x | 1;
+            for c in out.chunks_mut(8) {
+                c.copy_from_slice(&w.to_le_bytes());
+            }
+        }
+        4..=6 => {
+            // Text lines of 32 bytes naming the page, its version and the line (cheap to make:
+            // the hog writes hundreds of MiB of these under emulation).
+            let mut line = *b"swap page 000000000 v0 line 00\n.";
+            let digits = format!("{i:09}");
+            line[10..19].copy_from_slice(digits.as_bytes());
+            line[21] = b'0' + (v % 10) as u8;
+            for (k, c) in out.chunks_mut(32).enumerate() {
+                line[28] = b'0' + (k / 10 % 10) as u8;
+                line[29] = b'0' + (k % 10) as u8;
+                c.copy_from_slice(&line);
+            }
+        }
+        _ => {
+            for c in out.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                c.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// An anonymous mapping of `pages` pages, unmapped when dropped.
+struct Hog {
+    ptr: *mut u8,
+    pages: usize,
+}
+
+impl Hog {
+    fn new(pages: usize) -> Hog {
+        // SAFETY: a fresh private anonymous mapping; no address hint, no file.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+        Hog {
+            ptr: ptr.cast(),
+            pages,
+        }
+    }
+
+    fn page(&mut self, i: usize) -> &mut [u8] {
+        assert!(i < self.pages);
+        // SAFETY: page i lies inside the mapping, which lives as long as `self`, and the
+        // returned slice borrows `self` mutably, so no other slice of it exists meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * PAGE), PAGE) }
+    }
+
+    fn fill(&mut self, v: u64) {
+        let t = Instant::now();
+        for i in 0..self.pages {
+            hog_page(i, v, self.page(i));
+            if i % (32 << 20 >> 12) == 0 {
+                eprintln!(
+                    "hog: filling v{v}: {} MiB at {:.1} s, pswpout {}",
+                    i >> 8,
+                    t.elapsed().as_secs_f64(),
+                    vmstat("pswpout")
+                );
+            }
+        }
+    }
+
+    /// Every page as [`hog_page`] made it; the number of bad pages.
+    fn bad_pages(&mut self, v: u64) -> usize {
+        let mut want = vec![0u8; PAGE];
+        let mut bad = 0;
+        for i in 0..self.pages {
+            hog_page(i, v, &mut want);
+            if self.page(i) != &want[..] {
+                bad += 1;
+            }
+        }
+        bad
+    }
+
+    /// Asks the kernel to swap the whole mapping out now (MADV_PAGEOUT, Linux 5.4).
+    fn page_out(&mut self) {
+        // SAFETY: the range is exactly the mapping.
+        let rc = unsafe { libc::madvise(self.ptr.cast(), self.pages * PAGE, libc::MADV_PAGEOUT) };
+        assert_eq!(rc, 0, "MADV_PAGEOUT: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, not used after this.
+        unsafe { libc::munmap(self.ptr.cast(), self.pages * PAGE) };
+    }
+}
+
+/// Not a test of its own: the watch of [`swap_hog`]. Run as a separate process (this binary,
+/// filtered to this name, `UZRAM_SYSRQ_HELPER` set), it locks all its memory, then every 20 s
+/// copies `/proc/meminfo`'s first lines and `/proc/vmstat`'s swap counters to its standard
+/// error, asks the kernel for the blocked tasks (sysrq `w`) and every CPU's backtrace (`l`),
+/// and copies the kernel log (`/dev/kmsg`) there too: so a stalled swap shows where it waits.
+/// Under memory pressure a thread of the hog could not: a new process, a string or a page of
+/// its own may all wait for the memory that the stall holds; this loop allocates nothing
+/// after its start (fixed buffers, files opened once).
+#[test]
+fn sysrq_helper() {
+    use std::io::{Read, Seek, Write};
+    if std::env::var_os("UZRAM_SYSRQ_HELPER").is_none() {
+        return;
+    }
+    // SAFETY: mlockall takes flags only.
+    let rc = unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) };
+    assert_eq!(rc, 0, "mlockall: {}", std::io::Error::last_os_error());
+    let open = |p: &str| std::fs::File::open(p).unwrap();
+    let mut trigger = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/sysrq-trigger")
+        .unwrap();
+    let mut meminfo = open("/proc/meminfo");
+    let mut vmstat = open("/proc/vmstat");
+    let mut kmsg = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/dev/kmsg")
+        .unwrap();
+    let _ = kmsg.seek(std::io::SeekFrom::End(0));
+    let mut err = std::io::stderr().lock();
+    let mut buf = vec![0u8; 64 << 10];
+    let _ = err.write_all(b"watch: started\n");
+    loop {
+        std::thread::sleep(Duration::from_secs(20));
+        for f in [&mut meminfo, &mut vmstat] {
+            let _ = f.seek(std::io::SeekFrom::Start(0));
+            let n = f.read(&mut buf).unwrap_or(0);
+            for line in buf[..n].split(|&b| b == b'\n') {
+                for key in [
+                    &b"MemFree"[..],
+                    b"MemAvail",
+                    b"Mlocked",
+                    b"SwapFree",
+                    b"AnonPages",
+                    b"pswp",
+                ] {
+                    if line.starts_with(key) {
+                        let _ = err.write_all(line);
+                        let _ = err.write_all(b"\n");
+                    }
+                }
+            }
+        }
+        let _ = trigger.write_all(b"w");
+        let _ = trigger.write_all(b"l");
+        // Each read is one record: "level,seq,time,flags;text\n".
+        let mut lines = 0;
+        while let Ok(n) = kmsg.read(&mut buf) {
+            if n == 0 || lines > 400 {
+                break;
+            }
+            lines += 1;
+            let text = buf[..n]
+                .splitn(2, |&b| b == b';')
+                .nth(1)
+                .unwrap_or(&buf[..n]);
+            let _ = err.write_all(text);
+        }
+    }
+}
+
+/// Starts [`sysrq_helper`]; the kernel console shows every message from here on.
+fn start_sysrq_helper() -> Child {
+    std::fs::write("/proc/sys/kernel/printk", "7").unwrap();
+    std::fs::write("/proc/sys/kernel/sysrq", "1").unwrap();
+    let _ = std::fs::write("/proc/sys/kernel/hung_task_timeout_secs", "30");
+    Command::new(std::env::current_exe().unwrap())
+        .args(["sysrq_helper", "--exact", "--nocapture"])
+        .env("UZRAM_SYSRQ_HELPER", "1")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Swap on `dev`: `mkswap`, `swapon`, then a memory hog 1.5 times the guest's RAM of
+/// same-filled, compressible and random pages, pushed out by pressure and `MADV_PAGEOUT`,
+/// every page verified, twice with different contents; swap really used (pswpout, pswpin);
+/// `swapoff`. [`sysrq_helper`] watches meanwhile.
+fn swap_hog(dev: &Path) {
+    let ram = mem_total_bytes();
+    run(Command::new("mkswap").arg(dev));
+    // -d (--discard): freed swap slots are discarded, so the device drops their pages.
+    run(Command::new("swapon").arg("-d").arg(dev));
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    assert!(swaps.contains(dev.to_str().unwrap()), "{swaps}");
+    eprintln!("swap on {}", dev.display());
+    let (out0, in0) = (vmstat("pswpout"), vmstat("pswpin"));
+    let mut helper = start_sysrq_helper();
+    let pages = (ram * 21 / 20) as usize / PAGE;
+    let mut hog = Hog::new(pages);
+    for v in 1..=2 {
+        let t = Instant::now();
+        hog.fill(v);
+        hog.page_out();
+        let bad = hog.bad_pages(v);
+        println!(
+            "swap on {} round {v}: {pages} pages ({} MiB, RAM {} MiB), {:.1} s, pswpout {} \
+             pswpin {}",
+            dev.display(),
+            (pages * PAGE) >> 20,
+            ram >> 20,
+            t.elapsed().as_secs_f64(),
+            vmstat("pswpout") - out0,
+            vmstat("pswpin") - in0
+        );
+        assert_eq!(bad, 0, "{bad} bad pages in round {v} on {}", dev.display());
+    }
+    let _ = helper.kill();
+    let _ = helper.wait();
+    let (out, inn) = (vmstat("pswpout") - out0, vmstat("pswpin") - in0);
+    assert!(out as usize > pages / 2, "pswpout {out} for {pages} pages");
+    assert!(inn > 0, "pswpin {inn}");
+    drop(hog);
+    run(Command::new("swapoff").arg(dev));
+}
+
+/// Swap on /dev/ublkb0 (`serve --swap`, docs/ublk.md "Swap on ublk"): [`swap_hog`], and reset
+/// is EBUSY while swapped on. With `UZRAM_SWAP_CONTROL` set, the same hog runs first on the
+/// guest's own kernel zram (lz4, same size): the control used to tell the hog's faults from
+/// uzram's (not in CI: it doubles the run).
+#[test]
+fn ublk_swap_in_vm() {
+    let mut args = vm_args(512);
+    // Two rounds of a hog larger than RAM under emulation: about 3 minutes each.
+    args.extend(["--timeout-s".to_string(), "1200".to_string()]);
+    if !vm_support::in_vm_or_boot("ublk_swap_in_vm", &args) {
+        return;
+    }
+    if std::env::var_os("UZRAM_SWAP_CONTROL").is_some() {
+        std::fs::write("/sys/block/zram0/comp_algorithm", "lz4").unwrap();
+        std::fs::write("/sys/block/zram0/disksize", "1G").unwrap();
+        swap_hog(Path::new("/dev/zram0"));
+        println!(
+            "kernel zram mm_stat: {}",
+            std::fs::read_to_string("/sys/block/zram0/mm_stat").unwrap()
+        );
+        std::fs::write("/sys/block/zram0/reset", "1").unwrap();
+    }
+    let s = serve(&["--disksize", "1G", "--swap"]);
+    let dev = s.block_dev.clone();
+    let dir = s.dir.path().to_path_buf();
+    run(Command::new("mkswap").arg(&dev));
+    run(Command::new("swapon").arg(&dev));
+    // While swapped on, reset is EBUSY.
+    let reset = Command::new(UZRAM)
+        .args(["ctl", "--dir"])
+        .arg(&dir)
+        .args(["reset", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(reset.status.code(), Some(libc::EBUSY));
+    run(Command::new("swapoff").arg(&dev));
+    swap_hog(&dev);
+    let mm = run(Command::new(UZRAM)
+        .args(["ctl", "--dir"])
+        .arg(&dir)
+        .arg("mm_stat"));
+    println!("uzram mm_stat after the hog: {mm}");
+    stop(s);
 }
 
 /// fio's verifying writers at depth 32 on the device, then a server killed with I/O in

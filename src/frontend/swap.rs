@@ -18,13 +18,18 @@
 //!
 //!    Memory given back must still leave the process, and `MADV_DONTNEED` refuses locked
 //!    pages (`EINVAL`). zsmalloc drops freed zspages with `MADV_DONTNEED_LOCKED` (see
-//!    `zsmalloc::page_alloc`, "Locked memory"). glibc's malloc trims its per-thread arenas
-//!    with `MADV_DONTNEED` and ignores the error, so what an arena once held stays resident:
-//!    its mmap threshold is fixed at [`MMAP_THRESHOLD_BYTES`] (`mallopt(M_MMAP_THRESHOLD)`),
-//!    so every block from 128 KiB up (request and read buffers, the connection's read buffer)
-//!    is a mapping of its own, unmapped when freed; only smaller blocks live in arenas. Left
-//!    alone, glibc raises the threshold to the size of each mapped block freed (up to 32 MiB),
-//!    moving exactly those buffers into the arenas.
+//!    `zsmalloc::page_alloc`, "Locked memory"). malloc (glibc) is set up so that the heap
+//!    never needs a fresh page on a request path while a reserve lasts, and still shrinks
+//!    ([`tune_malloc`]): one arena (`M_ARENA_MAX` 1: every thread allocates from the main
+//!    heap), blocks up to 32 MiB from that heap rather than mappings of their own
+//!    (`M_MMAP_THRESHOLD`: a 128 KiB block mapped on its own is a `mmap`, waiting for the
+//!    process's mmap lock, and fresh pages, faulted in on first touch), and a top pad of
+//!    [`HEAP_RESERVE_BYTES`] (`M_TOP_PAD`) kept when the heap is trimmed, faulted in (hence
+//!    locked) at start: the zsmalloc bookkeeping that grows with the pages stored (handle
+//!    table segments, zspage lists, doubling vectors) comes from there. Seen in the VM before
+//!    this: a queue thread faulting in the header of a freshly mapped 132 KiB block (a handle
+//!    table segment) waited in reclaim forever. Freed blocks at the top of the heap beyond the
+//!    pad go back to the kernel (`brk`), as before.
 //! 2. `prctl(PR_SET_IO_FLUSHER)` (Linux 5.6, needs `CAP_SYS_RESOURCE`): the kernel treats the
 //!    process as part of the I/O path (as it does loop and nbd's own threads): its allocations
 //!    never start I/O to reclaim memory (`PF_MEMALLOC_NOIO`) and it is not throttled for
@@ -34,6 +39,14 @@
 //!    locked, inside its request memory budget:
 //!    [`ServerConfig::for_swap`](super::nbd::ServerConfig::for_swap)) and recycles them, so the
 //!    request path of a swap client takes no fresh memory from the kernel in the steady state.
+//!
+//! 4. The devices' memory is faulted in when they are created, not on a write under pressure
+//!    (`crate::memory`): the slot table whole, and a reserve of [`SWAP_RESERVE_BYTES`] of
+//!    zsmalloc frames that new zspages take when no freed frame is at hand, refilled by a
+//!    thread of each pool off the request path. Without it a VM running a memory hog over swap
+//!    on `/dev/ublkb0` deadlocked at the first swap-out: both queue threads looped in direct
+//!    reclaim faulting in a new zspage (`madvise(MADV_POPULATE_WRITE)` → `try_to_free_pages`),
+//!    which as I/O flushers they could only satisfy from the swap-outs they were serving.
 //!
 //! Thread stacks keep their default size (2 MiB of address space): locked on fault, a stack
 //! costs the pages its thread has touched (8–12 KiB measured for a connection's threads under
@@ -75,11 +88,13 @@ fn memlock_limit_bytes() -> Option<u64> {
     Some(lim.rlim_cur)
 }
 
-/// The mmap threshold under locked memory: glibc's own initial value (`DEFAULT_MMAP_THRESHOLD_MIN`,
-/// 128 KiB), fixed. Smaller would turn the 4–64 KiB request buffers of swap traffic (recycled
-/// by each connection's pool, so allocated rarely) into a system call pair each and a mapping
-/// each; larger would put the 128 KiB buffers of typical swap requests back in the arenas.
-pub const MMAP_THRESHOLD_BYTES: usize = 128 << 10;
+/// Heap kept faulted in for the request paths of a server backing swap (step 1 of the module
+/// docs): 16 MiB. The bookkeeping of a 1 GiB device filled with swapped pages (the VM test's)
+/// grew `meta_stat` by less than that; doubling vectors need their old and new block at once.
+pub const HEAP_RESERVE_BYTES: usize = 16 << 20;
+
+/// glibc's largest mmap threshold on 64-bit (`DEFAULT_MMAP_THRESHOLD_MAX`): 32 MiB.
+const MMAP_THRESHOLD_MAX_BYTES: usize = 32 << 20;
 
 /// `mlockall(flags)`, as an `io::Result`.
 fn mlockall(flags: libc::c_int) -> std::io::Result<()> {
@@ -92,38 +107,53 @@ fn mlockall(flags: libc::c_int) -> std::io::Result<()> {
 }
 
 /// Step 1 of the module docs: what is mapped now whole, what is mapped later as it is touched,
-/// and malloc's large blocks mapped on their own. Returns the log lines.
+/// and malloc's heap. Returns the log lines.
 fn lock_memory() -> Vec<String> {
     let (future_locked, line) = lock_mappings();
     let mut report = vec![line];
     if future_locked {
-        report.push(fix_mmap_threshold());
+        report.push(tune_malloc());
     }
     report
 }
 
-/// `mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)` (see the module docs). Returns the log line.
+/// malloc as step 1 of the module docs says, and its reserve faulted in. Returns the log line.
 #[cfg(target_env = "gnu")]
-fn fix_mmap_threshold() -> String {
-    // SAFETY: mallopt takes integers only; called before any thread exists (it is thread-safe
-    // anyway: it takes the main arena's lock).
-    let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES as libc::c_int) };
-    if ok == 1 {
-        format!(
-            "malloc maps blocks of {} KiB and more on their own (M_MMAP_THRESHOLD), so freed \
-             buffers leave the locked process",
-            MMAP_THRESHOLD_BYTES >> 10
-        )
-    } else {
-        "malloc's mmap threshold NOT fixed (mallopt refused): freed buffers may stay resident"
-            .into()
+fn tune_malloc() -> String {
+    let set = |param, value: usize| {
+        // SAFETY: mallopt takes integers only; called before any thread exists (it is
+        // thread-safe anyway: it takes the main arena's lock).
+        unsafe { libc::mallopt(param, value as libc::c_int) == 1 }
+    };
+    let ok = set(libc::M_ARENA_MAX, 1)
+        && set(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX_BYTES)
+        && set(libc::M_TOP_PAD, HEAP_RESERVE_BYTES);
+    if !ok {
+        return "malloc NOT tuned (mallopt refused): the heap may need fresh pages under memory \
+                pressure"
+            .into();
     }
+    format!(
+        "malloc: one arena, blocks up to {} MiB from the heap, {} MiB of it kept faulted in \
+         once the server has started",
+        MMAP_THRESHOLD_MAX_BYTES >> 20,
+        HEAP_RESERVE_BYTES >> 20
+    )
 }
 
-/// Other C libraries: nothing to fix that we know of; said in the log.
+/// Faults in the heap's reserve ([`HEAP_RESERVE_BYTES`], step 1 of the module docs): call once
+/// everything the server allocates at start is allocated (the ublk queues' and NBD's request
+/// buffers would take it otherwise), in swap mode only. Freed, the block stays faulted in (and
+/// locked) as the heap's top pad.
+pub fn fault_in_heap_reserve() {
+    let warm = vec![1u8; HEAP_RESERVE_BYTES];
+    drop(std::hint::black_box(warm));
+}
+
+/// Other C libraries: nothing to tune that we know of; said in the log.
 #[cfg(not(target_env = "gnu"))]
-fn fix_mmap_threshold() -> String {
-    "not glibc: malloc's mmap threshold left as it is".into()
+fn tune_malloc() -> String {
+    "not glibc: malloc left as it is; the heap may need fresh pages under memory pressure".into()
 }
 
 /// `mlockall` as step 1 of the module docs says. Returns whether later mappings are locked,
@@ -173,6 +203,14 @@ fn lock_mappings() -> (bool, String) {
     }
 }
 
+/// The swap reserve of each device's pool (see step 4 of the module docs): 16 MiB, 4096
+/// pages. A swap-out of a page takes at most one page of it (an incompressible page is stored
+/// whole) and every page written out frees one, so the reserve needs to cover the writes
+/// between a burst's start and the refill thread's catching up: the kernel keeps at most
+/// `queues × 128` writes in flight on a ublk device (256 on two CPUs, 1 MiB), so 16 MiB is
+/// a dozen such waves.
+pub const SWAP_RESERVE_BYTES: usize = 64 << 20;
+
 /// Locks memory and marks the process an I/O flusher where permitted. Call before any thread
 /// is created. Returns one line per step saying what was done or why not, for the log.
 pub fn prepare() -> Vec<String> {
@@ -204,8 +242,14 @@ pub fn prepare() -> Vec<String> {
     }
     report.push(format!(
         "request buffers preallocated ({} MiB, server-wide, inside the request memory budget) \
-         and recycled; the device's compressed pages are still allocated on writes, as in zram",
+         and recycled",
         super::limits::SWAP_PREALLOCATED_BYTES >> 20
+    ));
+    crate::memory::set_swap_reserve_bytes(SWAP_RESERVE_BYTES);
+    report.push(format!(
+        "each device's slot table faulted in at start, and a reserve of {} MiB of zsmalloc \
+         frames kept faulted in for writes under memory pressure",
+        SWAP_RESERVE_BYTES >> 20
     ));
     report
 }

@@ -19,7 +19,8 @@
 //!   Readers that need a consistent view take the lock; the idle scan reads `meta`/`ac_time`
 //!   without it only to choose candidates, and re-checks under the lock.
 //! - The table is one anonymous `MAP_NORESERVE` mapping: pages of it are committed only when a
-//!   slot on them is first written, so a 100 GiB device costs nothing until used.
+//!   slot on them is first written, so a 100 GiB device costs nothing until used; except in a
+//!   server backing swap (`crate::memory`), which faults the whole table in when it is made.
 
 pub mod entry;
 pub mod lock;
@@ -77,6 +78,22 @@ impl SlotTable {
         }
         let base = NonNull::new(ptr.cast::<SlotEntry>())
             .ok_or_else(|| Error::no_memory("mmap returned null"))?;
+        if crate::memory::serving_swap() {
+            // Serving swap: the whole table now (as the kernel's zram allocates its table at
+            // `disksize`), so no write under memory pressure faults a page of it in.
+            // SAFETY: the range is exactly the fresh mapping; populating writes nothing visible
+            // (the pages stay zero).
+            let rc = unsafe {
+                libc::madvise(ptr, bytes, 23 /* MADV_POPULATE_WRITE */)
+            };
+            if rc != 0 {
+                // Kernels before 5.14: touch a word of every page (zero over zero).
+                for off in (0..bytes).step_by(4096) {
+                    // SAFETY: `off < bytes`, inside the mapping, which nobody else uses yet.
+                    unsafe { ptr.cast::<u8>().add(off).write_volatile(0) };
+                }
+            }
+        }
         Ok(SlotTable {
             base,
             len: len_usize,

@@ -640,7 +640,8 @@ impl PoolCore {
         PoolMeta {
             handle_table_bytes: self.handles.allocated_bytes() as u64,
             zspage_meta_bytes: zspage_meta_bytes as u64,
-            frame_cache_bytes: (self.frames.cached_pages() * POOL_PAGE_BYTES) as u64,
+            frame_cache_bytes: ((self.frames.cached_pages() + self.frames.reserve_pages())
+                * POOL_PAGE_BYTES) as u64,
             deferred_queue_bytes: self.deferred.max_heap_bytes() as u64,
         }
     }
@@ -673,6 +674,9 @@ pub struct ZsPool {
     core: Arc<PoolCore>,
     /// The deferred-free worker, once started. Locked only to start it and to stop it.
     worker: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The swap reserve's refill thread, when the process serves swap
+    /// ([`crate::memory::serving_swap`]; `page_alloc`, "The swap reserve").
+    refill: Option<std::thread::JoinHandle<()>>,
 }
 
 impl fmt::Debug for ZsPool {
@@ -695,7 +699,39 @@ impl ZsPool {
         page_size_bytes: usize,
         capacity: Option<usize>,
     ) -> Result<ZsPool> {
-        Ok(ZsPool::with_core(PoolCore::new(page_size_bytes, capacity)?))
+        let mut pool = ZsPool::with_core(PoolCore::new(page_size_bytes, capacity)?);
+        let reserve_bytes = crate::memory::swap_reserve_bytes();
+        if reserve_bytes > 0 {
+            pool.start_reserve(reserve_bytes)?;
+        }
+        Ok(pool)
+    }
+
+    /// Faults in a swap reserve of `bytes` of frames (spread over the classes' zspage page
+    /// counts) and starts the thread that refills it (`page_alloc`, "The swap reserve").
+    fn start_reserve(&mut self, bytes: usize) -> Result<()> {
+        let counts: Vec<usize> = self
+            .core
+            .table
+            .classes()
+            .iter()
+            .map(|c| c.pages_per_zspage)
+            .collect();
+        self.core
+            .frames
+            .set_reserve(bytes / POOL_PAGE_BYTES, &counts)?;
+        let core = Arc::clone(&self.core);
+        let thread = std::thread::Builder::new()
+            .name("uzram-zs-reserve".into())
+            .spawn(move || core.frames.refill())
+            .map_err(|e| Error::no_memory(format!("zsmalloc: starting the reserve thread: {e}")))?;
+        self.refill = Some(thread);
+        Ok(())
+    }
+
+    /// Pages the swap reserve holds faulted in now.
+    pub fn reserve_pages(&self) -> usize {
+        self.core.frames.reserve_pages()
     }
 
     /// Benchmark baseline (`testing`): a pool whose `free` returns an emptied zspage's pages
@@ -712,6 +748,7 @@ impl ZsPool {
         ZsPool {
             core: Arc::new(core),
             worker: parking_lot::Mutex::new(None),
+            refill: None,
         }
     }
 
@@ -768,6 +805,10 @@ impl std::ops::Deref for ZsPool {
 impl Drop for ZsPool {
     /// Stops the worker (waiting for the batch it is freeing), then frees what is still queued.
     fn drop(&mut self) {
+        if let Some(refill) = self.refill.take() {
+            self.core.frames.stop_refill();
+            let _ = refill.join();
+        }
         self.core.deferred.stop();
         if let Some(worker) = self.worker.get_mut().take() {
             if let Err(panic) = worker.join() {
@@ -792,7 +833,8 @@ pub struct PoolMeta {
     /// object slot), fullness lists, free ids and handle indices (the kernel: its `zspage`
     /// slab).
     pub zspage_meta_bytes: u64,
-    /// Frames of freed zspages kept resident for reuse (at most 2 MiB; emptied by compaction).
+    /// Frames of freed zspages kept resident for reuse (at most 2 MiB; emptied by compaction),
+    /// and, when serving swap, the swap reserve (`crate::memory`).
     pub frame_cache_bytes: u64,
     /// The deferred-free queue's two buffers when full (8 bytes per entry; at most this much,
     /// touched only as far as the queue has ever filled).

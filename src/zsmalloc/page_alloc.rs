@@ -23,6 +23,22 @@
 //! the resident set (the next touch faults in a zero page) and puts the frame on the free list.
 //! Chunks are unmapped only when the allocator drops.
 //!
+//! # The swap reserve
+//!
+//! A server backing swap (`uzram serve --swap`) stores the pages the kernel writes out to free
+//! memory, so it must not wait for memory itself: its page faults would enter direct reclaim,
+//! which (the server being an I/O flusher, `PF_MEMALLOC_NOIO`) cannot swap anything out, and
+//! wait for the very writes it is serving (seen in a VM: both queue threads looping in
+//! `try_to_free_pages` under `madvise(MADV_POPULATE_WRITE)` of a new zspage, kswapd and the
+//! memory hog waiting in `mempool_alloc` for swap bios that never completed). So such a pool
+//! keeps a *reserve*: frames whose pages are already faulted in (and locked), by page count,
+//! [`FrameAllocator::set_reserve`] pages in all. A new zspage takes a reserve frame of its page
+//! count (or a larger one, whose extra pages are dropped: that needs no memory) when the frame
+//! cache has none, so a write never faults while the reserve lasts. What was taken is
+//! replaced by the pool's refill thread ([`FrameAllocator::refill`], off the request path: it
+//! may wait in reclaim, which makes progress once the writes it waits for complete), frames of
+//! the page counts taken, so the reserve follows the demand.
+//!
 //! # Locked memory
 //!
 //! A server backing swap locks its memory (`uzram serve --swap`: `mlockall(MCL_FUTURE |
@@ -165,6 +181,15 @@ struct FrameState {
     cached_pages: usize,
     /// Frames carved from the last chunk so far.
     carved_in_last: usize,
+    /// The swap reserve (module docs): frames whose first `k` pages are resident, in
+    /// `reserve[k]`.
+    reserve: Vec<Vec<Frame>>,
+    /// Sum of the resident pages of the frames in `reserve`.
+    reserve_pages: usize,
+    /// Frames taken from the reserve and not yet replaced, by the page count asked for.
+    reserve_deficit: Vec<usize>,
+    /// Set when the pool drops: the refill thread ends.
+    refill_stopped: bool,
 }
 
 /// Hands out frames of `frame_pages` pages (at least `MAX_PAGES_PER_ZSPAGE`); see the module
@@ -188,6 +213,9 @@ pub(crate) struct FrameAllocator {
     dropping: AtomicU8,
     /// Most pages the frame cache keeps resident ([`FRAME_CACHE_BYTES`] worth).
     cache_limit_pages: usize,
+    /// Wakes the refill thread when a reserve frame was taken or the pool drops (waits on
+    /// `state`).
+    refill_wanted: parking_lot::Condvar,
 }
 
 /// Resident memory the frame cache may hold: 2 MiB (512 pages of 4 KiB, 128 of 16 KiB, 32 of
@@ -268,10 +296,15 @@ impl FrameAllocator {
                 cached: (0..=frame_pages).map(|_| Vec::new()).collect(),
                 cached_pages: 0,
                 carved_in_last: 0,
+                reserve: (0..=frame_pages).map(|_| Vec::new()).collect(),
+                reserve_pages: 0,
+                reserve_deficit: vec![0; frame_pages + 1],
+                refill_stopped: false,
             }),
             populate: AtomicBool::new(true),
             dropping: AtomicU8::new(Dropping::DontneedLocked as u8),
             cache_limit_pages: cache_bytes / page_size_bytes,
+            refill_wanted: parking_lot::Condvar::new(),
         }
     }
 
@@ -367,9 +400,32 @@ impl FrameAllocator {
                 st.cached_pages -= pages;
                 return Ok(frame);
             }
+            // The swap reserve: a frame of this page count, else the smallest larger one.
+            if let Some(have) = (pages..=self.frame_pages).find(|&k| !st.reserve[k].is_empty()) {
+                let frame = st.reserve[have].pop().expect("found non-empty");
+                st.reserve_pages -= have;
+                st.reserve_deficit[pages] += 1;
+                drop(st);
+                self.refill_wanted.notify_one();
+                if have > pages {
+                    // Pages the zspage will not use go back to the kernel (no memory needed).
+                    self.drop_pages(&frame, pages, have);
+                }
+                return Ok(frame);
+            }
         }
         let frame = self.alloc()?;
-        if self.populate.load(Ordering::Relaxed) {
+        self.populate(&frame, pages);
+        Ok(frame)
+    }
+
+    /// Faults the first `pages` pages of `frame` in (see [`alloc_populated`]).
+    fn populate(&self, frame: &Frame, pages: usize) {
+        // Serving swap, pages are touched one by one instead: a page fault holds only the
+        // mapping's own lock while it waits for memory, where MADV_POPULATE_WRITE holds the
+        // process's mmap lock, which a request thread's mmap then waits for (seen in the VM:
+        // the refill thread reclaiming inside madvise, a queue thread blocked in mmap).
+        if self.populate.load(Ordering::Relaxed) && !crate::memory::serving_swap() {
             let len_bytes = (pages * self.page_size_bytes)
                 .next_multiple_of(self.sys_page_bytes)
                 .min(frame.len_bytes);
@@ -386,7 +442,110 @@ impl FrameAllocator {
                 self.populate.store(false, Ordering::Relaxed);
             }
         }
-        Ok(frame)
+        if !self.populate.load(Ordering::Relaxed) || crate::memory::serving_swap() {
+            // No MADV_POPULATE_WRITE, or serving swap: touch each page (a zero written to zeroed memory; the
+            // frame is ours alone, so nobody reads these bytes meanwhile).
+            let len_bytes = (pages * self.page_size_bytes).min(frame.len_bytes);
+            for off in (0..len_bytes).step_by(self.sys_page_bytes) {
+                // SAFETY: `off < len_bytes <= frame.len_bytes`: inside the frame, which we own.
+                unsafe { frame.base.as_ptr().add(off).write_volatile(0) };
+            }
+        }
+    }
+
+    /// Drops pages `[from, to)` of `frame` (whose token we hold) from the resident set.
+    fn drop_pages(&self, frame: &Frame, from: usize, to: usize) {
+        let start = (from * self.page_size_bytes).next_multiple_of(self.sys_page_bytes);
+        let end = (to * self.page_size_bytes)
+            .next_multiple_of(self.sys_page_bytes)
+            .min(frame.len_bytes);
+        if start >= end {
+            return;
+        }
+        let advice = match self.dropping() {
+            Dropping::DontneedLocked => MADV_DONTNEED_LOCKED,
+            // Older kernels: a locked range refuses MADV_DONTNEED; then the pages stay (the
+            // frame's next release drops them as `discard` does).
+            _ => libc::MADV_DONTNEED,
+        };
+        // SAFETY: the range lies inside the frame (clamped to its length, system-page
+        // aligned), which nobody else references: we hold the token and hand out no slice
+        // into these pages. Dropping private anonymous pages only zeroes them.
+        unsafe { libc::madvise(frame.base.as_ptr().add(start).cast(), end - start, advice) };
+    }
+
+    /// Keeps a swap reserve of about `target_pages` resident pages (module docs, "The swap
+    /// reserve"), spread evenly over the page counts `page_counts` (those of the size
+    /// classes): faults them in now, so call it before the pool serves. The pool's refill
+    /// thread ([`refill`](Self::refill)) then replaces what is taken.
+    pub(crate) fn set_reserve(&self, target_pages: usize, page_counts: &[usize]) -> Result<()> {
+        let mut counts: Vec<usize> = page_counts
+            .iter()
+            .copied()
+            .filter(|k| (1..=self.frame_pages).contains(k))
+            .collect();
+        counts.sort_unstable();
+        counts.dedup();
+        if counts.is_empty() {
+            return Ok(());
+        }
+        let share = target_pages / counts.len();
+        for &k in &counts {
+            for _ in 0..share / k {
+                let frame = self.alloc()?;
+                self.populate(&frame, k);
+                let mut st = self.state.lock();
+                st.reserve[k].push(frame);
+                st.reserve_pages += k;
+            }
+        }
+        Ok(())
+    }
+
+    /// Pages held resident by the swap reserve.
+    pub(crate) fn reserve_pages(&self) -> usize {
+        self.state.lock().reserve_pages
+    }
+
+    /// The refill thread's loop: waits until reserve frames were taken, replaces them (faulting
+    /// new frames in: this may wait for memory, off the request path), until
+    /// [`stop_refill`](Self::stop_refill).
+    pub(crate) fn refill(&self) {
+        let mut st = self.state.lock();
+        loop {
+            if st.refill_stopped {
+                return;
+            }
+            let Some(k) = st.reserve_deficit.iter().position(|&n| n > 0) else {
+                self.refill_wanted.wait(&mut st);
+                continue;
+            };
+            st.reserve_deficit[k] -= 1;
+            drop(st);
+            let frame = self.alloc();
+            if let Ok(frame) = &frame {
+                self.populate(frame, k);
+            }
+            st = self.state.lock();
+            match frame {
+                Ok(frame) => {
+                    st.reserve[k].push(frame);
+                    st.reserve_pages += k;
+                }
+                // No address space: try again later rather than spin.
+                Err(_) => {
+                    st.reserve_deficit[k] += 1;
+                    self.refill_wanted
+                        .wait_for(&mut st, std::time::Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
+    /// Ends [`refill`](Self::refill).
+    pub(crate) fn stop_refill(&self) {
+        self.state.lock().refill_stopped = true;
+        self.refill_wanted.notify_all();
     }
 
     /// Returns `frame`, whose zspage used its first `pages` pages. Taking the token by value
@@ -547,6 +706,38 @@ mod tests {
         let addr = f.addr();
         a.release(f, 1);
         assert_eq!(a.alloc().unwrap().addr(), addr);
+    }
+
+    #[test]
+    fn swap_reserve_hands_out_resident_frames_and_is_refilled() {
+        let a = std::sync::Arc::new(FrameAllocator::with_cache_bytes(4096, 0));
+        // 32 pages for each count: 32 frames of 1 page, 8 of 4.
+        a.set_reserve(64, &[1, 4]).unwrap();
+        assert_eq!(a.reserve_pages(), 64);
+        assert_eq!(a.resident_bytes(), 64 * 4096);
+        let f = a.alloc_populated(4).unwrap();
+        assert_eq!(a.reserve_pages(), 60);
+        // No frame of 2 pages: a 4-page one, whose last 2 pages go back to the kernel.
+        let mut g = a.alloc_populated(2).unwrap();
+        assert_eq!(a.reserve_pages(), 56);
+        assert_eq!(a.resident_bytes(), (56 + 4 + 2) * 4096);
+        g.bytes_mut(0, 2 * 4096).fill(7);
+        // The refill thread replaces what was taken, by the page counts asked for.
+        let refill = {
+            let a = std::sync::Arc::clone(&a);
+            std::thread::spawn(move || a.refill())
+        };
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while a.reserve_pages() < 56 + 4 + 2 && std::time::Instant::now() < end {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(a.reserve_pages(), 62);
+        assert_eq!(a.resident_bytes(), (62 + 4 + 2) * 4096);
+        a.stop_refill();
+        refill.join().unwrap();
+        assert!(g.bytes(0, 2 * 4096).iter().all(|&b| b == 7));
+        a.release(f, 4);
+        a.release(g, 2);
     }
 
     #[test]
