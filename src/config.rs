@@ -12,6 +12,8 @@
 //! tls_cert = "/etc/uzram/server-cert.pem"
 //! tls_key = "/etc/uzram/server-key.pem"
 //! tls_client_ca = "/etc/uzram/ca-cert.pem"   # optional: verify client certificates
+//! metrics_listen = "127.0.0.1:9437"  # Prometheus metrics at /metrics (docs/metrics.md)
+//! metrics_allow_remote = false   # true to allow a non-loopback metrics_listen
 //!
 //! [[device]]
 //! name = "zram0"                 # required: device and export name
@@ -35,7 +37,7 @@
 //! never silently. Integers and booleans are written as zram's files take them (`1`, `0`).
 
 use crate::device::Device;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::units::{parse_size_bytes, DEFAULT_PAGE_SIZE_BYTES};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -78,6 +80,10 @@ pub struct ServeConfig {
     pub tls_key: Option<PathBuf>,
     /// The CA that client certificates must be signed by (PEM); none: clients are not asked.
     pub tls_client_ca: Option<PathBuf>,
+    /// Serve the metrics over HTTP here (docs/metrics.md).
+    pub metrics_listen: Option<SocketAddr>,
+    /// Allow a `metrics_listen` that is not a loopback address.
+    pub metrics_allow_remote: bool,
     /// The devices, in file order.
     pub devices: Vec<DeviceSpec>,
 }
@@ -132,6 +138,23 @@ impl ServeConfig {
                                     bad(format!("{what}: server.listen = {s:?} is not ADDR:PORT"))
                                 })?);
                             }
+                            "metrics_listen" => {
+                                let s = v.as_str().ok_or_else(|| {
+                                    bad(format!("{what}: server.metrics_listen must be a string"))
+                                })?;
+                                cfg.metrics_listen = Some(s.parse().map_err(|_| {
+                                    bad(format!(
+                                        "{what}: server.metrics_listen = {s:?} is not ADDR:PORT"
+                                    ))
+                                })?);
+                            }
+                            "metrics_allow_remote" => {
+                                cfg.metrics_allow_remote = v.as_bool().ok_or_else(|| {
+                                    bad(format!(
+                                        "{what}: server.metrics_allow_remote must be true or false"
+                                    ))
+                                })?
+                            }
                             "swap" => {
                                 cfg.swap = v.as_bool().ok_or_else(|| {
                                     bad(format!("{what}: server.swap must be true or false"))
@@ -175,7 +198,7 @@ impl ServeConfig {
                                 return Err(bad(format!(
                                     "{what}: unknown key server.{k} (known: listen, swap, \
                                      max_connections, max_inflight, tls, tls_cert, tls_key, \
-                                     tls_client_ca)"
+                                     tls_client_ca, metrics_listen, metrics_allow_remote)"
                                 )))
                             }
                         }
@@ -345,70 +368,19 @@ impl DeviceSpec {
     }
 }
 
-/// Evaluates a size: a size with zram's suffixes (`4G`), or an expression of `ram` (total RAM
-/// in bytes) with `*` and `/` by integers, `min(a, b)` and `max(a, b)`, as zram-generator's
-/// `zram-size` (whose default is `min(ram / 2, 4096)` in MiB; ours is `min(ram / 2, 4G)`).
+/// Evaluates a `disksize`: a size with zram's suffixes (`4G`), or an expression of `ram`
+/// (total RAM in bytes) with explicit units: `ram * 0.5`, `min(ram / 2, 4096M)`,
+/// `max(ram / 4, 512M) + 64M` (see [`crate::size_expr`], [`crate::size_expr::Units::Bytes`]).
+/// zram-generator's `min(ram / 2, 4096)` (MiB) is refused with a message saying to write
+/// `4096M`, rather than read as 4096 bytes.
 pub fn eval_size(expr: &str, ram_bytes: u64) -> Result<u64> {
-    let e = expr.trim();
-    for (f, pick) in [
-        ("min(", u64::min as fn(u64, u64) -> u64),
-        ("max(", u64::max),
-    ] {
-        if let Some(inner) = e.strip_prefix(f).and_then(|r| r.strip_suffix(')')) {
-            let mut depth = 0;
-            for (i, c) in inner.char_indices() {
-                match c {
-                    '(' => depth += 1,
-                    ')' => depth -= 1,
-                    ',' if depth == 0 => {
-                        let a = eval_size(&inner[..i], ram_bytes)?;
-                        let b = eval_size(&inner[i + 1..], ram_bytes)?;
-                        return Ok(pick(a, b));
-                    }
-                    _ => {}
-                }
-            }
-            return Err(bad(format!("{expr:?}: {f}a, b) needs two arguments")));
-        }
-    }
-    let mut parts = e.split_inclusive(['*', '/']);
-    let first = parts.next().unwrap_or("");
-    let (mut op, first) = match first.chars().last() {
-        Some(c @ ('*' | '/')) => (Some(c), &first[..first.len() - 1]),
-        _ => (None, first),
-    };
-    let mut value = match first.trim() {
-        "ram" => ram_bytes,
-        s => parse_size_bytes(s)?,
-    };
-    for p in parts {
-        let (num, next) = match p.chars().last() {
-            Some(c @ ('*' | '/')) => (&p[..p.len() - 1], Some(c)),
-            _ => (p, None),
-        };
-        let n: u64 = num
-            .trim()
-            .parse()
-            .map_err(|_| bad(format!("{expr:?}: {:?} is not an integer", num.trim())))?;
-        value = match op {
-            Some('*') => value
-                .checked_mul(n)
-                .ok_or_else(|| Error::new(ErrorKind::OutOfRange, format!("{expr:?} overflows")))?,
-            Some('/') if n == 0 => return Err(bad(format!("{expr:?}: division by 0"))),
-            Some('/') => value / n,
-            _ => return Err(bad(format!("{expr:?}: not a size or expression"))),
-        };
-        op = next;
-    }
-    if op.is_some() {
-        return Err(bad(format!("{expr:?}: an operator without an operand")));
-    }
-    Ok(value)
+    crate::size_expr::eval_bytes(expr, ram_bytes)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ErrorKind;
 
     const G: u64 = 1 << 30;
 
@@ -421,8 +393,19 @@ mod tests {
         assert_eq!(eval_size("min(ram / 2, 4G)", 16 * G).unwrap(), 4 * G);
         assert_eq!(eval_size("min(ram / 2, 4G)", 2 * G).unwrap(), G);
         assert_eq!(eval_size("max(min(ram, 1G), 2G)", 16 * G).unwrap(), 2 * G);
+        assert_eq!(eval_size("ram * 0.5", 16 * G).unwrap(), 8 * G);
+        assert_eq!(eval_size("min(ram / 2, 4096M)", 16 * G).unwrap(), 4 * G);
+        let e = eval_size("min(ram / 2, 4096)", 16 * G).unwrap_err();
+        assert!(e.message().contains("4096M"), "{e}");
         for bad in [
-            "", "ram /", "ram / 0", "ram / x", "min(1G)", "rom", "1G * ram", "* 2",
+            "",
+            "ram /",
+            "ram / 0",
+            "ram / x",
+            "min(ram, 1)",
+            "rom",
+            "1G * ram",
+            "* 2",
         ] {
             assert!(eval_size(bad, G).is_err(), "{bad:?}");
         }
@@ -454,6 +437,7 @@ mod tests {
             tls = "on"
             tls_cert = "/c.pem"
             tls_key = "/k.pem"
+            metrics_listen = "127.0.0.1:9437"
             [[device]]
             name = "zram0"
             disksize = "64M"
@@ -474,6 +458,8 @@ mod tests {
         assert_eq!(c.max_inflight_bytes, Some(256 << 20));
         assert_eq!(c.tls.as_deref(), Some("on"));
         assert_eq!(c.tls_cert, Some("/c.pem".into()));
+        assert_eq!(c.metrics_listen, Some("127.0.0.1:9437".parse().unwrap()));
+        assert!(!c.metrics_allow_remote);
         let d0 = &c.devices[0];
         let keys: Vec<_> = d0.attrs.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(keys, ["comp_algorithm", "algorithm_params", "mem_limit"]);
@@ -517,6 +503,7 @@ mod tests {
         assert!(ServeConfig::parse("", "t").is_err(), "no device");
         assert!(ServeConfig::parse("[server]\nlisten = \"nowhere\"\n", "t").is_err());
         assert!(ServeConfig::parse("[server]\ntls = 1\n", "t").is_err());
+        assert!(ServeConfig::parse("[server]\nmetrics_listen = \"9437\"\n", "t").is_err());
         assert!(ServeConfig::parse("[server]\nmax_connections = 0\n", "t").is_err());
         assert!(ServeConfig::parse("[server]\nmax_inflight = \"lots\"\n", "t").is_err());
         assert!(ServeConfig::parse(

@@ -70,9 +70,46 @@ pub fn kstrtobool(value: &str) -> Result<bool> {
     }
 }
 
-/// Parses a size the way the kernel's `memparse()` does, as zram's `disksize` and `mem_limit`
-/// do: a decimal (or `0x` hex) number with an optional `K`, `M`, `G`, `T`, `P` or `E` suffix
-/// (either case, powers of 1024). Surrounding whitespace and a trailing newline are ignored.
+/// The kernel's `memparse()` exactly, as zram's `disksize` and `mem_limit` parse their value:
+/// `simple_strtoull(text, 0)` (a `0x` prefix followed by a hex digit is hex, another leading
+/// `0` octal, else decimal; no sign, no leading blanks), then one optional suffix `K M G T P E`
+/// (either case) shifting by 10 per step as the kernel's fall-through does (bits shifted past
+/// 64 are lost), and whatever follows is ignored (`12 MB` is 12 bytes, `1.5G` is 1 byte).
+/// Nothing parsed gives 0, which `disksize` refuses as the kernel does; `EINVAL` only where
+/// the kernel's conversion would overflow (it silently wraps there).
+pub fn memparse(text: &str) -> Result<u64> {
+    let b = text.as_bytes();
+    let (radix, start) = match b {
+        [b'0', b'x' | b'X', c, ..] if c.is_ascii_hexdigit() => (16, 2),
+        [b'0', ..] => (8, 1),
+        _ => (10, 0),
+    };
+    let digits = b[start..]
+        .iter()
+        .take_while(|c| (**c as char).is_digit(radix))
+        .count();
+    if digits == 0 {
+        // Nothing parsed, or a lone `0` (whatever follows it, the value is 0).
+        return Ok(0);
+    }
+    let num = std::str::from_utf8(&b[start..start + digits]).expect("ASCII digits");
+    let value = u64::from_str_radix(num, radix)
+        .map_err(|_| Error::invalid(format!("size out of range: {text:?}")))?;
+    let shift = match b.get(start + digits).map(u8::to_ascii_lowercase) {
+        Some(b'e') => 60,
+        Some(b'p') => 50,
+        Some(b't') => 40,
+        Some(b'g') => 30,
+        Some(b'm') => 20,
+        Some(b'k') => 10,
+        _ => 0,
+    };
+    Ok(((u128::from(value) << shift) & u128::from(u64::MAX)) as u64)
+}
+
+/// Parses a size as uzram's own settings and configuration take it: [`memparse`]'s numbers and
+/// suffixes, but strict: surrounding whitespace and a trailing newline are ignored, anything
+/// else after the suffix is `EINVAL`.
 pub fn parse_size_bytes(text: &str) -> Result<u64> {
     let t = text.trim();
     if t.is_empty() {
@@ -132,6 +169,32 @@ mod tests {
             );
         }
         assert!(parse_size_bytes("16E").is_err());
+    }
+
+    #[test]
+    fn memparse_as_the_kernel() {
+        for (text, v) in [
+            ("4096", 4096),
+            ("26214400\n", 26214400),
+            ("25M\n", 25 << 20),
+            ("1g", 1 << 30),
+            ("0x1000", 4096),
+            ("0x", 0),
+            ("010", 8),
+            ("010K", 8 << 10),
+            ("12Q", 12),
+            ("12 MB", 12),
+            ("1.5G", 1),
+            ("foo", 0),
+            (" 1G", 0),
+            ("-1", 0),
+            ("", 0),
+            ("16E", 0),
+            ("8E", 1 << 63),
+        ] {
+            assert_eq!(memparse(text).unwrap(), v, "{text:?}");
+        }
+        assert!(memparse("99999999999999999999").is_err());
     }
 
     #[test]

@@ -27,7 +27,9 @@
 //!   rewritten, compaction moves queued objects, and resets drop pools with objects queued.
 //!   The chaos thread also flushes the queue. At the end, after a flush, the allocator's
 //!   counters must match the slots exactly, and after discarding everything and flushing they
-//!   must be back at zero (no object leaked, none freed twice: a double free panics).
+//!   must be back at zero (no object leaked, none freed twice: a double free panics). That last
+//!   discard must count each page in `io_stat`'s `notify_free` and one request with all its
+//!   sectors in the block layer's `stat`.
 //! - With `policies`, the server's policy thread (`uzram::policy::PolicyRunner`) runs every
 //!   policy on the device meanwhile (idle aging, writeback on age and on pressure that flips
 //!   on and off, recompression, compaction, zoned GC), on a clock that a thread moves a
@@ -897,9 +899,26 @@ impl Harness {
                 wb_pages
             ));
         }
+        // zram counts every whole page of a discard in io_stat's notify_free, and the block
+        // layer the request and its sectors in `stat`: read both around the last discard.
+        let stat = |dev: &Device| -> Vec<u64> {
+            let t = dev.attr_show("stat").unwrap();
+            t.split_whitespace().map(|w| w.parse().unwrap()).collect()
+        };
+        let (freed0, stat0) = (self.dev.stats().notify_free, stat(&self.dev));
         self.dev
             .discard(0, disksize(&self.cfg))
             .map_err(|e| e.to_string())?;
+        let (freed1, stat1) = (self.dev.stats().notify_free, stat(&self.dev));
+        let pages = disksize(&self.cfg) / self.cfg.page_size as u64;
+        if freed1 - freed0 != pages
+            || stat1[11] - stat0[11] != 1
+            || stat1[13] - stat0[13] != disksize(&self.cfg) / 512
+        {
+            return self.fail(format!(
+                "discarding the {pages} pages: notify_free {freed0} -> {freed1}, stat {stat0:?}                  -> {stat1:?}"
+            ));
+        }
         self.dev.flush_deferred();
         let s = self.dev.stats();
         let d = self.dev.deferred_stats();

@@ -16,7 +16,8 @@ pub struct CtlArgs {
     /// The directory of the sockets [default: /run/uzram as root, else $XDG_RUNTIME_DIR/uzram].
     #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// The attribute, with zram's name (`mm_stat`, `disksize`, `compact`, `writeback`, ...).
+    /// The attribute, with zram's name (`mm_stat`, `disksize`, `compact`, `writeback`, ...);
+    /// `metrics`: every device's statistics in Prometheus's text format.
     pub attr: String,
     /// Store this value (words are joined with spaces); without it, show the attribute.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -123,6 +124,10 @@ pub fn run_ctl(args: CtlArgs) -> i32 {
             return exit_code(errno);
         }
     };
+    if args.attr == "metrics" && args.value.is_empty() {
+        // Every device's, not only --dev's: what a scraper wants in one go.
+        return crate::metrics::run(&dir);
+    }
     let mut client = match connect(&dir, &args.dev) {
         Ok(c) => c,
         Err((errno, msg)) => {

@@ -6,7 +6,8 @@
 //! 4 KiB pages, on a unix socket (mode 0600) at `/run/uzram/zram0.sock` as root,
 //! `$XDG_RUNTIME_DIR/uzram/zram0.sock` otherwise (or `/tmp/uzram-$UID/zram0.sock` without
 //! `XDG_RUNTIME_DIR`), with its control socket `zram0.ctl` beside it. Device flags change that
-//! one device; `--config FILE` describes several. TCP only with `--listen`; a kernel block
+//! one device; `--config FILE` describes several, and so does zram-generator's configuration
+//! with `--zram-generator-conf FILE` (docs/service.md). TCP only with `--listen`; a kernel block
 //! device `/dev/ublkbN` per device with `--ublk` (`ublk = true` in the file; docs/ublk.md); a VM
 //! guest's virtio-blk disk on `NAME.vhost.sock` with `--vhost-user` (`vhost_user = true`;
 //! docs/vhost-user.md).
@@ -19,6 +20,10 @@ use std::sync::Arc;
 use uzram::clock::SystemClock;
 use uzram::config::{ServeConfig, DEFAULT_CONFIG_TOML};
 use uzram::frontend::control::{self, ControlServer};
+use uzram::frontend::metrics::{
+    self,
+    http::{MetricsLimits, MetricsServer, MetricsSource},
+};
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig, Tls, TlsFiles, TlsMode};
 use uzram::frontend::ublk::{UblkConfig, UblkExport};
 use uzram::frontend::unix_socket;
@@ -34,6 +39,18 @@ pub struct ServeArgs {
           conflicts_with_all = ["name", "disksize", "algorithm", "mem_limit", "page_size",
                                "multi_page_size", "socket", "policy"])]
     pub config: Option<PathBuf>,
+    /// zram-generator's configuration (`/etc/systemd/zram-generator.conf`, INI): a device per
+    /// `[zramN]` section, with its keys and units (docs/service.md). Its `set!` lines run
+    /// programs, as zram-generator runs them. MemTotal is read from
+    /// `$ZRAM_GENERATOR_ROOT/proc/meminfo` when that is set, as zram-generator does.
+    #[arg(long, value_name = "FILE",
+          conflicts_with_all = ["config", "name", "disksize", "algorithm", "mem_limit",
+                               "page_size", "multi_page_size", "socket"])]
+    pub zram_generator_conf: Option<PathBuf>,
+    /// The directory of the sockets, for devices whose socket is not given [default:
+    /// /run/uzram as root, else $XDG_RUNTIME_DIR/uzram].
+    #[arg(long, value_name = "DIR", conflicts_with = "socket")]
+    pub dir: Option<PathBuf>,
     /// Print the embedded default configuration and exit.
     #[arg(long)]
     pub print_default_config: bool,
@@ -87,6 +104,14 @@ pub struct ServeArgs {
     /// $XDG_RUNTIME_DIR/uzram/NAME.sock]. The control socket is NAME.ctl beside it.
     #[arg(long)]
     pub socket: Option<PathBuf>,
+    /// Serve every device's statistics in Prometheus's text format at http://ADDR:PORT/metrics
+    /// (docs/metrics.md). Loopback only unless --metrics-allow-remote.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Allow a --metrics-listen address that is not loopback (anyone who reaches it learns
+    /// the devices' sizes, memory and settings).
+    #[arg(long)]
+    pub metrics_allow_remote: bool,
     /// Serve swap safely: lock memory (mlockall), mark the server an I/O flusher, preallocate
     /// request buffers (docs/nbd.md, "Serving swap").
     #[arg(long)]
@@ -103,7 +128,13 @@ pub struct ServeArgs {
 
 /// Total RAM from /proc/meminfo.
 fn ram_bytes() -> Result<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    ram_bytes_from(std::path::Path::new("/proc/meminfo"))
+}
+
+/// Total RAM from a meminfo file.
+fn ram_bytes_from(path: &std::path::Path) -> Result<u64> {
+    let meminfo =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     for line in meminfo.lines() {
         if let Some(rest) = line.strip_prefix("MemTotal:") {
             let kib: u64 = rest
@@ -143,9 +174,39 @@ fn human(bytes: u64) -> String {
     format!("{v:.1} {}", UNITS[u])
 }
 
+/// zram-generator's file as uzram's configuration; its warnings go to stderr and what it would
+/// have done with the devices to stdout.
+fn generator_config(path: &std::path::Path) -> Result<ServeConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    // zram-generator reads $ZRAM_GENERATOR_ROOT/proc/meminfo when that is set.
+    let meminfo = match std::env::var_os("ZRAM_GENERATOR_ROOT") {
+        Some(root) if !root.is_empty() => PathBuf::from(root).join("proc/meminfo"),
+        _ => PathBuf::from("/proc/meminfo"),
+    };
+    let ram = ram_bytes_from(&meminfo)?;
+    let gen = uzram::generator_conf::parse(
+        &text,
+        &path.display().to_string(),
+        ram,
+        &mut uzram::generator_conf::run_set_program,
+    )?;
+    for w in &gen.warnings {
+        eprintln!("uzram: warning: {w}");
+    }
+    for n in &gen.notes {
+        println!("{n}");
+    }
+    // Sizes are bytes already (`disksize` takes a lone number as bytes).
+    Ok(gen.config)
+}
+
 /// The configuration: the file, or the embedded default with the device flags applied.
 fn config(args: &ServeArgs) -> Result<ServeConfig> {
     let mut cfg = match &args.config {
+        None if args.zram_generator_conf.is_some() => {
+            generator_config(args.zram_generator_conf.as_deref().expect("checked"))?
+        }
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
@@ -186,6 +247,13 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
             cfg
         }
     };
+    if let Some(dir) = &args.dir {
+        for d in &mut cfg.devices {
+            if d.socket.is_none() {
+                d.socket = Some(dir.join(format!("{}.sock", d.name)));
+            }
+        }
+    }
     if args.ublk {
         for d in &mut cfg.devices {
             d.ublk = true;
@@ -199,6 +267,10 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
     if args.listen.is_some() {
         cfg.listen = args.listen;
     }
+    if args.metrics_listen.is_some() {
+        cfg.metrics_listen = args.metrics_listen;
+    }
+    cfg.metrics_allow_remote |= args.metrics_allow_remote;
     cfg.swap |= args.swap;
     if let Some(n) = args.max_connections {
         cfg.max_connections = Some(n);
@@ -410,6 +482,32 @@ pub fn run(args: ServeArgs) -> Result<()> {
         uzram::policy::TICK,
     )
     .context("starting the policy thread")?;
+    // The metrics endpoint reads the devices' attributes in this process.
+    let metrics = match cfg.metrics_listen {
+        Some(addr) => {
+            let named: Vec<_> = devices
+                .iter()
+                .map(|(n, d, _)| (n.clone(), Arc::clone(d), server.openers(n)))
+                .collect();
+            let source: MetricsSource = Arc::new(move || {
+                let samples = named
+                    .iter()
+                    .map(|(n, d, o)| metrics::collect_device(n, d, o.as_deref()))
+                    .collect::<uzram::Result<Vec<_>>>()?;
+                Ok(metrics::render(&samples))
+            });
+            Some(
+                MetricsServer::start(
+                    addr,
+                    cfg.metrics_allow_remote,
+                    source,
+                    MetricsLimits::default(),
+                )
+                .with_context(|| format!("serving metrics on {addr}"))?,
+            )
+        }
+        None => None,
+    };
     // The first signal starts a bounded stop; a second one forces the exit at once (after
     // removing the sockets that are still ours).
     let mut sockets = server.socket_files();
@@ -484,6 +582,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             }
         }
     }
+    if let Some(m) = &metrics {
+        println!("metrics: http://{}/metrics", m.local_addr());
+    }
     if let Some(report) = &swap {
         // Everything allocated at start is: what the heap has free from here on is faulted
         // in for the request paths.
@@ -507,6 +608,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
     );
     runner.stop();
+    if let Some(m) = metrics {
+        m.stop();
+    }
     for c in controls {
         c.stop();
     }

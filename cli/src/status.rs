@@ -544,30 +544,37 @@ fn is_used(files: &mut dyn AttrFiles) -> Result<bool> {
 fn device_names(args: &StatusArgs) -> Result<(PathBuf, Vec<String>)> {
     let dir = super::ctl::socket_dir(args.dir.clone())
         .map_err(|(_, msg)| anyhow!("{}", msg.trim_start_matches("uzram: ")))?;
-    let mut names: Vec<String> = match &args.device {
+    let names: Vec<String> = match &args.device {
         Some(d) => {
             if std::fs::symlink_metadata(control::socket_path(&dir, d)).is_err() {
                 bail!("{d}: {}", super::ctl::strerror(libc::ENODEV));
             }
             vec![d.clone()]
         }
-        None => match std::fs::read_dir(&dir) {
-            Ok(rd) => rd
-                .filter_map(|e| e.ok())
-                .filter_map(|e| {
-                    let n = e.file_name().to_string_lossy().into_owned();
-                    n.strip_suffix(".ctl")
-                        .filter(|s| !s.is_empty() && !s.starts_with('.'))
-                        .map(str::to_string)
-                })
-                .collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => bail!("cannot open {}: {e}", dir.display()),
-        },
+        None => socket_device_names(&dir)?,
     };
-    // zram0, zram1, ..., zram10: by length, then text.
-    names.sort_by(|a, b| a.len().cmp(&b.len()).then_with(|| a.cmp(b)));
     Ok((dir, names))
+}
+
+/// The devices with a control socket (`NAME.ctl`) in `dir`, in zramctl's order (zram0, zram1,
+/// ..., zram10: by length, then text); none if `dir` does not exist. Also `uzram ctl
+/// metrics`'s list.
+pub fn socket_device_names(dir: &Path) -> Result<Vec<String>> {
+    let mut names: Vec<String> = match std::fs::read_dir(dir) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                n.strip_suffix(".ctl")
+                    .filter(|s| !s.is_empty() && !s.starts_with('.'))
+                    .map(str::to_string)
+            })
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => bail!("cannot open {}: {e}", dir.display()),
+    };
+    names.sort_by(|a, b| a.len().cmp(&b.len()).then_with(|| a.cmp(b)));
+    Ok(names)
 }
 
 /// The headers of `--policies`.

@@ -10,7 +10,7 @@ use crate::backing::{FileBacking, FileOptions, NbdBacking, NbdOptions};
 use crate::compress::{self, CodecParams, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
 pub use crate::units::{kstrtobool, kstrtou64};
-use crate::units::{parse_size_bytes, strip_newline};
+use crate::units::{memparse, parse_size_bytes, strip_newline};
 use crate::writeback::BackingLayout;
 use crate::zsmalloc::DeferredStats;
 use std::sync::Arc;
@@ -35,6 +35,9 @@ pub struct Attr {
     pub name: &'static str,
     /// Formats the value, with the trailing newline the kernel prints.
     show: Option<fn(&Device) -> String>,
+    /// Formats the value or fails with zram's errno (`block_state` of an uninitialised device:
+    /// `EINVAL`); an attribute has `show` or this, not both.
+    try_show: Option<fn(&Device) -> Result<String>>,
     /// Parses and applies a value (which may carry `echo`'s trailing newline).
     store: Option<fn(&Device, &str) -> Result<()>>,
 }
@@ -44,6 +47,7 @@ impl Attr {
         Attr {
             name,
             show: Some(show),
+            try_show: None,
             store: None,
         }
     }
@@ -52,6 +56,7 @@ impl Attr {
         Attr {
             name,
             show: None,
+            try_show: None,
             store: Some(store),
         }
     }
@@ -64,13 +69,26 @@ impl Attr {
         Attr {
             name,
             show: Some(show),
+            try_show: None,
             store: Some(store),
+        }
+    }
+
+    const fn ro_try(name: &'static str, try_show: fn(&Device) -> Result<String>) -> Attr {
+        Attr {
+            name,
+            show: None,
+            try_show: Some(try_show),
+            store: None,
         }
     }
 
     /// How it may be accessed.
     pub fn mode(&self) -> AttrMode {
-        match (self.show.is_some(), self.store.is_some()) {
+        match (
+            self.show.is_some() || self.try_show.is_some(),
+            self.store.is_some(),
+        ) {
             (true, false) => AttrMode::ReadOnly,
             (false, _) => AttrMode::WriteOnly,
             (true, true) => AttrMode::ReadWrite,
@@ -93,8 +111,13 @@ pub const ATTRIBUTES: &[Attr] = &[
     ),
     Attr::ro("bd_checksum_errors", |d| d.stats().bd_checksum_errors()),
     Attr::ro("bd_stat", |d| d.stats().bd_stat()),
+    // debugfs's /sys/kernel/debug/zram/zramN/block_state, as an attribute.
+    Attr::ro_try("block_state", |d| Ok(d.store()?.block_state())),
     Attr::rw("comp_algorithm", show_comp_algorithm, store_comp_algorithm),
     Attr::wo("compact", |d, _| {
+        if !d.is_initialised() {
+            return Err(Error::invalid("compact: the device is not initialised"));
+        }
         d.compact();
         Ok(())
     }),
@@ -109,7 +132,7 @@ pub const ATTRIBUTES: &[Attr] = &[
     Attr::rw(
         "disksize",
         |d| format!("{}\n", d.disksize_bytes()),
-        |d, v| d.init(parse_size_bytes(v)?),
+        |d, v| d.init(memparse(v)?),
     ),
     Attr::wo("gc", store_gc),
     Attr::wo("idle", store_idle),
@@ -118,7 +141,11 @@ pub const ATTRIBUTES: &[Attr] = &[
     }),
     Attr::ro("io_stat", |d| d.stats().io_stat()),
     Attr::wo("mem_limit", |d, v| {
-        d.set_mem_limit_bytes(parse_size_bytes(v)?);
+        // The kernel's `buf == tmp` check: memparse must take at least one digit.
+        if !v.as_bytes().first().is_some_and(u8::is_ascii_digit) {
+            return Err(Error::invalid(format!("mem_limit: not a size: {v:?}")));
+        }
+        d.set_mem_limit_bytes(memparse(v)?);
         Ok(())
     }),
     Attr::wo("mem_used_max", store_mem_used_max),
@@ -150,12 +177,20 @@ pub const ATTRIBUTES: &[Attr] = &[
     Attr::ro("recomp_stat", recompress::show_recomp_stat),
     Attr::wo("recompress", Device::recompress_str),
     Attr::wo("reset", store_reset),
+    // The block layer's /sys/block/zramN/stat, as an attribute (LTP's zram03 reads it).
+    Attr::ro("stat", |d| d.block_stat.stat()),
     Attr::wo("train_dict", recompress::store_train_dict),
     Attr::wo("writeback", Device::writeback_str),
     Attr::rw(
         "writeback_batch_size",
         |d| format!("{}\n", d.writeback_batch_size()),
         store_writeback_batch_size,
+    ),
+    // `compressed_writeback`'s name while it was merged (kernel 6.19 rc), kept as an alias.
+    Attr::rw(
+        "writeback_compressed",
+        |d| format!("{}\n", u8::from(d.compressed_writeback())),
+        |d, v| d.set_compressed_writeback(kstrtobool(v)?),
     ),
     Attr::rw(
         "writeback_limit",
@@ -210,7 +245,11 @@ impl Device {
 
     /// Shows an attribute, formatted as zram's sysfs file reads (with its trailing newline).
     pub fn attr_show(&self, name: &str) -> Result<String> {
-        let show = attr(name)?.show.ok_or_else(|| {
+        let a = attr(name)?;
+        if let Some(try_show) = a.try_show {
+            return try_show(self);
+        }
+        let show = a.show.ok_or_else(|| {
             Error::new(ErrorKind::PermissionDenied, format!("{name} is write-only"))
         })?;
         Ok(show(self))
@@ -233,7 +272,9 @@ impl Device {
     /// ignored). The priority's parameters are replaced as a whole, as the kernel's
     /// `comp_params_store` does. Unknown keys are ignored, as in zram; a key without a value,
     /// a bad number, a priority outside 0..=3 or without an algorithm, or a level the
-    /// algorithm refuses is `EINVAL`. Only before initialisation (`EBUSY`).
+    /// algorithm refuses is `EINVAL`. Accepted after initialisation too, as the kernel accepts
+    /// it: kept for the next `disksize`, which only comes after a `reset`, which clears
+    /// parameters; so it changes nothing then, in both.
     fn store_algorithm_params(&self, value: &str) -> Result<()> {
         let mut prio: i64 = 0;
         let mut algo: Option<&str> = None;
@@ -293,11 +334,6 @@ impl Device {
                 "algorithm_params: no algorithm at priority {prio} (set recomp_algorithm first)"
             )));
         };
-        if st.store.is_some() {
-            return Err(Error::busy(
-                "algorithm_params cannot change once initialised",
-            ));
-        }
         if let Some(w) = winbits {
             if alg != "deflate" {
                 return Err(Error::invalid(format!(
@@ -410,6 +446,9 @@ fn store_gc(d: &Device, value: &str) -> Result<()> {
 
 /// `idle`: `all` or an age in seconds (`kstrtoull` with base detection).
 fn store_idle(d: &Device, value: &str) -> Result<()> {
+    if !d.is_initialised() {
+        return Err(Error::invalid("idle: the device is not initialised"));
+    }
     let cutoff =
         if strip_newline(value) == "all" {
             IdleCutoff::All
@@ -492,7 +531,13 @@ mod tests {
             let denied = |r: Result<()>| r.is_err_and(|e| e.kind() == ErrorKind::PermissionDenied);
             match a.mode() {
                 AttrMode::ReadOnly => {
-                    assert!(shown.is_ok() && denied(stored), "{}", a.name);
+                    // `block_state` is EINVAL until initialised, as the kernel's.
+                    let einval = |r: &Result<String>| {
+                        r.as_ref()
+                            .is_err_and(|e| e.kind() == ErrorKind::InvalidArgument)
+                    };
+                    let ok = shown.is_ok() || (a.try_show.is_some() && einval(&shown));
+                    assert!(ok && denied(stored), "{}", a.name);
                 }
                 AttrMode::WriteOnly => {
                     assert!(denied(shown.map(|_| ())), "{}", a.name);

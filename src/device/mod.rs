@@ -26,6 +26,7 @@
 //! No slot lock is held while waiting for backing I/O.
 
 pub mod attrs;
+pub mod block_stat;
 pub mod idle;
 mod recompress;
 pub mod request;
@@ -155,6 +156,9 @@ pub struct Device {
     wb_batch_size: AtomicU32,
     /// Held by the running writeback or recompression (zram's `pp_in_progress`).
     pp_lock: Mutex<()>,
+    /// The block layer's `stat` counters (zeroed by reset, as the kernel's reset zeroes the
+    /// disk's).
+    block_stat: block_stat::BlockStat,
     /// The clock of slots' access times (`idle N`). Fixed at construction.
     clock: Arc<dyn Clock>,
 }
@@ -196,6 +200,7 @@ impl Device {
             wb_limit: WbLimit::default(),
             wb_batch_size: AtomicU32::new(DEFAULT_WB_BATCH_SIZE),
             pp_lock: Mutex::new(()),
+            block_stat: block_stat::BlockStat::default(),
             clock,
         })
     }
@@ -387,6 +392,9 @@ impl Device {
         st.store = None;
         st.settings = Settings::default();
         self.mem_limit_pages.store(0, Ordering::Relaxed);
+        // The kernel's reset zeroes the disk's `stat` too (`part_stat_set_all`); no request
+        // is in flight while the init lock is held exclusive.
+        self.block_stat.reset();
     }
 
     /// Attaches a backing device for writeback (what writing `backing_dev` does with a path).

@@ -15,6 +15,7 @@
 //!
 //! Lock order: init lock (shared) → slot lock → the store's leaf locks.
 
+use super::block_stat::Op;
 use super::Device;
 use crate::compress;
 use crate::error::{Error, Result};
@@ -106,6 +107,7 @@ impl Device {
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let store = self.store()?;
         self.check_io(&store, offset, buf.len() as u64)?;
+        let _io = self.block_stat.start(Op::Read, buf.len() as u64);
         let page = self.page_size_bytes;
         let mut done = 0;
         for seg in segments(offset, buf.len() as u64, page) {
@@ -131,6 +133,7 @@ impl Device {
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         let store = self.store()?;
         self.check_io(&store, offset, buf.len() as u64)?;
+        let _io = self.block_stat.start(Op::Write, buf.len() as u64);
         let page = self.page_size_bytes;
         let limit = self.mem_limit_pages.load(Ordering::Relaxed);
         // With `multi_page_size`, an aligned run of `n` pages inside the request is stored as
@@ -185,6 +188,7 @@ impl Device {
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let store = self.store()?;
         self.check_io(&store, offset, len)?;
+        let _io = self.block_stat.start(Op::Discard, len);
         for seg in segments(offset, len, self.page_size_bytes) {
             if seg.len_bytes == self.page_size_bytes {
                 store.release(seg.index, self.release);
@@ -215,6 +219,7 @@ impl Device {
     pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
         let store = self.store()?;
         self.check_io(&store, offset, len)?;
+        let _io = self.block_stat.start(Op::Write, len);
         let limit = self.mem_limit_pages.load(Ordering::Relaxed);
         for seg in segments(offset, len, self.page_size_bytes) {
             if seg.len_bytes == self.page_size_bytes {
@@ -231,7 +236,9 @@ impl Device {
     /// deferred-free queue, so the memory of pages discarded before the flush is returned when
     /// it completes (a natural point: clients flush after trimming).
     pub fn flush(&self) -> Result<()> {
-        self.store()?.flush_deferred();
+        let store = self.store()?;
+        let _io = self.block_stat.start(Op::Flush, 0);
+        store.flush_deferred();
         Ok(())
     }
 }

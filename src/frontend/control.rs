@@ -312,6 +312,10 @@ pub const POLICY_STAT_ATTR: &str = "policy_stat";
 /// its own block device).
 pub const BLOCK_DEV_ATTR: &str = "block_dev";
 
+/// The name `show` answers the number of NBD connections using the device now to (`%u\n`;
+/// the NBD frontend's, for `uzram ctl metrics`).
+pub const NBD_CONNECTIONS_ATTR: &str = "nbd_connections";
+
 /// `Some(EBUSY)` when `block_dev` is open exclusively: mounted, swapped on, or claimed by an
 /// `O_EXCL` opener (the kernel refuses an exclusive open then).
 fn block_dev_busy(block_dev: &Path) -> Option<Error> {
@@ -351,12 +355,17 @@ fn serve_connection(stream: UnixStream, device: &Device, frontends: &Frontends) 
             }
         };
         let result = match req {
-            Request::Show { attr } => match (frontends.block_dev, frontends.policy) {
-                (Some(b), _) if attr == BLOCK_DEV_ATTR => Ok(format!("{}\n", b.display())),
-                (_, Some(p)) if attr == POLICY_ATTR => Ok(p.show()),
-                (_, Some(p)) if attr == POLICY_STAT_ATTR => Ok(p.show_stat()),
-                _ => device.attr_show(&attr),
-            },
+            Request::Show { attr } => {
+                match (frontends.block_dev, frontends.openers, frontends.policy) {
+                    (Some(b), _, _) if attr == BLOCK_DEV_ATTR => Ok(format!("{}\n", b.display())),
+                    (_, Some(o), _) if attr == NBD_CONNECTIONS_ATTR => {
+                        Ok(format!("{}\n", o.count()))
+                    }
+                    (_, _, Some(p)) if attr == POLICY_ATTR => Ok(p.show()),
+                    (_, _, Some(p)) if attr == POLICY_STAT_ATTR => Ok(p.show_stat()),
+                    _ => device.attr_show(&attr),
+                }
+            }
             Request::Store { attr, value } => {
                 store(device, frontends, &attr, &value, &mut |p| {
                     // A client gone mid-operation does not stop the operation.
@@ -411,8 +420,12 @@ fn store(
         }
         return device.attr_store(attr, value);
     }
-    if !LONG_OPERATIONS.contains(&attr) || !device.attr_names().any(|n| n == attr) {
-        // Short, or not an attribute of this device (its errno comes without a "started").
+    if !LONG_OPERATIONS.contains(&attr)
+        || !device.attr_names().any(|n| n == attr)
+        || !device.is_initialised()
+    {
+        // Short, not an attribute of this device, or refused at once (every long operation
+        // is EINVAL on an uninitialised device): its errno comes without a "started".
         return device.attr_store(attr, value);
     }
     let start = Instant::now();

@@ -10,6 +10,8 @@
 //!   `/dev/ublkbN` on this host, through `ublk_drv` (docs/ublk.md).
 //! - `vhost_user` (feature `vhost-user`, on by default): the device as a VM's virtio-blk disk
 //!   through a vhost-user-blk socket (docs/vhost-user.md).
+//! - [`metrics`]: every device's statistics in Prometheus's text format, and the HTTP endpoint
+//!   that serves them (`uzram serve --metrics-listen`; docs/metrics.md).
 //! - [`control`]: a running device's attributes over a unix socket (`uzram ctl`, `uzram status`).
 //! - [`limits`]: what every frontend bounds and how (connection caps, the request memory
 //!   budget, deadlines, the quit fd its accept loops wait on); [`unix_socket`]: sockets and
@@ -17,6 +19,7 @@
 
 pub mod control;
 pub mod limits;
+pub mod metrics;
 pub mod nbd;
 pub mod swap;
 #[cfg(feature = "ublk")]

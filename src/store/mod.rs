@@ -525,6 +525,8 @@ impl Store {
     /// says. The slot's metadata and counters are cleared under its lock, so the page reads
     /// back as zeroes, and `mm_stat` drops, before this returns.
     pub(crate) fn release(&self, index: SlotIndex, how: Free) {
+        // Counted per page released, as zram's `zram_bio_discard` counts `notify_free`.
+        StoreStats::add(&self.stats.notify_free, 1);
         let mut g = self.slots.lock(index);
         self.release_slot(&mut g, how);
     }
@@ -543,6 +545,8 @@ impl Store {
     /// Empties page `index` (it reads back as zeroes) and records an access: write-zeroes of a
     /// whole page.
     pub(crate) fn free_page(&self, index: SlotIndex) {
+        // Write-zeroes goes through zram's discard path, which counts `notify_free`.
+        StoreStats::add(&self.stats.notify_free, 1);
         let mut g = self.slots.lock(index);
         self.release_slot(&mut g, Free::Sync);
         g.touch(self.now_secs());
@@ -771,6 +775,40 @@ impl Store {
                 g.clear_flags(SlotFlags::IDLE);
             }
         }
+    }
+
+    /// debugfs's `block_state`: a line per slot holding data (in RAM, same-filled or written
+    /// back), `%12zd %12u.%06d %c%c%c%c%c%c\n` as the kernel prints it: index, last access
+    /// (seconds since initialisation; microseconds 0, as the kernel's seconds-resolution
+    /// `ac_time`), then `s` same-filled, `w` written back, `h` huge, `i` idle, `r` recompressed
+    /// (a priority above 0), `n` incompressible, or `.`. Each slot is read under its lock.
+    pub(crate) fn block_state(&self) -> String {
+        let mut out = String::new();
+        for i in 0..self.slots.len() {
+            let index = SlotIndex(i);
+            if self.slots.entry(index).state_unlocked().is_empty() {
+                continue;
+            }
+            let g = self.slots.lock(index);
+            let st = g.state();
+            if st.is_empty() {
+                continue;
+            }
+            let f = |flag: SlotFlags, c: char| if st.has(flag) { c } else { '.' };
+            out.push_str(&format!(
+                "{:12} {:12}.{:06} {}{}{}{}{}{}\n",
+                i,
+                st.ac_time_secs,
+                0,
+                f(SlotFlags::SAME, 's'),
+                f(SlotFlags::WB, 'w'),
+                f(SlotFlags::HUGE, 'h'),
+                f(SlotFlags::IDLE, 'i'),
+                if st.prio() > 0 { 'r' } else { '.' },
+                f(SlotFlags::INCOMPRESSIBLE, 'n'),
+            ));
+        }
+        out
     }
 
     /// Number of slots currently marked idle (read without the slot locks).

@@ -85,7 +85,11 @@ fn package_of(program: &str) -> &'static str {
         "nbdinfo" | "nbdcopy" | "nbdfuse" => "libnbd-bin",
         "fio" => "fio",
         "fusermount3" => "fuse3",
-        "mkfs.ext4" => "e2fsprogs",
+        "mkfs.ext4" | "mkfs.ext2" => "e2fsprogs",
+        "promtool" | "prometheus" => "prometheus",
+        "curl" => "curl",
+        "systemd-analyze" => "systemd",
+        "mkswap" | "blkid" => "util-linux",
         "losetup" | "mount" | "umount" => "util-linux (mount)",
         _ => "?",
     }
