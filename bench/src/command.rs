@@ -34,6 +34,31 @@ enum BenchCommand {
     Recompress(RecompressArgs),
     /// Multi-page objects (`multi_page_size`) against 4 KiB granularity and the kernel's zram.
     Multipage(MultipageArgs),
+    /// A VM guest's disk: vhost-user-blk against QEMU's NBD client and the guest's own kernel
+    /// zram, fio inside one guest.
+    Vm(VmArgs),
+}
+
+#[derive(Debug, Args)]
+struct VmArgs {
+    /// Seconds per point.
+    #[arg(long, default_value_t = 10)]
+    runtime: u64,
+    /// Size of the device and of the guest's zram (K, M, G suffixes).
+    #[arg(long, default_value = "256M")]
+    size: String,
+    /// Runs per point; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// The guest's RAM, MiB.
+    #[arg(long, default_value_t = 1024)]
+    mem_mb: u32,
+    /// Inside the guest (what the host side boots): run the points, print the samples.
+    #[arg(long, hide = true)]
+    guest: bool,
+    /// Where to write the JSON (default: bench/results/vm-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -362,6 +387,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             crate::write_json(&path, &doc)?;
             println!("wrote {}", path.display());
             plot_if(a.plot.as_deref(), &doc)?;
+            Ok(())
+        }
+        BenchCommand::Vm(a) => {
+            let opts = crate::vm::VmBenchOptions {
+                runtime_secs: a.runtime.max(1),
+                size_bytes: uzram::units::parse_size_bytes(&a.size)
+                    .with_context(|| format!("--size {}", a.size))?,
+                repeats: a.repeats.max(1),
+                mem_mb: a.mem_mb,
+            };
+            if a.guest {
+                crate::vm::guest(&opts)?;
+                return Ok(());
+            }
+            let doc = crate::vm::run(&opts)?;
+            let path = crate::json_path(a.json.as_deref(), "vm");
+            crate::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
             Ok(())
         }
         BenchCommand::Nbd(a) => {

@@ -17,6 +17,7 @@ pub mod plot;
 pub mod recompress;
 pub mod remote;
 pub mod store;
+pub mod vm;
 pub mod writeback;
 
 use std::path::{Path, PathBuf};

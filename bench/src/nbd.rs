@@ -124,7 +124,7 @@ impl Access {
     }
 }
 
-fn fio(args: &[String]) -> Result<serde_json::Value> {
+pub(crate) fn fio(args: &[String]) -> Result<serde_json::Value> {
     let out = Command::new("fio")
         .args(args)
         .output()
@@ -629,8 +629,8 @@ pub fn run(opts: &NbdBenchOptions) -> Result<serde_json::Value> {
 }
 
 /// A temporary directory for sockets, removed when dropped (the library has no tempfile).
-struct TempDir {
-    path: PathBuf,
+pub(crate) struct TempDir {
+    pub(crate) path: PathBuf,
 }
 
 impl Drop for TempDir {
@@ -639,7 +639,7 @@ impl Drop for TempDir {
     }
 }
 
-fn tempfile_dir() -> Result<TempDir> {
+pub(crate) fn tempfile_dir() -> Result<TempDir> {
     let base = std::env::temp_dir();
     for i in 0..100u32 {
         let path = base.join(format!("uzram-bench-nbd-{}-{i}", std::process::id()));

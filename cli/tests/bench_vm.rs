@@ -1,0 +1,45 @@
+//! `uzram bench vm` at a tiny size, so the benchmark keeps working: one guest (QEMU, Debian's
+//! 6.12 kernel) runs fio on the vhost-user disk, the NBD disk and its own kernel zram, and the
+//! host writes the table and the JSON. No timing is asserted.
+
+use std::process::Command;
+
+#[test]
+fn bench_vm_measures_three_disks_and_writes_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("vm.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
+        .args([
+            "bench",
+            "vm",
+            "--runtime",
+            "1",
+            "--repeats",
+            "1",
+            "--size",
+            "32M",
+            "--mem-mb",
+            "384",
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("vhost/nbd"), "{text}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let points = doc["points"].as_array().unwrap();
+    assert_eq!(points.len(), 4, "{doc}");
+    for p in points {
+        for t in ["vhost-user", "nbd", "guest-zram"] {
+            assert!(p["iops"][t].as_f64().unwrap() > 0.0, "{t}: {p}");
+        }
+        assert!(p["ratio_vhost_over_nbd"].as_f64().unwrap() > 0.0, "{p}");
+    }
+}
