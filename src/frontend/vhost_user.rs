@@ -131,32 +131,34 @@ impl BlkBackend {
         *self.mem.write() = None;
     }
 
-    /// Serves what queue `vring` holds; returns whether the guest must be kicked.
-    fn process_queue(&self, thread_id: usize, vring: &VringRwLock) -> bool {
+    /// Serves what queue `vring` holds; returns whether it took any request from the ring
+    /// and whether the guest must be kicked.
+    fn process_queue(&self, thread_id: usize, vring: &VringRwLock) -> Served {
+        let mut served = Served::default();
         let Some(atomic) = self.mem.read().clone() else {
-            return false;
+            return served;
         };
         let mem = atomic.memory();
         let Some(bounce) = self.bounce.get(thread_id) else {
-            return false;
+            return served;
         };
         let mut bounce = bounce.lock();
-        let mut used_any = false;
         loop {
             let chain = vring
                 .get_mut()
                 .get_queue_mut()
                 .pop_descriptor_chain(mem.clone());
             let Some(chain) = chain else { break };
+            served.taken = true;
             let head = chain.head_index();
             let len = self.serve_chain(&mem, chain, &mut bounce);
             // A head index past the queue (a broken driver) has no used entry to take: the
             // chain is consumed and dropped, and the requests after it are still served.
             if vring.add_used(head, len).is_ok() {
-                used_any = true;
+                served.used = true;
             }
         }
-        used_any
+        served
     }
 
     /// Serves one request; returns the bytes written into guest memory (data and status).
@@ -386,23 +388,39 @@ impl VhostUserBackend for BlkBackend {
         }
         if self.event_idx.load(Ordering::Relaxed) {
             // Serve, re-enable notifications, and serve again what arrived in between.
+            // The loop ends when a pass takes nothing from the ring: a queue stopped
+            // (GET_VRING_BASE) between the kick and this pass pops nothing while its avail index
+            // still differs from its next one, and an avail ring we cannot read pops nothing
+            // either; neither may spin this thread (and with it the connection's teardown).
             loop {
                 let _ = vring.disable_notification();
-                if self.process_queue(thread_id, vring)
-                    && vring.needs_notification().unwrap_or(true)
-                {
+                let served = self.process_queue(thread_id, vring);
+                if served.used && vring.needs_notification().unwrap_or(true) {
                     vring.signal_used_queue()?;
+                }
+                if !served.taken {
+                    let _ = vring.enable_notification();
+                    break;
                 }
                 match vring.enable_notification() {
                     Ok(true) => continue,
                     _ => break,
                 }
             }
-        } else if self.process_queue(thread_id, vring) {
+        } else if self.process_queue(thread_id, vring).used {
             vring.signal_used_queue()?;
         }
         Ok(())
     }
+}
+
+/// What one pass over a queue did.
+#[derive(Default)]
+struct Served {
+    /// Some request was taken from the avail ring.
+    taken: bool,
+    /// Some request got a used entry: the guest is to be kicked.
+    used: bool,
 }
 
 /// Every region of `mem` lies inside its file (`SET_MEM_TABLE` gives sizes and offsets that
