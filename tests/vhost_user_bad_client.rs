@@ -823,3 +823,132 @@ fn a_front_end_that_vanishes_mid_request_leaves_the_socket_serving() {
     assert!(!s.socket.exists());
     assert!(g.fe.get_features().is_err(), "still connected after stop");
 }
+
+/// A guest that keeps its ring from ever running empty: a queue of 256 entries, and a thread
+/// that offers the same write of 480 KiB (about a millisecond of compression each) again each
+/// time one is used, so that a full ring is a few hundred milliseconds of work and the feeder
+/// refills it long before the server could empty it (the guest's memory stays mapped in the
+/// server after its front end leaves, so it can go on after that too). The queue thread
+/// serves it without end; yet a front end that leaves is followed by a new one that is served
+/// (the old ring is served no more), and stop ends in seconds: each waits for the queue
+/// threads of the connection that ended, which must not keep serving a ring that is never
+/// empty.
+#[test]
+fn a_guest_that_never_lets_its_ring_run_empty_cannot_hold_the_server() {
+    const SIZE: u16 = 256;
+    const LEN: usize = 480 << 10;
+    let s = serve("zram0");
+    let mut g = Guest::negotiate(&s.socket);
+    g.set_mem_table().unwrap();
+    g.fe.set_vring_num(0, SIZE).unwrap();
+    g.fe.set_vring_base(0, 0).unwrap();
+    let mut cfg = Guest::vring_config(0);
+    cfg.queue_max_size = SIZE;
+    cfg.queue_size = SIZE;
+    g.fe.set_vring_addr(0, &cfg).unwrap();
+    let kick = EventFd::new(EFD_NONBLOCK).unwrap();
+    let call = EventFd::new(EFD_NONBLOCK).unwrap();
+    g.fe.set_vring_kick(0, &kick).unwrap();
+    g.fe.set_vring_call(0, &call).unwrap();
+    g.fe.set_vring_enable(0, true).unwrap();
+    // Head 0: a write of LEN bytes at sector 0.
+    let (hdr, status) = g.header(0, T_OUT, 0);
+    g.write_mem(req_area(0) + DATA_OFF, &pattern(LEN, 9));
+    g.write_descs(
+        0,
+        &[
+            Desc(hdr, 16, F_NEXT),
+            Desc(req_area(0) + DATA_OFF, LEN as u32, F_NEXT),
+            Desc(status, 1, F_WRITE),
+        ],
+    );
+    let mem = g.mem.try_clone().unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let used_at = ring(0) + USED_OFF + 2;
+    let feeder = std::thread::spawn(move || {
+        let r = ring(0);
+        let (mut avail, mut offered) = (0u16, 0u64);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline {
+            let mut used = [0u8; 2];
+            mem.read_exact_at(&mut used, used_at).unwrap();
+            let used = u16::from_le_bytes(used);
+            // The ring full (more would be a broken ring, which the server stops at), then a
+            // kick.
+            let mut more = false;
+            while avail.wrapping_sub(used) < SIZE {
+                let slot = u64::from(avail % SIZE);
+                mem.write_all_at(&0u16.to_le_bytes(), r + AVAIL_OFF + 4 + 2 * slot)
+                    .unwrap();
+                avail = avail.wrapping_add(1);
+                mem.write_all_at(&avail.to_le_bytes(), r + AVAIL_OFF + 2)
+                    .unwrap();
+                more = true;
+                offered += 1;
+            }
+            if more {
+                let _ = kick.write(1);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        offered
+    });
+    // The queue thread is serving the endless ring.
+    std::thread::sleep(Duration::from_millis(500));
+    let used_then = g.u16_at(used_at);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_ne!(
+        g.u16_at(used_at),
+        used_then,
+        "the endless ring is not being served"
+    );
+    assert_eq!(g.status(0), S_OK);
+
+    // The front end leaves while the ring is still fed: the next one is served. (On another
+    // thread, as the stop below: a server that never took the next front end would hang
+    // this test, not fail it.)
+    let probe = g.mem.try_clone().unwrap();
+    let used_now = move || {
+        let mut used = [0u8; 2];
+        probe.read_exact_at(&mut used, used_at).unwrap();
+        u16::from_le_bytes(used)
+    };
+    drop(g);
+    let socket = s.socket.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut g2 = Guest::connect(&socket);
+        g2.assert_served(6);
+        let _ = tx.send(());
+        // Connected until the stop below.
+        std::thread::sleep(Duration::from_secs(30));
+    });
+    if rx.recv_timeout(Duration::from_secs(10)).is_err() {
+        // (The feeder stops first: the server's teardown as this test unwinds waits for it.)
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        panic!("the next front end was not served in 10 s after one left with its guest feeding its ring");
+    }
+    // The old ring, still fed, is served no more.
+    let used_then = used_now();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(used_now(), used_then, "the old ring is still served");
+
+    // And stop, with the old guest still feeding its ring, ends in seconds. (On another
+    // thread: a stop that hung would hang this test, not fail it.)
+    let mut s = s;
+    let export = s.export.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        export.stop();
+        let _ = tx.send(());
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_secs(10)).is_ok(),
+        "stop did not end in 10 s with a guest feeding its ring"
+    );
+    assert!(!s.socket.exists());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let offered = feeder.join().unwrap();
+    assert!(offered > 300, "only {offered} requests offered");
+}

@@ -212,9 +212,36 @@ fn check_files(dev: &Path, pages: &Path) {
     run(Command::new("umount").arg(mnt));
 }
 
+/// The first block of zram1 while the first guest reboots: the boot after the reboot finds it
+/// (zram1 is fresh when the server starts, and the swap that follows overwrites it).
+const REBOOT_MARK: &[u8] = b"UZRAM-VHOST: rebooting, zram0 holds the files\n";
+
+/// Whether zram1 starts with [`REBOOT_MARK`]: the first guest's second boot.
+fn rebooted(swap: &Path) -> bool {
+    let mut head = vec![0u8; REBOOT_MARK.len()];
+    std::fs::File::open(swap)
+        .unwrap()
+        .read_exact(&mut head)
+        .unwrap();
+    head == REBOOT_MARK
+}
+
 /// The first guest: zram0 is checked, written with fio, discarded, given a filesystem of real
-/// pages, reset as at a reboot; zram1 is its swap.
+/// pages, reset as at a reboot; then the guest really reboots (`reboot -f`: the machine
+/// resets in the same QEMU, the server keeps running, the kernel boots again and runs this
+/// test again), finds the filesystem intact and swaps on zram1.
 fn guest_first(pages: &Path) {
+    let swap = disk_with_serial("zram1");
+    if rebooted(&swap) {
+        // The second boot: the virtio-blk disks were negotiated anew on the same vhost-user
+        // connections (a machine reset stops the rings; the new kernel sets them up again).
+        let dev = disk_with_serial("zram0");
+        assert_eq!(sysfs(&dev, "size"), (DISK_BYTES >> 9).to_string());
+        check_files(&dev, pages);
+        println!("zram0 intact after a reboot");
+        guest_swap(&swap);
+        return;
+    }
     let dev = disk_with_serial("zram0");
     // The virtio-blk config space: size, zram's 4 KiB blocks, discard in pages, the serial
     // (GET_ID) is the device's name, one hardware queue per virtqueue, a write-back cache.
@@ -283,8 +310,26 @@ fn guest_first(pages: &Path) {
     check_files(&dev, pages);
     println!("zram0 intact after a device reset");
 
-    guest_swap(&disk_with_serial("zram1"));
+    // The reboot: the mark goes to zram1 (written through, flushed), then the machine resets
+    // as `reboot` does once user space has stopped. scripts/zoned-vm --reboots 1 lets QEMU
+    // boot again (and fails a second reboot or a panic).
+    let mut block = vec![0u8; PAGE];
+    block[..REBOOT_MARK.len()].copy_from_slice(REBOOT_MARK);
+    let mut f = std::fs::OpenOptions::new().write(true).open(&swap).unwrap();
+    std::io::Write::write_all(&mut f, &block).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(rebooted(&swap));
+    println!("{REBOOT_PRINT}");
+    // Our output is on a serial port (scripts/zoned-vm): let it leave the VM before the reset.
+    // SAFETY: tcdrain only waits on file descriptor 1, which stays open.
+    unsafe { libc::tcdrain(1) };
+    run(Command::new("reboot").arg("-f"));
+    std::thread::sleep(Duration::from_secs(120));
+    panic!("the guest did not reboot");
 }
+
+const REBOOT_PRINT: &str = "UZRAM-VHOST: rebooting";
 
 fn disk_serials() -> Vec<String> {
     std::fs::read_dir("/sys/block")
@@ -484,8 +529,9 @@ fn guest_last(pages: &Path) {
 const KILL_MARK: &str = "UZRAM-VHOST: fio running";
 const CONNECTED_MARK: &str = "UZRAM-VHOST: checked, staying connected";
 
-/// `scripts/zoned-vm` arguments for a guest of `mem_mb` with `sockets` as its disks.
-fn vm_args(sockets: &[&Path], mem_mb: u32, pages: &Path) -> Vec<String> {
+/// `scripts/zoned-vm` arguments for a guest of `mem_mb` with `sockets` as its disks that may
+/// reboot `reboots` times.
+fn vm_args(sockets: &[&Path], mem_mb: u32, pages: &Path, reboots: u32) -> Vec<String> {
     // A generous timeout: the first guest's swap rounds take minutes under TCG on a busy
     // machine.
     let mut args: Vec<String> = [
@@ -499,6 +545,8 @@ fn vm_args(sockets: &[&Path], mem_mb: u32, pages: &Path) -> Vec<String> {
     .map(String::from)
     .to_vec();
     args.push(mem_mb.to_string());
+    args.push("--reboots".into());
+    args.push(reboots.to_string());
     for s in sockets {
         args.push("--vhost-user-blk".into());
         args.push(s.to_string_lossy().into_owned());
@@ -642,20 +690,27 @@ fn vhost_user_guests() {
     let [disk, swap] = [s.sockets[0].clone(), s.sockets[1].clone()];
 
     // 1. A guest uses zram0 as its disk (fio, discard, a filesystem, a device reset as at a
-    // reboot) and zram1 as its swap.
-    vm_support::boot_test(
+    // reboot, then a real reboot in the same QEMU) and zram1 as its swap.
+    let out = vm_support::boot_test(
         NAME,
-        &vm_args(&[&disk, &swap], 384, &pages),
+        &vm_args(&[&disk, &swap], 384, &pages, 1),
         &[
             ("UZRAM_VHOST_PAGES", pages_s),
             ("UZRAM_VHOST_STEP", "first"),
         ],
     );
+    // It rebooted once, in the same QEMU, and found zram0 intact.
+    let after = out
+        .split_once(REBOOT_PRINT)
+        .unwrap_or_else(|| panic!("the guest did not reboot:\n{out}"))
+        .1;
+    assert!(after.contains("zram0 intact after a reboot"), "{out}");
+    assert!(s.child.try_wait().unwrap().is_none(), "the server died");
 
     // 2. A guest writing to zram1 when its QEMU is killed (-9): the server goes on.
     let mut g = Guest::start(
         NAME,
-        &vm_args(&[&swap], 512, &pages),
+        &vm_args(&[&swap], 512, &pages, 0),
         &[
             ("UZRAM_VHOST_PAGES", pages_s),
             ("UZRAM_VHOST_STEP", "killed"),
@@ -671,7 +726,7 @@ fn vhost_user_guests() {
     // 3. A new QEMU: zram0's filesystem is intact, zram1 is served; it stays connected.
     let mut g = Guest::start(
         NAME,
-        &vm_args(&[&disk, &swap], 512, &pages),
+        &vm_args(&[&disk, &swap], 512, &pages, 0),
         &[("UZRAM_VHOST_PAGES", pages_s), ("UZRAM_VHOST_STEP", "last")],
     );
     g.wait_for(CONNECTED_MARK);

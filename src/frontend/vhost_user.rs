@@ -7,8 +7,8 @@
 //!
 //! Threads: one *connection thread* per device accepts one front end at a time and runs its
 //! vhost-user messages (inside `vhost-user-backend`); one *queue thread* per virtqueue
-//! ([`VhostUserConfig::nr_queues`], created when the export starts and kept across
-//! connections) serves that queue's requests synchronously.
+//! ([`VhostUserConfig::nr_queues`], made for each connection and joined when it ends) serves
+//! that queue's requests synchronously, until its ring is empty or the connection has ended.
 //!
 //! Nothing the guest gives is trusted: every descriptor is resolved through
 //! `vm-memory`'s checked `get_slices` (a buffer outside guest memory fails the request with
@@ -101,6 +101,13 @@ struct BlkBackend {
     bounce: Vec<Mutex<Box<[u8]>>>,
     /// The notifiers that stop the current daemon's queue threads, one per thread.
     exits: Mutex<Vec<EventNotifier>>,
+    /// Set when a front end's connection ends (`end_connection`), cleared by the connection
+    /// thread before it accepts the next one (by then the old queue threads have been
+    /// joined). A queue thread checks it before every request it takes: a guest that keeps
+    /// its ring full (its memory is still mapped after its front end is gone) cannot keep the
+    /// thread serving, and with it the connection's teardown (which joins the thread) or
+    /// `stop` waiting, forever.
+    conn_ended: AtomicBool,
 }
 
 impl BlkBackend {
@@ -125,6 +132,7 @@ impl BlkBackend {
 
     /// After a front end left: stops its daemon's queue threads and drops its guest memory.
     fn end_connection(&self) {
+        self.conn_ended.store(true, Ordering::Release);
         for n in self.exits.lock().drain(..) {
             let _ = n.notify();
         }
@@ -143,7 +151,8 @@ impl BlkBackend {
             return served;
         };
         let mut bounce = bounce.lock();
-        loop {
+        // Not past the end of the connection (`conn_ended`): the ring may never run empty.
+        while !self.conn_ended.load(Ordering::Acquire) {
             let chain = vring
                 .get_mut()
                 .get_queue_mut()
@@ -535,6 +544,7 @@ impl VhostUserExport {
                 .map(|_| Mutex::new(vec![0u8; BOUNCE_BYTES].into_boxed_slice()))
                 .collect(),
             exits: Mutex::new(Vec::new()),
+            conn_ended: AtomicBool::new(false),
         });
         // A daemon (its message handler and queue threads) per connection: the library's
         // handler keeps a front end's ownership after it disconnects, so a new front end is
@@ -565,6 +575,9 @@ impl VhostUserExport {
                             break;
                         }
                     };
+                    // The previous connection's queue threads were joined when its daemon was
+                    // dropped: the new ones may serve.
+                    backend2.conn_ended.store(false, Ordering::Release);
                     if let Err(e) = daemon.start(&mut listener) {
                         // accept() failed (e.g. out of file descriptors, or a connection that
                         // aborted): the socket goes on accepting, after a pause so that a

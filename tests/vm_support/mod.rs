@@ -87,7 +87,7 @@ pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
 /// environment variables `env` (whose names must start with `UZRAM_` to reach the VM), and
 /// asserts that it ran and passed.
 #[allow(dead_code)]
-pub fn boot_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) {
+pub fn boot_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) -> String {
     let script = vm_script();
     let exe = std::env::current_exe().expect("the test binary's path");
     let out = Command::new(&script)
@@ -111,6 +111,7 @@ pub fn boot_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) {
         stdout.contains("test result: ok. 1 passed"),
         "{name} did not run in the VM; its output is above"
     );
+    stdout.into_owned()
 }
 
 /// Outside the VM: boots it with `vm_args` in the background, running test `name` of this
