@@ -13,6 +13,7 @@ use uzram::writeback::{BackingLayout, WritebackReport, WritebackSpec};
 use uzram::ErrorKind;
 
 mod fault_support;
+mod nbd_support;
 mod page_support;
 
 use fault_support::{NbdBacking, NbdFaults, SmallTmpfs};

@@ -227,31 +227,6 @@ fn fio_nbd_engine_verifies_crc32c() {
     }
 }
 
-/// Unmounts, detaches and kills on drop, so a failing assertion leaves nothing mounted.
-struct KernelStack {
-    fuse_dir: std::path::PathBuf,
-    mnt: std::path::PathBuf,
-    loop_dev: Option<String>,
-    nbdfuse: Option<std::process::Child>,
-}
-
-impl Drop for KernelStack {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mnt).output();
-        if let Some(l) = &self.loop_dev {
-            let _ = Command::new("losetup").args(["-d", l]).output();
-        }
-        let _ = Command::new("fusermount3")
-            .arg("-u")
-            .arg(&self.fuse_dir)
-            .output();
-        if let Some(mut c) = self.nbdfuse.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 fn sha256(path: &Path) -> String {
     let out = run(Command::new("sha256sum").arg(path));
     String::from_utf8_lossy(&out.stdout)
@@ -279,41 +254,19 @@ fn kernel_block_device_via_nbdfuse_and_loop_ext4() {
     let mnt = dir.path().join("mnt");
     std::fs::create_dir(&fuse_dir).unwrap();
     std::fs::create_dir(&mnt).unwrap();
-    let mut k = KernelStack {
-        fuse_dir: fuse_dir.clone(),
-        mnt: mnt.clone(),
-        loop_dev: None,
-        nbdfuse: None,
-    };
     // nbdfuse in the foreground (as a child we own), exposing the export as fuse/nbd, with
     // several connections (the export allows multi-conn).
-    k.nbdfuse = Some(
+    let mut k = NbdLoop::attach(
         Command::new("nbdfuse")
             .args(["-C", "2"])
             .arg(&fuse_dir)
-            .arg(srv.uri())
-            .spawn()
-            .expect("nbdfuse"),
+            .arg(srv.uri()),
+        &fuse_dir,
+        128 * MIB,
+        &[],
     );
-    let file = fuse_dir.join("nbd");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0) != 128 * MIB {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "nbdfuse did not expose {}",
-            file.display()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let out = run(Command::new("losetup")
-        .args(["--find", "--show"])
-        .arg(&file));
-    let loop_dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    assert!(
-        loop_dev.starts_with("/dev/loop"),
-        "losetup gave {loop_dev:?}"
-    );
-    k.loop_dev = Some(loop_dev.clone());
+    k.mnt = Some(mnt.clone());
+    let loop_dev = k.dev().to_string();
 
     run(Command::new("mkfs.ext4").args(["-q", "-F", &loop_dev]));
     run(Command::new("mount").arg(&loop_dev).arg(&mnt));

@@ -323,11 +323,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 ..Default::default()
             };
             let doc = crate::gc::run(&corpus, &opts)?;
-            let path = crate::json_path(a.json.as_deref(), "gc");
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            plot_if(a.plot.as_deref(), &doc)?;
-            Ok(())
+            write_results(a.json.as_deref(), "gc", &doc, a.plot.as_deref())
         }
         BenchCommand::Store(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;
@@ -339,11 +335,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 ..Default::default()
             };
             let doc = crate::store::run(&corpus, &opts)?;
-            let path = crate::json_path(a.json.as_deref(), "store");
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            plot_if(a.plot.as_deref(), &doc)?;
-            Ok(())
+            write_results(a.json.as_deref(), "store", &doc, a.plot.as_deref())
         }
         BenchCommand::Free(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;
@@ -354,11 +346,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 repeats: a.repeats,
             };
             let doc = crate::free::run(&corpus, &opts)?;
-            let path = crate::json_path(a.json.as_deref(), "free");
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            plot_if(a.plot.as_deref(), &doc)?;
-            Ok(())
+            write_results(a.json.as_deref(), "free", &doc, a.plot.as_deref())
         }
         BenchCommand::Multipage(a) => {
             let path = a.corpus.as_path();
@@ -383,11 +371,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 no_kernel: a.no_kernel,
             };
             let doc = crate::multipage::run(&corpus, &opts)?;
-            let path = crate::json_path(a.json.as_deref(), "multipage");
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            plot_if(a.plot.as_deref(), &doc)?;
-            Ok(())
+            write_results(a.json.as_deref(), "multipage", &doc, a.plot.as_deref())
         }
         BenchCommand::Vm(a) => {
             let opts = crate::vm::VmBenchOptions {
@@ -402,10 +386,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 return Ok(());
             }
             let doc = crate::vm::run(&opts)?;
-            let path = crate::json_path(a.json.as_deref(), "vm");
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            Ok(())
+            write_results(a.json.as_deref(), "vm", &doc, None)
         }
         BenchCommand::Nbd(a) => {
             for rw in &a.rw {
@@ -431,11 +412,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     .map(|v| v as usize),
             };
             let doc = crate::nbd::run(&opts)?;
-            let path = crate::json_path(a.json.as_deref(), "nbd");
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            plot_if(a.plot.as_deref(), &doc)?;
-            Ok(())
+            write_results(a.json.as_deref(), "nbd", &doc, a.plot.as_deref())
         }
         BenchCommand::Recompress(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;
@@ -450,11 +427,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 ..Default::default()
             };
             let doc = crate::recompress::run(&corpus, &opts)?;
-            let path = crate::json_path(a.json.as_deref(), "recompress");
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            plot_if(a.plot.as_deref(), &doc)?;
-            Ok(())
+            write_results(a.json.as_deref(), "recompress", &doc, a.plot.as_deref())
         }
         BenchCommand::Writeback(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;
@@ -469,11 +442,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     progress: !a.no_progress,
                 };
                 let doc = crate::remote::run(&corpus, &opts)?;
-                let path = crate::json_path(a.json.as_deref(), "writeback-nbd");
-                crate::write_json(&path, &doc)?;
-                println!("wrote {}", path.display());
-                plot_if(a.plot.as_deref(), &doc)?;
-                return Ok(());
+                return write_results(a.json.as_deref(), "writeback-nbd", &doc, a.plot.as_deref());
             }
             let layouts = a
                 .layout
@@ -508,18 +477,25 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             } else {
                 (crate::writeback::run(&corpus, &opts)?, "writeback")
             };
-            let path = crate::json_path(a.json.as_deref(), name);
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            plot_if(a.plot.as_deref(), &doc)?;
-            Ok(())
+            write_results(a.json.as_deref(), name, &doc, a.plot.as_deref())
         }
     }
 }
 
 /// `--plot FILE`: draws the benchmark's main comparison (see [`crate::plot`]).
-fn plot_if(path: Option<&std::path::Path>, doc: &serde_json::Value) -> anyhow::Result<()> {
-    if let Some(path) = path {
+/// Writes a benchmark's JSON document where `--json` asked (by default
+/// `bench/results/NAME-UNIXTIME.json`), and its plot where `--plot` asked; says where each
+/// went.
+fn write_results(
+    json: Option<&std::path::Path>,
+    name: &str,
+    doc: &serde_json::Value,
+    plot: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let path = crate::json_path(json, name);
+    crate::write_json(&path, doc)?;
+    println!("wrote {}", path.display());
+    if let Some(path) = plot {
         crate::plot::plot(doc, path)?;
         println!("wrote {}", path.display());
     }

@@ -286,6 +286,31 @@ fn have(program: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Serves `device` as export `zram0` on the unix socket `DIR/NAME.sock`, with the server
+/// `uzram serve` runs (in this process): the guard that stops it, and the target `name`.
+fn serve_device(dir: &Path, name: &'static str, device: Arc<Device>) -> Result<(Guard, Target)> {
+    let socket = dir.join(format!("{name}.sock"));
+    let server = Server::start(
+        vec![Export::new("zram0", device as Arc<dyn BlockDevice>)],
+        &[Listen::Unix {
+            path: socket.clone(),
+            export: "zram0".into(),
+        }],
+        ServerConfig {
+            log_errors: false,
+            ..ServerConfig::default()
+        },
+    )?;
+    let target = Target {
+        name,
+        access: Access::Nbd(format!("nbd+unix:///zram0?socket={}", socket.display())),
+        max_jobs: u32::MAX,
+        max_iodepth: u32::MAX,
+        fill: true,
+    };
+    Ok((Guard::Server(server), target))
+}
+
 /// Runs the benchmark; prints progress and the tables, returns the JSON document.
 pub fn run(opts: &NbdBenchOptions) -> Result<serde_json::Value> {
     if !have("fio") {
@@ -308,52 +333,18 @@ pub fn run(opts: &NbdBenchOptions) -> Result<serde_json::Value> {
         disksize_bytes: opts.size_bytes,
         ..Default::default()
     })?);
-    let socket = dir.path.join("uzram.sock");
-    let server = Server::start(
-        vec![Export::new("zram0", device as Arc<dyn BlockDevice>)],
-        &[Listen::Unix {
-            path: socket.clone(),
-            export: "zram0".into(),
-        }],
-        ServerConfig {
-            log_errors: false,
-            ..ServerConfig::default()
-        },
-    )?;
-    guards.push(Guard::Server(server));
-    targets.push(Target {
-        name: "uzram",
-        access: Access::Nbd(format!("nbd+unix:///zram0?socket={}", socket.display())),
-        max_jobs: u32::MAX,
-        max_iodepth: u32::MAX,
-        fill: true,
-    });
+    let (guard, target) = serve_device(&dir.path, "uzram", device)?;
+    guards.push(guard);
+    targets.push(target);
     let mut multi_device = None;
     if let Some(mps) = opts.multi_page_size {
         let device = Arc::new(Device::new_uninit(4096)?);
         device.attr_store("multi_page_size", &mps.to_string())?;
         device.attr_store("disksize", &opts.size_bytes.to_string())?;
         multi_device = Some(device.clone());
-        let socket = dir.path.join("uzram-multi.sock");
-        let server = Server::start(
-            vec![Export::new("zram0", device as Arc<dyn BlockDevice>)],
-            &[Listen::Unix {
-                path: socket.clone(),
-                export: "zram0".into(),
-            }],
-            ServerConfig {
-                log_errors: false,
-                ..ServerConfig::default()
-            },
-        )?;
-        guards.push(Guard::Server(server));
-        targets.push(Target {
-            name: "uzram-multi",
-            access: Access::Nbd(format!("nbd+unix:///zram0?socket={}", socket.display())),
-            max_jobs: u32::MAX,
-            max_iodepth: u32::MAX,
-            fill: true,
-        });
+        let (guard, target) = serve_device(&dir.path, "uzram-multi", device)?;
+        guards.push(guard);
+        targets.push(target);
     }
 
     if opts.no_nbdkit {

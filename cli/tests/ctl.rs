@@ -3,9 +3,10 @@
 
 #[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
+mod serve_support;
 
 use nbd_support::*;
-use std::io::{BufRead, BufReader};
+use serve_support::{ctl_in, uri_in, wait_serving};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -23,20 +24,11 @@ impl Running {
         self.dir.path()
     }
     fn uri(&self, name: &str) -> String {
-        format!(
-            "nbd+unix:///{name}?socket={}",
-            self.dir().join(format!("{name}.sock")).display()
-        )
+        uri_in(self.dir(), name)
     }
     /// `uzram ctl --dir DIR ARGS...`.
     fn ctl(&self, args: &[&str]) -> Output {
-        Command::new(BIN)
-            .arg("ctl")
-            .arg("--dir")
-            .arg(self.dir())
-            .args(args)
-            .output()
-            .unwrap()
+        ctl_in(self.dir(), args)
     }
     fn status(&self, args: &[&str]) -> String {
         let out = Command::new(BIN)
@@ -105,14 +97,7 @@ fn serve_in(dir: tempfile::TempDir, args: &[&str], prefix: &[&str]) -> Running {
         .stderr(stderr)
         .spawn()
         .unwrap();
-    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut serving = false;
-    for line in lines {
-        if line.unwrap().starts_with("serving") {
-            serving = true;
-            break;
-        }
-    }
+    let (_, serving) = wait_serving(child.stdout.take().unwrap());
     let r = Running { child, dir };
     assert!(serving, "uzram serve did not start: {}", r.log());
     r

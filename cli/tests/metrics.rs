@@ -5,9 +5,11 @@
 
 #[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
+mod serve_support;
 
 use nbd_support::*;
-use std::io::{BufRead, BufReader, Read, Write};
+use serve_support::{ctl_in, uri_in, wait_serving};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -27,19 +29,10 @@ impl Running {
         self.dir.path()
     }
     fn uri(&self, name: &str) -> String {
-        format!(
-            "nbd+unix:///{name}?socket={}",
-            self.dir().join(format!("{name}.sock")).display()
-        )
+        uri_in(self.dir(), name)
     }
     fn ctl(&self, args: &[&str]) -> Output {
-        Command::new(BIN)
-            .arg("ctl")
-            .arg("--dir")
-            .arg(self.dir())
-            .args(args)
-            .output()
-            .unwrap()
+        ctl_in(self.dir(), args)
     }
     fn show(&self, dev: &str, attr: &str) -> String {
         let out = self.ctl(&["--dev", dev, attr]);
@@ -101,16 +94,7 @@ fn try_serve(args: &[&str]) -> Result<Running, String> {
         .stderr(stderr)
         .spawn()
         .unwrap();
-    let mut banner = Vec::new();
-    let mut serving = false;
-    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-        let line = line.unwrap();
-        if line.starts_with("serving") {
-            serving = true;
-            break;
-        }
-        banner.push(line);
-    }
+    let (banner, serving) = wait_serving(child.stdout.take().unwrap());
     let r = Running { child, dir, banner };
     if serving {
         Ok(r)

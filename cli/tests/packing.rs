@@ -9,47 +9,14 @@
 //! class, and objects above the large pages' huge threshold taking a whole device page.
 //! The figures are printed (`--nocapture`).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
+mod corpus_support;
+
+use corpus_support::corpus_64k_path;
 use uzram::device::{Device, DeviceConfig};
 use uzram_bench::corpus::Corpus;
 
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 /// The bound on `mem_used_total / compr_data_size`.
 const MAX_RATIO: f64 = 1.05;
-
-/// A 64 KiB-page corpus of every program `uzram corpus` knows (1024 pages each, about 240 MiB),
-/// made once per build directory. At this sample size 4 KiB pages meet the bound too; smaller
-/// samples give the partly filled zspages of every class (a fixed cost) a larger share.
-fn corpus_path() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("packing");
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("pages-64k.bin");
-        if Corpus::load(&path).is_err() {
-            let out = Command::new(BIN)
-                .args([
-                    "corpus",
-                    "--page-size",
-                    "65536",
-                    "--pages-per-program",
-                    "1024",
-                ])
-                .arg("--out")
-                .arg(&path)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "uzram corpus failed:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        path
-    })
-}
 
 /// Writes the corpus to a fresh device of `page_bytes` pages with `algorithm`, checks that it
 /// reads back and returns `(compr_data_size, mem_used_total)`.
@@ -79,7 +46,7 @@ fn store_corpus(corpus: &Corpus, page_bytes: usize, algorithm: &str) -> (u64, u6
 
 #[test]
 fn mem_used_total_stays_within_5_percent_of_compr_data_size_at_every_page_size() {
-    let corpus = Corpus::load(corpus_path()).unwrap();
+    let corpus = Corpus::load(corpus_64k_path()).unwrap();
     assert_eq!(corpus.page_size_bytes(), 65536);
     let mut failures = Vec::new();
     for algorithm in ["lz4", "zstd"] {

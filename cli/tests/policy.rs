@@ -4,17 +4,19 @@
 //! and comparing them after the policies acted. And the compaction target: after a 50% random
 //! discard of real program pages, packing back to at most 1.05 with no manual step.
 
+mod corpus_support;
 #[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
 mod serve_support;
 
+use corpus_support::corpus_64k_path;
 use nbd_support::{require, run};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serve_support::{serve_config, Server, BIN};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uzram::clock::SystemClock;
 use uzram::device::{Device, DeviceConfig};
@@ -177,37 +179,6 @@ policy = {{ period_s = 1, idle_age_s = 1, writeback_age_s = 3 }}
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
 
-/// A 64 KiB-page corpus of every program `uzram corpus` knows (shared with
-/// `cli/tests/packing.rs`: the same file in the same place, made once per build directory).
-fn corpus_path() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("packing");
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("pages-64k.bin");
-        if Corpus::load(&path).is_err() {
-            let out = Command::new(BIN)
-                .args([
-                    "corpus",
-                    "--page-size",
-                    "65536",
-                    "--pages-per-program",
-                    "1024",
-                ])
-                .arg("--out")
-                .arg(&path)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "uzram corpus failed:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        path
-    })
-}
-
 /// The target: after a 50% random discard of real pages, `mem_used_total /
 /// compr_data_size` back to at most 1.05 by the compaction policy alone (the policy thread on
 /// the real clock; nobody calls `compact`).
@@ -218,7 +189,7 @@ fn compaction_policy_repacks_a_half_discarded_pool_to_1_05() {
     // (1.0469..1.0508 over four seeds, docs/policies.md), and just above it on some: the
     // partly filled zspages compaction leaves in every class weigh more in a half-empty pool.
     const BOUND: f64 = TARGET + 0.01;
-    let corpus = Corpus::load(corpus_path()).unwrap();
+    let corpus = Corpus::load(corpus_64k_path()).unwrap();
     let data = corpus.pages_bytes();
     let pages = data.len() / 4096;
     let dev = Arc::new(

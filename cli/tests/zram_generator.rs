@@ -5,9 +5,10 @@
 
 #[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
+mod serve_support;
 
 use nbd_support::*;
-use std::io::{BufRead, BufReader};
+use serve_support::{ctl_in, wait_serving};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -29,12 +30,7 @@ struct Running {
 
 impl Running {
     fn show(&self, dev: &str, attr: &str) -> String {
-        let out = Command::new(BIN)
-            .args(["ctl", "--dir"])
-            .arg(self.dir.path())
-            .args(["--dev", dev, attr])
-            .output()
-            .unwrap();
+        let out = ctl_in(self.dir.path(), &["--dev", dev, attr]);
         assert!(out.status.success(), "{out:?}");
         String::from_utf8(out.stdout).unwrap()
     }
@@ -73,17 +69,8 @@ fn serve(args: &[&str], env: &[(&str, String)]) -> Result<Running, (String, Stri
         .stderr(stderr)
         .spawn()
         .unwrap();
-    let mut out = String::new();
-    let mut serving = false;
-    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-        let line = line.unwrap();
-        if line.starts_with("serving") {
-            serving = true;
-            break;
-        }
-        out.push_str(&line);
-        out.push('\n');
-    }
+    let (banner, serving) = wait_serving(child.stdout.take().unwrap());
+    let out = banner.iter().map(|l| format!("{l}\n")).collect();
     let r = Running { child, dir, out };
     if serving {
         Ok(r)

@@ -13,7 +13,6 @@ use nbd_support::*;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const MIB: u64 = 1 << 20;
@@ -138,72 +137,23 @@ fn qemu_io(uri: &str, cmds: &[&str]) {
     assert!(!text.contains("Pattern verification failed"), "{text}");
 }
 
-/// `/dev/zramN` for the kernel: the export through nbdfuse and a loop device. Unmounts,
-/// detaches and stops on drop.
-struct BlockDev {
-    fuse_dir: PathBuf,
-    mnt: PathBuf,
-    loop_dev: Option<String>,
-    nbdfuse: Option<Child>,
-}
-
-impl BlockDev {
-    fn new(uri: &str, size: u64, dir: &Path) -> BlockDev {
-        for p in ["nbdfuse", "fusermount3", "losetup", "mount", "umount"] {
-            require(p);
-        }
-        let fuse_dir = dir.join("fuse");
-        let mnt = dir.join("mnt");
-        std::fs::create_dir_all(&fuse_dir).unwrap();
-        std::fs::create_dir_all(&mnt).unwrap();
-        let mut b = BlockDev {
-            fuse_dir: fuse_dir.clone(),
-            mnt,
-            loop_dev: None,
-            nbdfuse: None,
-        };
-        b.nbdfuse = Some(
-            Command::new("nbdfuse")
-                .arg(&fuse_dir)
-                .arg(uri)
-                .spawn()
-                .expect("nbdfuse"),
-        );
-        let file = fuse_dir.join("nbd");
-        let t = Instant::now();
-        while std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0) != size {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "nbdfuse did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let out = run(Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(&file));
-        b.loop_dev = Some(String::from_utf8_lossy(&out.stdout).trim().to_string());
-        b
+/// `/dev/zramN` for the kernel: the export through nbdfuse and a loop device, and a mount
+/// point `DIR/mnt` for it. Unmounts, detaches and stops on drop.
+fn block_dev(uri: &str, size: u64, dir: &Path) -> (NbdLoop, PathBuf) {
+    for p in ["mount", "umount"] {
+        require(p);
     }
-    fn dev(&self) -> &str {
-        self.loop_dev.as_deref().unwrap()
-    }
-}
-
-impl Drop for BlockDev {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mnt).output();
-        if let Some(l) = &self.loop_dev {
-            let _ = Command::new("losetup").args(["-d", l]).output();
-        }
-        let _ = Command::new("fusermount3")
-            .arg("-u")
-            .arg(&self.fuse_dir)
-            .output();
-        if let Some(mut c) = self.nbdfuse.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+    let fuse_dir = dir.join("fuse");
+    let mnt = dir.join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mut b = NbdLoop::attach(
+        Command::new("nbdfuse").arg(&fuse_dir).arg(uri),
+        &fuse_dir,
+        size,
+        &[],
+    );
+    b.mnt = Some(mnt.clone());
+    (b, mnt)
 }
 
 /// zram_lib.sh's zram_compress_alg, zram_set_disksizes and zram_set_memlimit, then zram01's
@@ -237,12 +187,12 @@ fn ltp_and_selftest_zram01() {
         require(p);
     }
     let work = tempfile::tempdir().unwrap();
-    let b = BlockDev::new(&r.uri("zram0"), 26214400, work.path());
+    let (b, mnt) = block_dev(&r.uri("zram0"), 26214400, work.path());
     run(Command::new("mkfs.ext2").args(["-q", "-F", b.dev()]));
-    run(Command::new("mount").arg(b.dev()).arg(&b.mnt));
+    run(Command::new("mount").arg(b.dev()).arg(&mnt));
     let out = Command::new("dd")
         .args(["if=/dev/zero", "bs=1024", "status=none", "conv=notrunc"])
-        .arg(format!("of={}", b.mnt.join("file").display()))
+        .arg(format!("of={}", mnt.join("file").display()))
         .output()
         .unwrap();
     assert!(
@@ -254,7 +204,7 @@ fn ltp_and_selftest_zram01() {
         "{out:?}"
     );
     run(&mut Command::new("sync"));
-    let kib = std::fs::metadata(b.mnt.join("file")).unwrap().len() / 1024;
+    let kib = std::fs::metadata(mnt.join("file")).unwrap().len() / 1024;
     assert!(kib > 20_000, "filled {kib} KiB");
     // LTP: v = 100 * 1024 * b / compr_size must be at least 100 (ratio 1:1).
     let compr = r.col("zram0", "mm_stat", 1);
@@ -281,7 +231,7 @@ fn ltp_and_selftest_zram02() {
     let r = serve(1);
     r.set("zram0", "disksize", "1048576");
     let work = tempfile::tempdir().unwrap();
-    let b = BlockDev::new(&r.uri("zram0"), MIB, work.path());
+    let (b, _) = block_dev(&r.uri("zram0"), MIB, work.path());
     run(Command::new("mkswap").arg(b.dev()));
     let out = run(Command::new("blkid").args(["-p", "-o", "value", "-s", "TYPE", b.dev()]));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "swap");

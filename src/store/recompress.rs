@@ -301,28 +301,18 @@ impl Store {
         StoreStats::add(&self.stats.recomp_tried, 1);
         // Memory taken in the pool: a size class, or a run's pages plus its tail's class.
         let footprint_old = self.pool.footprint_bytes(old_size);
-        let mut found = None;
-        for prio in lo..range.hi {
-            // The priority's current dictionary generation (stable: installing one takes
-            // `pp_lock`, which this run holds).
-            let Some((id, codec)) = self.codecs.current(prio) else {
-                continue;
-            };
-            let len = match codec.compress(page, dst) {
-                Ok(len) => len,
-                Err(e) => {
-                    self.clear_pp_if(index, raw);
-                    return Err(e);
-                }
-            };
-            if len < self.huge_threshold_bytes
+        let shrinks = |len: usize| {
+            len < self.huge_threshold_bytes
                 && self.pool.footprint_bytes(len) < footprint_old
                 && (threshold == 0 || len < threshold)
-            {
-                found = Some((id, len));
-                break;
+        };
+        let found = match self.first_shrinking(page, dst, lo..range.hi, shrinks) {
+            Ok(found) => found,
+            Err(e) => {
+                self.clear_pp_if(index, raw);
+                return Err(e);
             }
-        }
+        };
         let Some((id, len)) = found else {
             // The kernel marks a page INCOMPRESSIBLE only when the last codec has been tried.
             let last = range.hi > self.codecs.highest();
@@ -423,26 +413,18 @@ impl Store {
 
         StoreStats::add(&self.stats.recomp_tried, 1);
         let footprint_old = self.pool.footprint_bytes(old_size);
-        let mut found = None;
-        for prio in lo..range.hi {
-            let Some((id, codec)) = self.codecs.current(prio) else {
-                continue;
-            };
-            let len = match codec.compress(run, dst) {
-                Ok(len) => len,
-                Err(e) => {
-                    self.clear_run_pp(first);
-                    return Err(e);
-                }
-            };
-            if len < self.huge_run_bytes
+        let shrinks = |len: usize| {
+            len < self.huge_run_bytes
                 && self.pool.footprint_bytes(len) < footprint_old
                 && (threshold == 0 || per_page(len) < threshold)
-            {
-                found = Some((id, len));
-                break;
+        };
+        let found = match self.first_shrinking(run, dst, lo..range.hi, shrinks) {
+            Ok(found) => found,
+            Err(e) => {
+                self.clear_run_pp(first);
+                return Err(e);
             }
-        }
+        };
         // Under the group's locks again: the pages still pointing at the old object, all
         // still marked, or the access won.
         let relock = |guards: &mut [Option<super::SlotGuard<'_>>]| {
@@ -525,6 +507,29 @@ impl Store {
     /// What recompression priority `prio` holds (`dict_stat`).
     pub(crate) fn codecs_gen_stat(&self, prio: usize) -> Option<super::GenStat> {
         self.codecs.gen_stat(prio)
+    }
+
+    /// Step 4: compresses `src` into `dst` with the codec of each priority in `prios` in
+    /// order (at its current dictionary generation: stable, since installing one takes
+    /// `pp_lock`, which the caller holds), stopping at the first whose length `shrinks`
+    /// accepts: that codec's id and the length; `None` when no codec did.
+    fn first_shrinking(
+        &self,
+        src: &[u8],
+        dst: &mut [u8],
+        prios: std::ops::Range<usize>,
+        shrinks: impl Fn(usize) -> bool,
+    ) -> Result<Option<(u8, usize)>> {
+        for prio in prios {
+            let Some((id, codec)) = self.codecs.current(prio) else {
+                continue;
+            };
+            let len = codec.compress(src, dst)?;
+            if shrinks(len) {
+                return Ok(Some((id, len)));
+            }
+        }
+        Ok(None)
     }
 
     /// Clears PP_SLOT of slot `index` if it still holds object `raw` (a run that stops on an

@@ -8,33 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Fails the test (never skips) if `program` is missing.
-pub fn require(program: &str, package: &str) {
-    let found = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
-        .unwrap_or(false)
-        || ["/usr/sbin", "/sbin"]
-            .iter()
-            .any(|d| Path::new(d).join(program).is_file());
-    assert!(
-        found,
-        "`{program}` is missing: install Debian package {package} (scripts/debian-packages.txt)"
-    );
-}
-
-/// Runs `cmd`, asserting success; returns its stdout.
-pub fn run(cmd: &mut Command) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use crate::nbd_support::{require, run, NbdLoop};
 
 /// What the nbdkit stack injects.
 #[derive(Debug, Clone, Default)]
@@ -57,23 +31,18 @@ pub struct NbdFaults {
 pub struct NbdBacking {
     dir: tempfile::TempDir,
     nbdkit: Option<Child>,
-    nbdfuse: Option<Child>,
-    loop_dev: Option<String>,
+    stack: Option<NbdLoop>,
 }
 
 impl NbdBacking {
     /// Starts the stack over `size_bytes` of memory with `faults` (triggers off).
     pub fn start(size_bytes: u64, faults: &NbdFaults) -> NbdBacking {
-        require("nbdkit", "nbdkit");
-        require("nbdfuse", "libnbd-bin");
-        require("fusermount3", "fuse3");
-        require("losetup", "util-linux (mount)");
+        require("nbdkit");
         let dir = tempfile::tempdir().expect("tempdir");
         let mut me = NbdBacking {
             dir,
             nbdkit: None,
-            nbdfuse: None,
-            loop_dev: None,
+            stack: None,
         };
         let sock = me.dir.path().join("sock");
         let trig_w = me.trigger("writes");
@@ -95,29 +64,18 @@ impl NbdBacking {
         me.nbdkit = Some(cmd.spawn().expect("nbdkit"));
         wait_for(|| sock.exists(), "nbdkit's socket");
         let fuse_dir = me.dir.path().join("fuse");
-        std::fs::create_dir(&fuse_dir).unwrap();
-        me.nbdfuse = Some(
+        me.stack = Some(NbdLoop::attach(
             Command::new("nbdfuse")
                 .args(["-s", "-C", "1"])
                 .arg(fuse_dir.join("nbd"))
                 .arg("--unix")
                 .arg(&sock)
                 .stdout(Stdio::null())
-                .stderr(log_file(me.dir.path(), "nbdfuse.log"))
-                .spawn()
-                .expect("nbdfuse"),
-        );
-        let file = fuse_dir.join("nbd");
-        wait_for(
-            || std::fs::metadata(&file).is_ok_and(|m| m.len() == size_bytes),
-            "nbdfuse's file",
-        );
-        let dev = run(Command::new("losetup")
-            .args(["--find", "--show", "--direct-io=on"])
-            .arg(&file));
-        let dev = dev.trim().to_string();
-        assert!(dev.starts_with("/dev/loop"), "losetup gave {dev:?}");
-        me.loop_dev = Some(dev);
+                .stderr(log_file(me.dir.path(), "nbdfuse.log")),
+            &fuse_dir,
+            size_bytes,
+            &["--direct-io=on"],
+        ));
         me
     }
 
@@ -127,7 +85,7 @@ impl NbdBacking {
 
     /// The loop device.
     pub fn path(&self) -> &str {
-        self.loop_dev.as_deref().expect("attached")
+        self.stack.as_ref().expect("attached").dev()
     }
 
     /// Turns write faults (at the configured rate) on or off.
@@ -165,18 +123,9 @@ fn wait_for(mut ready: impl FnMut() -> bool, what: &str) {
 
 impl Drop for NbdBacking {
     fn drop(&mut self) {
-        if let Some(l) = &self.loop_dev {
-            let _ = Command::new("losetup").args(["-d", l]).output();
-        }
-        let _ = Command::new("fusermount3")
-            .arg("-u")
-            .arg(self.dir.path().join("fuse"))
-            .output();
-        for c in [self.nbdfuse.take(), self.nbdkit.take()]
-            .into_iter()
-            .flatten()
-        {
-            let mut c = c;
+        // The loop device and nbdfuse first, then the server they talk to.
+        drop(self.stack.take());
+        if let Some(mut c) = self.nbdkit.take() {
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -192,7 +141,7 @@ pub struct SmallTmpfs {
 impl SmallTmpfs {
     /// Mounts it (needs root).
     pub fn mount(size_bytes: u64) -> SmallTmpfs {
-        require("mount", "util-linux (mount)");
+        require("mount");
         let dir = tempfile::tempdir().expect("tempdir");
         run(Command::new("mount")
             .args(["-t", "tmpfs", "-o"])

@@ -1,12 +1,14 @@
 //! Helpers shared by the NBD tests: a served device on a temporary unix socket, a minimal raw
-//! NBD client for protocol-level tests, and running real client programs.
+//! NBD client for protocol-level tests, running real client programs, and an export seen by the
+//! kernel as a block device (nbdfuse and a loop device).
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use uzram::frontend::nbd::protocol::*;
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
 use uzram::BlockDevice;
@@ -84,6 +86,7 @@ fn package_of(program: &str) -> &'static str {
         "qemu-img" | "qemu-io" => "qemu-utils",
         "nbdinfo" | "nbdcopy" | "nbdfuse" => "libnbd-bin",
         "fio" => "fio",
+        "nbdkit" => "nbdkit",
         "fusermount3" => "fuse3",
         "mkfs.ext4" | "mkfs.ext2" => "e2fsprogs",
         "promtool" | "prometheus" => "prometheus",
@@ -142,6 +145,88 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
         }
     }
     v
+}
+
+// ---------------------------------------------------------------------------------------------
+// An export as the kernel's block device.
+
+/// An NBD export seen by the kernel as a block device (the host has no `nbd` module): nbdfuse
+/// exposes it as the file `nbd` of a FUSE directory, and a loop device attaches that file. On
+/// drop, so a failing assertion leaves nothing behind: unmounts [`mnt`](Self::mnt) if set,
+/// detaches the loop device, unmounts the FUSE directory and stops nbdfuse.
+pub struct NbdLoop {
+    fuse_dir: PathBuf,
+    nbdfuse: Option<Child>,
+    loop_dev: Option<String>,
+    /// Where a file system on the loop device is mounted: unmounted first on drop.
+    pub mnt: Option<PathBuf>,
+}
+
+impl NbdLoop {
+    /// Starts `nbdfuse` (the command with its options, the mount point `fuse_dir` and the
+    /// export; its output as the caller wants it), waits up to 20 s for `fuse_dir/nbd` to be
+    /// `size_bytes` long, and attaches it to a free loop device (`losetup --find --show` with
+    /// `loop_options`).
+    pub fn attach(
+        nbdfuse: &mut Command,
+        fuse_dir: &Path,
+        size_bytes: u64,
+        loop_options: &[&str],
+    ) -> NbdLoop {
+        for p in ["nbdfuse", "fusermount3", "losetup"] {
+            require(p);
+        }
+        std::fs::create_dir_all(fuse_dir).unwrap();
+        let mut me = NbdLoop {
+            fuse_dir: fuse_dir.to_path_buf(),
+            nbdfuse: None,
+            loop_dev: None,
+            mnt: None,
+        };
+        me.nbdfuse = Some(nbdfuse.spawn().expect("nbdfuse"));
+        let file = fuse_dir.join("nbd");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::fs::metadata(&file).map_or(true, |m| m.len() != size_bytes) {
+            assert!(
+                Instant::now() < deadline,
+                "nbdfuse did not expose {} in 20 s",
+                file.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = run(Command::new("losetup")
+            .args(["--find", "--show"])
+            .args(loop_options)
+            .arg(&file));
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        assert!(dev.starts_with("/dev/loop"), "losetup gave {dev:?}");
+        me.loop_dev = Some(dev);
+        me
+    }
+
+    /// The loop device.
+    pub fn dev(&self) -> &str {
+        self.loop_dev.as_deref().expect("attached")
+    }
+}
+
+impl Drop for NbdLoop {
+    fn drop(&mut self) {
+        if let Some(m) = &self.mnt {
+            let _ = Command::new("umount").arg(m).output();
+        }
+        if let Some(l) = &self.loop_dev {
+            let _ = Command::new("losetup").args(["-d", l]).output();
+        }
+        let _ = Command::new("fusermount3")
+            .arg("-u")
+            .arg(&self.fuse_dir)
+            .output();
+        if let Some(mut c) = self.nbdfuse.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

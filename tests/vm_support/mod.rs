@@ -8,6 +8,7 @@
 //! [`zoned_device_or_boot`] returns that device and the test body runs; outside it boots the
 //! VM, passes its output through, and fails the test unless the inner run passed.
 
+use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -34,29 +35,7 @@ pub fn zoned_device_or_boot(name: &str, vm_args: &[&str]) -> Option<PathBuf> {
     if let Some(dev) = std::env::var_os("UZRAM_ZONED_DEV") {
         return Some(PathBuf::from(dev));
     }
-    let script = vm_script();
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let out = Command::new(&script)
-        .args(vm_args)
-        .arg("--")
-        .arg(&exe)
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    println!("--- {name} in the VM: stdout ---\n{stdout}");
-    eprintln!("--- {name} in the VM: stderr ---\n{stderr}");
-    assert!(
-        out.status.success(),
-        "{name} failed in the zoned VM ({}); its output is above",
-        out.status
-    );
-    // The filter must have matched: exactly this test ran, and passed.
-    assert!(
-        stdout.contains("test result: ok. 1 passed"),
-        "{name} did not run in the VM; its output is above"
-    );
+    boot_test(name, vm_args, &[]);
     None
 }
 
@@ -87,17 +66,11 @@ pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
 /// environment variables `env` (whose names must start with `UZRAM_` to reach the VM), and
 /// asserts that it ran and passed.
 #[allow(dead_code)]
-pub fn boot_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) -> String {
-    let script = vm_script();
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let out = Command::new(&script)
-        .args(vm_args)
-        .arg("--")
-        .arg(&exe)
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .envs(env.iter().copied())
+pub fn boot_test<S: AsRef<OsStr>>(name: &str, vm_args: &[S], env: &[(&str, &str)]) -> String {
+    let mut cmd = test_command(name, vm_args, env);
+    let out = cmd
         .output()
-        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("--- {name} in the VM: stdout ---\n{stdout}");
@@ -120,15 +93,21 @@ pub fn boot_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) -> String
 /// runs.
 #[allow(dead_code)]
 pub fn spawn_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) -> std::process::Child {
-    let script = vm_script();
+    let mut cmd = test_command(name, vm_args, env);
+    cmd.stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"))
+}
+
+/// `scripts/zoned-vm VM_ARGS -- EXE NAME --exact --nocapture --test-threads=1` with `env`: the
+/// VM running test `name` of this test binary (`EXE`), alone.
+fn test_command<S: AsRef<OsStr>>(name: &str, vm_args: &[S], env: &[(&str, &str)]) -> Command {
     let exe = std::env::current_exe().expect("the test binary's path");
-    Command::new(&script)
-        .args(vm_args)
+    let mut cmd = Command::new(vm_script());
+    cmd.args(vm_args)
         .arg("--")
         .arg(&exe)
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .envs(env.iter().copied())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()))
+        .envs(env.iter().copied());
+    cmd
 }
