@@ -7,7 +7,9 @@
 //! every repetition makes a fresh 4 KiB-page device, writes the whole corpus in 64 KiB requests
 //! (one thread), then reads it back 4 KiB at a time in order (neighbours: the per-thread cache
 //! of the last decompressed run serves them) and in a random order (each read decompresses a
-//! whole run). Rates are of the thread's CPU time (steady under other load; wall clock beside),
+//! whole run), then overwrites every page once, 4 KiB at a time in a random order (each write
+//! breaks its page out of its run; `mem_used_max` says how far the pool grew meanwhile).
+//! Rates are of the thread's CPU time (steady under other load; wall clock beside),
 //! medians of the repetitions; sizes are from `mm_stat` after the first fill, and every page is
 //! checked once. As root with `/sys/block/zram0`, the same bytes go through the kernel's zram
 //! with the same codec (O_DIRECT, 128 KiB writes), which is reset afterwards.
@@ -52,6 +54,12 @@ struct Row {
     write_mbps_wall: f64,
     seq_read_mbps_cpu: f64,
     rand_read_mbps_cpu: f64,
+    /// 4 KiB overwrites of every page once, in a random order, of the full device: each breaks
+    /// its page out of its run (issue 21's 4 KiB write into a run).
+    rand_write_mbps_cpu: f64,
+    /// `mem_used_max` after the overwrite pass, against `mem_used_total` before it: how far the
+    /// pool grew while runs kept their objects for the pages not yet overwritten.
+    rand_write_mem_used_max_bytes: u64,
     /// Share of the 4 KiB reads of a multi-page object the thread's run cache served, in the
     /// ordered and the random pass (the last repetition; 0 without multi-page objects).
     seq_cache_hit_rate: f64,
@@ -78,7 +86,8 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
         x ^= x << 17;
         order.swap(i, (x % (i as u64 + 1)) as usize);
     }
-    let (mut w_cpu, mut w_wall, mut sr, mut rr) = (vec![], vec![], vec![], vec![]);
+    let (mut w_cpu, mut w_wall, mut sr, mut rr, mut rw) = (vec![], vec![], vec![], vec![], vec![]);
+    let mut rw_max = 0;
     let mut stats = None;
     let mut buf = vec![0u8; PAGE];
     let (mut seq_hits, mut rand_hits) = (0.0, 0.0);
@@ -134,6 +143,28 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
         rr.push(mbps(data.len() as u64, cpu));
         seq_hits = hit_rate(&s0, &s1);
         rand_hits = hit_rate(&s1, &dev.stats());
+        // Page order[j] gets page j's bytes (another real page, mostly of another run).
+        dev.attr_store("mem_used_max", "0")?;
+        let (r, _, cpu) = time_cpu(|| -> Result<()> {
+            for (j, &i) in order.iter().enumerate() {
+                dev.write_at(&data[j * PAGE..(j + 1) * PAGE], (i * PAGE) as u64)?;
+            }
+            Ok(())
+        });
+        r?;
+        rw.push(mbps(data.len() as u64, cpu));
+        rw_max = dev.stats().mem_used_max_bytes;
+        if rep == 0 {
+            for (j, &i) in order.iter().enumerate() {
+                dev.read_at(&mut buf, (i * PAGE) as u64)?;
+                if buf[..] != data[j * PAGE..(j + 1) * PAGE] {
+                    return Err(Error::io(format!(
+                        "{codec} multi_page_size {mps}: page {i} reads back wrong after the \
+                         4 KiB overwrites"
+                    )));
+                }
+            }
+        }
     }
     let s = stats.expect("at least one repetition");
     Ok(Row {
@@ -149,6 +180,8 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
         write_mbps_wall: median(&w_wall),
         seq_read_mbps_cpu: median(&sr),
         rand_read_mbps_cpu: median(&rr),
+        rand_write_mbps_cpu: median(&rw),
+        rand_write_mem_used_max_bytes: rw_max,
         seq_cache_hit_rate: seq_hits,
         rand_cache_hit_rate: rand_hits,
     })
@@ -224,6 +257,9 @@ pub fn run(corpus: &Corpus, opts: &MultipageBenchOptions) -> Result<serde_json::
         "x 4K",
         "seq read MB/s",
         "rand read MB/s",
+        "rand 4K write MB/s",
+        "x 4K",
+        "max mem MiB",
         "cache hits seq/rand",
         "objects",
     ])
@@ -250,6 +286,9 @@ pub fn run(corpus: &Corpus, opts: &MultipageBenchOptions) -> Result<serde_json::
                 f(row.write_mbps_cpu / a.write_mbps_cpu),
                 f(row.seq_read_mbps_cpu),
                 f(row.rand_read_mbps_cpu),
+                f(row.rand_write_mbps_cpu),
+                f(row.rand_write_mbps_cpu / a.rand_write_mbps_cpu),
+                mib(row.rand_write_mem_used_max_bytes),
                 format!(
                     "{:.0}%/{:.1}%",
                     100.0 * row.seq_cache_hit_rate,
@@ -271,6 +310,9 @@ pub fn run(corpus: &Corpus, opts: &MultipageBenchOptions) -> Result<serde_json::
                     mib(used),
                     pct(used, a.mem_used_total_bytes),
                     format!("{} (wall)", f(w)),
+                    String::new(),
+                    String::new(),
+                    String::new(),
                     String::new(),
                     String::new(),
                     String::new(),

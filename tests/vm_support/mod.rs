@@ -63,8 +63,8 @@ pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
 }
 
 /// Outside the VM: boots it with `vm_args`, runs test `name` of this binary in it with the
-/// environment variables `env` (whose names must start with `UZRAM_` to reach the VM), and
-/// asserts that it ran and passed.
+/// environment variables `env` (whose names must start with `UZRAM_` to reach the VM),
+/// asserts that it ran and passed, and returns the VM's standard output.
 #[allow(dead_code)]
 pub fn boot_test<S: AsRef<OsStr>>(name: &str, vm_args: &[S], env: &[(&str, &str)]) -> String {
     let mut cmd = test_command(name, vm_args, env);
