@@ -57,6 +57,32 @@ pub fn kstrtou64(value: &str, radix: u32) -> Result<u64> {
     })
 }
 
+/// The kernel's `kstrtoint`: an optional sign (`+` or `-`), then digits in `radix` (as
+/// [`kstrtou64`]), one trailing newline allowed; `EINVAL` if malformed, `ERANGE` outside `int`.
+pub fn kstrtoint(value: &str, radix: u32) -> Result<i32> {
+    let v = strip_newline(value);
+    let (negative, digits) = match v.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, v.strip_prefix('+').unwrap_or(v)),
+    };
+    if digits.starts_with(['+', '-']) || digits.contains('\n') {
+        return Err(Error::invalid(format!("not a number: {value:?}")));
+    }
+    let magnitude = kstrtou64(digits, radix)
+        .map_err(|e| Error::new(e.kind(), format!("{} ({value:?})", e.message())))?;
+    let n = if negative {
+        -i128::from(magnitude)
+    } else {
+        i128::from(magnitude)
+    };
+    i32::try_from(n).map_err(|_| {
+        Error::new(
+            ErrorKind::OutOfRange,
+            format!("number out of range: {value:?}"),
+        )
+    })
+}
+
 /// The kernel's `kstrtobool`: `1`/`y`/`Y`/`t`/`T`/`on` are true, `0`/`n`/`N`/`f`/`F`/`off`
 /// false (only the first one or two characters count), anything else `EINVAL`.
 pub fn kstrtobool(value: &str) -> Result<bool> {
@@ -208,6 +234,28 @@ mod tests {
         for bad in ["", "2", "o", "x"] {
             assert!(kstrtobool(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn kstrtoint_like_the_kernel() {
+        assert_eq!(kstrtoint("1\n", 10).unwrap(), 1);
+        assert_eq!(kstrtoint("-3", 10).unwrap(), -3);
+        assert_eq!(kstrtoint("+3", 10).unwrap(), 3);
+        for bad in ["", "-", "--1", "-+1", "+-1", "1x", " 1", "1\n\n"] {
+            assert_eq!(
+                kstrtoint(bad, 10).unwrap_err().kind(),
+                ErrorKind::InvalidArgument,
+                "{bad:?}"
+            );
+        }
+        for big in ["2147483648", "-2147483649", "99999999999999999999"] {
+            assert_eq!(
+                kstrtoint(big, 10).unwrap_err().kind(),
+                ErrorKind::OutOfRange,
+                "{big:?}"
+            );
+        }
+        assert_eq!(kstrtoint("-2147483648", 10).unwrap(), i32::MIN);
     }
 
     #[test]

@@ -17,7 +17,8 @@ pub struct CtlArgs {
     #[arg(long)]
     pub dir: Option<PathBuf>,
     /// The attribute, with zram's name (`mm_stat`, `disksize`, `compact`, `writeback`, ...);
-    /// `metrics`: every device's statistics in Prometheus's text format.
+    /// `metrics`: every device's statistics in Prometheus's text format; `hot_add` (prints the
+    /// new device's id) and `hot_remove ID`: the server's, as zram's /sys/class/zram-control.
     pub attr: String,
     /// Store this value (words are joined with spaces); without it, show the attribute.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -128,7 +129,24 @@ pub fn run_ctl(args: CtlArgs) -> i32 {
         // Every device's, not only --dev's: what a scraper wants in one go.
         return crate::metrics::run(&dir);
     }
-    let mut client = match connect(&dir, &args.dev) {
+    // zram's /sys/class/zram-control/ attributes are the server's, not a device's.
+    let connected = if control::CLASS_ATTRS.contains(&args.attr.as_str()) {
+        let path = control::class_socket_path(&dir);
+        ControlClient::connect(&path).map_err(|e| {
+            let errno = e.raw_os_error().unwrap_or(libc::EIO);
+            (
+                errno,
+                format!(
+                    "uzram: cannot reach {}: {} (is `uzram serve` running?)",
+                    path.display(),
+                    strerror(errno)
+                ),
+            )
+        })
+    } else {
+        connect(&dir, &args.dev)
+    };
+    let mut client = match connected {
         Ok(c) => c,
         Err((errno, msg)) => {
             eprintln!("{msg}");

@@ -2,6 +2,7 @@
 //! and run the benchmarks.
 
 mod ctl;
+mod devices;
 mod metrics;
 mod serve;
 mod status;

@@ -19,16 +19,17 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use uzram::clock::SystemClock;
 use uzram::config::{ServeConfig, DEFAULT_CONFIG_TOML};
-use uzram::frontend::control::{self, ControlServer};
+use crate::devices::{Devices, ServerFrontends};
+use uzram::frontend::control::{self, Attachments, ControlServer, HotPlug};
 use uzram::frontend::metrics::{
     self,
     http::{MetricsLimits, MetricsServer, MetricsSource},
 };
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig, Tls, TlsFiles, TlsMode};
-use uzram::frontend::ublk::{UblkConfig, UblkExport};
+use uzram::frontend::ublk::UblkConfig;
 use uzram::frontend::unix_socket;
-use uzram::frontend::vhost_user::{self, VhostUserConfig, VhostUserExport};
-use uzram::policy::{DevicePolicy, PolicyConfig, PolicyRunner, ProcPressure};
+use uzram::frontend::vhost_user::{self, VhostUserConfig};
+use uzram::policy::{DevicePolicy, PolicyConfig, PolicyRunner, PolicySet, ProcPressure};
 use uzram::BlockDevice;
 
 #[derive(Debug, Args)]
@@ -372,6 +373,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let mut exports = Vec::new();
     let mut vhost_paths = Vec::new();
     let mut policies = Vec::new();
+    let mut socket_dir = None;
     for spec in &cfg.devices {
         let device = Arc::new(spec.build(ram)?);
         let socket = match &spec.socket {
@@ -386,6 +388,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             }
         };
         let dir = socket.parent().unwrap_or(std::path::Path::new("."));
+        socket_dir.get_or_insert_with(|| dir.to_path_buf());
         let ctl = control::socket_path(dir, &spec.name);
         vhost_paths.push(vhost_user::socket_path(dir, &spec.name));
         exports.push(Export {
@@ -414,6 +417,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(addr) = cfg.listen {
         listen.push(Listen::Tcp(addr));
     }
+    // The server's class socket, zram's /sys/class/zram-control: beside the first device's.
+    let socket_dir = socket_dir.context("no devices")?;
 
     // SIGINT, SIGTERM and SIGHUP are taken by a handler that only writes a pipe
     // (signal-hook's self-pipe), read by the signal thread below.
@@ -421,62 +426,64 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
         .context("installing signal handlers")?;
 
-    let server =
-        Server::start(exports, &listen, server_config).context("starting the NBD server")?;
-    // The ublk block devices: after the NBD server (whose failure to bind leaves no block
-    // device behind), before the control sockets (which name them).
+    let server = Arc::new(
+        Server::start(exports, &listen, server_config).context("starting the NBD server")?,
+    );
+    // The frontends every device of the server gets (a device added by hot_add too).
     let ublk_config = UblkConfig {
         swap: cfg.swap,
         ..UblkConfig::default()
     };
-    let mut ublks: Vec<Option<UblkExport>> = Vec::new();
-    for ((name, device, _), spec) in devices.iter().zip(&cfg.devices) {
-        ublks.push(if spec.ublk {
-            Some(UblkExport::start(
-                name,
-                Arc::clone(device) as Arc<dyn BlockDevice>,
-                &ublk_config,
-            )?)
-        } else {
-            None
-        });
-    }
-    // The vhost-user-blk sockets: each serves one front end (a QEMU) at a time.
     let vhost_config = VhostUserConfig {
         swap: cfg.swap,
         ..VhostUserConfig::default()
     };
-    let mut vhosts: Vec<Option<VhostUserExport>> = Vec::new();
-    for (((name, device, _), spec), path) in devices.iter().zip(&cfg.devices).zip(&vhost_paths) {
-        vhosts.push(if spec.vhost_user {
-            Some(
-                VhostUserExport::start(
+    let policy_set = PolicySet::new(policies.clone());
+    let registry = Arc::new(Devices::new(
+        Arc::clone(&server),
+        policy_set.clone(),
+        ServerFrontends {
+            dir: socket_dir.clone(),
+            ublk: cfg
+                .devices
+                .iter()
+                .any(|d| d.ublk)
+                .then(|| ublk_config.clone()),
+            vhost: cfg
+                .devices
+                .iter()
+                .any(|d| d.vhost_user)
+                .then(|| vhost_config.clone()),
+        },
+    ));
+    // Each device's block device and vhost-user socket: after the NBD server (whose failure
+    // to bind leaves no block device behind), before its control socket (which names them).
+    let mut served = Vec::new();
+    for (((name, device, ctl), spec), vpath) in devices.iter().zip(&cfg.devices).zip(&vhost_paths) {
+        let policy = policies
+            .iter()
+            .find(|p| p.name() == name)
+            .expect("one per device");
+        served.push(
+            registry
+                .add_configured(
                     name,
-                    path,
-                    Arc::clone(device) as Arc<dyn BlockDevice>,
-                    &vhost_config,
+                    Arc::clone(device),
+                    ctl,
+                    spec.ublk.then(|| ublk_config.clone()),
+                    spec.vhost_user
+                        .then(|| (vpath.clone(), vhost_config.clone())),
+                    Arc::clone(policy),
                 )
-                .with_context(|| format!("listening on {}", path.display()))?,
-            )
-        } else {
-            None
-        });
+                .with_context(|| format!("device {name}"))?,
+        );
     }
-    let mut controls = Vec::new();
-    for (((name, device, ctl), ublk), policy) in devices.iter().zip(&ublks).zip(&policies) {
-        let c = ControlServer::start_with_policy(
-            ctl,
-            Arc::clone(device),
-            server.openers(name),
-            ublk.as_ref().map(UblkExport::block_dev_path),
-            Some(Arc::clone(policy)),
-        )
-        .with_context(|| format!("starting the control socket {}", ctl.display()))?;
-        controls.push(c);
-    }
+    let class_path = control::class_socket_path(&socket_dir);
+    let class = ControlServer::start_class(&class_path, Arc::clone(&registry) as Arc<dyn HotPlug>)
+        .with_context(|| format!("starting the control socket {}", class_path.display()))?;
     // One thread runs every device's policies (all off unless configured or stored).
-    let runner = PolicyRunner::start(
-        policies.clone(),
+    let runner = PolicyRunner::start_shared(
+        policy_set,
         Arc::new(SystemClock::new()),
         Arc::new(ProcPressure::new()),
         uzram::policy::TICK,
@@ -485,17 +492,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // The metrics endpoint reads the devices' attributes in this process.
     let metrics = match cfg.metrics_listen {
         Some(addr) => {
-            let named: Vec<_> = devices
-                .iter()
-                .map(|(n, d, _)| (n.clone(), Arc::clone(d), server.openers(n)))
-                .collect();
-            let source: MetricsSource = Arc::new(move || {
-                let samples = named
-                    .iter()
-                    .map(|(n, d, o)| metrics::collect_device(n, d, o.as_deref()))
-                    .collect::<uzram::Result<Vec<_>>>()?;
-                Ok(metrics::render(&samples))
-            });
+            let registry = Arc::clone(&registry);
+            let source: MetricsSource =
+                Arc::new(move || Ok(metrics::render(&registry.metrics()?)));
             Some(
                 MetricsServer::start(
                     addr,
@@ -510,10 +509,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     // The first signal starts a bounded stop; a second one forces the exit at once (after
     // removing the sockets that are still ours).
-    let mut sockets = server.socket_files();
-    sockets.extend(controls.iter().map(|c| c.socket_file()));
-    sockets.extend(vhosts.iter().flatten().map(|v| v.socket_file()));
     let (first_tx, first_rx) = std::sync::mpsc::channel();
+    let class_file = class.socket_file();
+    let registry2 = Arc::clone(&registry);
     std::thread::Builder::new()
         .name("uzram-signals".into())
         .spawn(move || {
@@ -530,6 +528,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
                     continue;
                 }
                 eprintln!("uzram: {} again: exiting now", name(sig));
+                let mut sockets = registry2.server().socket_files();
+                sockets.extend(registry2.socket_files());
+                sockets.push(class_file.clone());
                 for (path, id) in &sockets {
                     unix_socket::remove_if_ours(path, *id);
                 }
@@ -538,7 +539,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         })
         .context("starting the signal thread")?;
     let uris = server.uris();
-    for (((name, device, ctl), ublk), vhost) in devices.iter().zip(&ublks).zip(&vhosts) {
+    for s in &served {
+        let (name, device) = (&s.name, &s.device);
         println!(
             "{name}: {}, {}, page size {} bytes",
             human(device.disksize_bytes()),
@@ -548,16 +550,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
         for (_, uri) in uris.iter().filter(|(n, _)| n == name) {
             println!("  {uri}");
         }
-        if let Some(u) = ublk {
+        if let Some(b) = s.attach.block_dev() {
             println!(
                 "  {} ({} queues of depth {})",
-                u.block_dev_path().display(),
+                b.display(),
                 ublk_config.nr_queues,
                 ublk_config.queue_depth
             );
         }
-        if let Some(v) = vhost {
-            let p = v.socket_path().display();
+        if let Some(path) = s.attach.vhost_path() {
+            let p = path.display();
             let q = vhost_config.nr_queues;
             println!("  vhost-user-blk: {p} ({q} queues); QEMU options (size = the guest's -m):");
             println!(
@@ -568,20 +570,22 @@ pub fn run(args: ServeArgs) -> Result<()> {
                  -device vhost-user-blk-pci,chardev={name},num-queues={q}"
             );
         }
-        println!("  control: {}", ctl.display());
-        if let Some(p) = policies.iter().find(|p| p.name() == name) {
-            let c = p.config();
-            if c.any_on() {
-                let on: Vec<String> = c
-                    .show()
-                    .lines()
-                    .filter(|l| !l.ends_with("=off"))
-                    .map(str::to_string)
-                    .collect();
-                println!("  policy: {}", on.join(" "));
-            }
+        println!("  control: {}", s.ctl.display());
+        let c = s.policy.config();
+        if c.any_on() {
+            let on: Vec<String> = c
+                .show()
+                .lines()
+                .filter(|l| !l.ends_with("=off"))
+                .map(str::to_string)
+                .collect();
+            println!("  policy: {}", on.join(" "));
         }
     }
+    println!(
+        "zram-control: {} (uzram ctl hot_add, uzram ctl hot_remove N)",
+        class_path.display()
+    );
     if let Some(m) = &metrics {
         println!("metrics: http://{}/metrics", m.local_addr());
     }
@@ -611,20 +615,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(m) = metrics {
         m.stop();
     }
-    for c in controls {
-        c.stop();
-    }
-    // The vhost-user front ends are disconnected (their guests see I/O errors from here on).
-    for v in vhosts.into_iter().flatten() {
-        v.stop();
-    }
-    // The block devices first: their requests in flight complete, then they are removed.
-    for u in ublks.into_iter().flatten() {
-        let path = u.block_dev_path();
-        u.stop();
+    // No hot_add or hot_remove from here on.
+    class.stop();
+    // The control sockets close; the vhost-user front ends are disconnected (their guests see
+    // I/O errors from here on); the block devices' requests in flight complete, then they
+    // are removed.
+    drop(served);
+    for path in registry.stop() {
         eprintln!("uzram: removed {}", path.display());
     }
-    server.stop();
+    server.shutdown();
     drop(devices);
     eprintln!("uzram: stopped");
     Ok(())

@@ -558,3 +558,113 @@ fn swap_without_privileges_says_what_it_could_not_do_and_serves() {
     run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x44 0 64k", &r.uri("zram0")]));
     r.stop();
 }
+
+/// Polls `uzram ctl --dev DEV nbd_connections` until it reads `n` (a client that hung up is
+/// noticed by its connection thread a moment later), for at most 20 s.
+fn wait_nbd_connections(r: &Running, dev: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = r.ctl(&["--dev", dev, "nbd_connections"]);
+        if stdout(&o).trim() == n.to_string() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{dev}: nbd_connections {o:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn hot_add_and_hot_remove_as_zram_control() {
+    require("qemu-io");
+    require("qemu-img");
+    let r = serve(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]);
+    let class = r.dir().join("zram-control");
+    let mode = std::fs::metadata(&class).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "class socket mode {mode:o}");
+
+    // `cat /sys/class/zram-control/hot_add`: the new id, an uninitialised device.
+    let o = r.ctl(&["hot_add"]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(stdout(&o), "1\n");
+    assert!(r.dir().join("zram1.sock").exists() && r.dir().join("zram1.ctl").exists());
+    assert_eq!(stdout(&r.ctl(&["--dev", "zram1", "disksize"])), "0\n");
+    assert_eq!(qemu_img_size(&r.uri("zram1")), 0, "no disksize yet");
+    // Set up as zram's: algorithm, then disksize.
+    assert!(r.ctl(&["--dev", "zram1", "comp_algorithm", "zstd"]).status.success());
+    assert!(r.ctl(&["--dev", "zram1", "disksize", "32M"]).status.success());
+    assert_eq!(qemu_img_size(&r.uri("zram1")), 32 << 20);
+    // Position-dependent data through a real client, read back and compared; zram0 untouched.
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x3c 1M 2M", &r.uri("zram1")]));
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "read -P 0x3c 1M 2M",
+        "-c",
+        "read -P 0 0 1M",
+        &r.uri("zram1"),
+    ]));
+    assert_eq!(mm_stat(&r, "zram1")[0], 2 << 20);
+    assert_eq!(mm_stat(&r, "zram0")[0], 0);
+    let s = r.status(&[]);
+    let row = s.lines().find(|l| l.starts_with("zram1 ")).unwrap_or_else(|| panic!("{s}"));
+    assert!(row.contains("zstd") && row.contains("32M"), "{s}");
+
+    // EBUSY while an NBD client has it open; nothing changes.
+    let (client, size) = nbd_support::RawClient::handshake_export(
+        &r.dir().join("zram1.sock"),
+        "zram1",
+        false,
+    );
+    assert_eq!(size, 32 << 20);
+    let o = r.ctl(&["hot_remove", "1"]);
+    assert_eq!(o.status.code(), Some(libc::EBUSY), "{o:?}");
+    assert!(stderr(&o).starts_with("uzram: hot_remove: Device or resource busy (EBUSY)"));
+    assert_eq!(mm_stat(&r, "zram1")[0], 2 << 20);
+    drop(client);
+    wait_nbd_connections(&r, "zram1", 0);
+
+    // zram's errnos: kstrtoint's, negative ids, a missing device, the wrong direction.
+    for (value, errno) in [
+        ("abc", libc::EINVAL),
+        ("-1", libc::EINVAL),
+        ("1x", libc::EINVAL),
+        ("99999999999", libc::ERANGE),
+        ("7", libc::ENODEV),
+    ] {
+        let o = r.ctl(&["hot_remove", value]);
+        assert_eq!(o.status.code(), Some(errno), "hot_remove {value}: {o:?}");
+    }
+    assert_eq!(r.ctl(&["hot_remove"]).status.code(), Some(libc::EACCES));
+    assert_eq!(r.ctl(&["hot_add", "1"]).status.code(), Some(libc::EACCES));
+    assert_eq!(stdout(&r.ctl(&["--dev", "zram1", "disksize"])), format!("{}\n", 32 << 20));
+
+    // Removed: its sockets go, status forgets it, a second removal is ENODEV.
+    let o = r.ctl(&["hot_remove", "1"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(!r.dir().join("zram1.sock").exists() && !r.dir().join("zram1.ctl").exists());
+    assert!(!r.status(&[]).contains("zram1"));
+    assert!(!r.ctl(&["--dev", "zram1", "mm_stat"]).status.success());
+    assert_eq!(r.ctl(&["hot_remove", "1"]).status.code(), Some(libc::ENODEV));
+    assert!(r.log().contains("hot_remove: zram1 removed"), "{}", r.log());
+
+    // The configured device is removable too, and ids are reused lowest first, as zram's.
+    assert!(r.ctl(&["hot_remove", "0"]).status.success());
+    assert_eq!(stdout(&r.ctl(&["hot_add"])), "0\n");
+    assert_eq!(stdout(&r.ctl(&["--dev", "zram0", "disksize"])), "0\n");
+    assert_eq!(stdout(&r.ctl(&["hot_add"])), "1\n");
+    // A bounded number of devices: ENOSPC past it.
+    let mut added = 2;
+    loop {
+        let o = r.ctl(&["hot_add"]);
+        if o.status.code() == Some(libc::ENOSPC) {
+            break;
+        }
+        assert!(o.status.success(), "{o:?}");
+        assert_eq!(stdout(&o), format!("{added}\n"));
+        added += 1;
+        assert!(added <= 64, "no limit on devices");
+    }
+    assert_eq!(added, 32, "MAX_DEVICES");
+    r.stop();
+}

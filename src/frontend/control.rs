@@ -35,6 +35,7 @@ use super::limits::{accept_loop, set_nonblocking, ConnectionCap, QuitFd};
 use super::nbd::Openers;
 use super::unix_socket::{bind_unix, remove_if_ours, SocketId};
 use crate::device::attrs::kstrtou64;
+use crate::units::kstrtoint;
 use crate::device::Device;
 use crate::error::{errno_name, Error, ErrorKind, Result};
 use crate::policy::DevicePolicy;
@@ -166,6 +167,41 @@ impl ControlServer {
         block_dev: Option<PathBuf>,
         policy: Option<Arc<DevicePolicy>>,
     ) -> Result<ControlServer> {
+        let attachments = block_dev.map(|p| Arc::new(FixedBlockDev(p)) as Arc<dyn Attachments>);
+        Self::start_with_attachments(path, device, openers, attachments, policy)
+    }
+
+    /// As [`start_with_policy`](Self::start_with_policy), with the device's [`Attachments`]
+    /// (its block device, which may appear only once `disksize` is set).
+    pub fn start_with_attachments(
+        path: &Path,
+        device: Arc<Device>,
+        openers: Option<Arc<Openers>>,
+        attachments: Option<Arc<dyn Attachments>>,
+        policy: Option<Arc<DevicePolicy>>,
+    ) -> Result<ControlServer> {
+        let handler: Arc<Handler> = Arc::new(move |req: Request, progress: &mut dyn FnMut(String)| {
+            let frontends = Frontends {
+                openers: openers.as_deref(),
+                attachments: attachments.as_deref(),
+                policy: policy.as_deref(),
+            };
+            handle_device(&device, &frontends, req, progress)
+        });
+        Self::start_handler(path, handler)
+    }
+
+    /// Binds `path` as zram's `/sys/class/zram-control/`: `show hot_add` adds a device and
+    /// answers its id, `store hot_remove ID` removes one, through `hotplug`.
+    pub fn start_class(path: &Path, hotplug: Arc<dyn HotPlug>) -> Result<ControlServer> {
+        let handler: Arc<Handler> =
+            Arc::new(move |req: Request, _: &mut dyn FnMut(String)| handle_class(&*hotplug, req));
+        Self::start_handler(path, handler)
+    }
+
+    /// Binds `path` (mode 0600; a stale socket is replaced, a live one is `EBUSY`) and answers
+    /// each request with `handler`.
+    fn start_handler(path: &Path, handler: Arc<Handler>) -> Result<ControlServer> {
         let (listener, id) = bind_unix(path)?;
         let fail = |e: io::Error| {
             remove_if_ours(path, id);
@@ -184,20 +220,12 @@ impl ControlServer {
                     &cap,
                     Some("uzram ctl"),
                     |stream, slot| {
-                        let device = Arc::clone(&device);
-                        let openers = openers.clone();
-                        let block_dev = block_dev.clone();
-                        let policy = policy.clone();
+                        let handler = Arc::clone(&handler);
                         let _ = std::thread::Builder::new()
                             .name("uzram-ctl-conn".into())
                             .spawn(move || {
                                 let _slot = slot;
-                                let frontends = Frontends {
-                                    openers: openers.as_deref(),
-                                    block_dev: block_dev.as_deref(),
-                                    policy: policy.as_deref(),
-                                };
-                                let _ = serve_connection(stream, &device, &frontends);
+                                let _ = serve_connection(stream, &*handler);
                             });
                     },
                 )
@@ -295,11 +323,85 @@ fn read_line(
     }
 }
 
+/// Answers one request; progress lines of a long operation go to the second argument.
+type Handler = dyn Fn(Request, &mut dyn FnMut(String)) -> Result<String> + Send + Sync;
+
+/// What the server attached to a device besides its attributes: its kernel block device, and
+/// frontends that start only once the device has a size (a ublk device's size is fixed when
+/// it is added, so a device added by `hot_add` gets its `/dev/ublkbN` at `disksize`).
+pub trait Attachments: Send + Sync {
+    /// The kernel block device (`/dev/ublkbN`), if it exists now.
+    fn block_dev(&self) -> Option<PathBuf>;
+    /// Called after `disksize` was stored: start what needs a size. An error is the store's.
+    fn initialised(&self) -> Result<()>;
+}
+
+/// A block device that exists for the whole life of the control socket.
+struct FixedBlockDev(PathBuf);
+
+impl Attachments for FixedBlockDev {
+    fn block_dev(&self) -> Option<PathBuf> {
+        Some(self.0.clone())
+    }
+    fn initialised(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// zram's `/sys/class/zram-control/` for a server: adds and removes devices.
+pub trait HotPlug: Send + Sync {
+    /// Adds an uninitialised device with every frontend the server runs; its id (`zramN`'s N).
+    fn hot_add(&self) -> Result<u32>;
+    /// Removes device `id`: `EBUSY` while it is open (an NBD connection, a mounted or
+    /// swapped-on block device, a connected VM), `ENODEV` if there is no such device.
+    fn hot_remove(&self, id: u32) -> Result<()>;
+}
+
+/// The server's control socket, as zram's class directory `/sys/class/zram-control/`
+/// (`DIR/zram-control`, beside the devices' `NAME.ctl`).
+pub fn class_socket_path(dir: &Path) -> PathBuf {
+    dir.join(CLASS_SOCKET_NAME)
+}
+
+/// The file name of [`class_socket_path`].
+pub const CLASS_SOCKET_NAME: &str = "zram-control";
+
+/// The class socket's attributes: reading `hot_add` adds a device, writing `hot_remove`
+/// removes one.
+pub const CLASS_ATTRS: &[&str] = &["hot_add", "hot_remove"];
+
+/// One request on the class socket, with zram's errnos: `hot_add` is read-only and
+/// `hot_remove` write-only (`EACCES` otherwise, as opening the sysfs file the wrong way
+/// fails); `hot_remove` takes an `int` (`kstrtoint`: `EINVAL`, `ERANGE`), negative is
+/// `EINVAL`; an unknown attribute is `ENOENT`.
+fn handle_class(hotplug: &dyn HotPlug, req: Request) -> Result<String> {
+    let denied = |what: &str| Err(Error::new(ErrorKind::PermissionDenied, what.to_string()));
+    match req {
+        Request::Show { attr } if attr == "hot_add" => Ok(format!("{}\n", hotplug.hot_add()?)),
+        Request::Store { attr, .. } if attr == "hot_add" => {
+            denied("hot_add is read-only: read it to add a device")
+        }
+        Request::Show { attr } if attr == "hot_remove" => {
+            denied("hot_remove is write-only: write a device id to it")
+        }
+        Request::Store { attr, value } if attr == "hot_remove" => {
+            let id = kstrtoint(&value, 10)?;
+            let id = u32::try_from(id)
+                .map_err(|_| Error::invalid(format!("not a device id: {value:?}")))?;
+            hotplug.hot_remove(id).map(|()| String::new())
+        }
+        Request::Show { attr } | Request::Store { attr, .. } => Err(Error::new(
+            ErrorKind::NotFound,
+            format!("no attribute {attr:?} in zram-control (hot_add, hot_remove)"),
+        )),
+    }
+}
+
 /// The frontends a control connection knows of: the NBD export's openers and the kernel
 /// block device.
 struct Frontends<'a> {
     openers: Option<&'a Openers>,
-    block_dev: Option<&'a Path>,
+    attachments: Option<&'a dyn Attachments>,
     policy: Option<&'a DevicePolicy>,
 }
 
@@ -333,7 +435,7 @@ fn block_dev_busy(block_dev: &Path) -> Option<Error> {
     }
 }
 
-fn serve_connection(stream: UnixStream, device: &Device, frontends: &Frontends) -> io::Result<()> {
+fn serve_connection(stream: UnixStream, handler: &Handler) -> io::Result<()> {
     let mut reader = BufReader::new(&stream);
     let w = &stream;
     loop {
@@ -354,31 +456,45 @@ fn serve_connection(stream: UnixStream, device: &Device, frontends: &Frontends) 
                 continue;
             }
         };
-        let result = match req {
-            Request::Show { attr } => {
-                match (frontends.block_dev, frontends.openers, frontends.policy) {
-                    (Some(b), _, _) if attr == BLOCK_DEV_ATTR => Ok(format!("{}\n", b.display())),
-                    (_, Some(o), _) if attr == NBD_CONNECTIONS_ATTR => {
-                        Ok(format!("{}\n", o.count()))
-                    }
-                    (_, _, Some(p)) if attr == POLICY_ATTR => Ok(p.show()),
-                    (_, _, Some(p)) if attr == POLICY_STAT_ATTR => Ok(p.show_stat()),
-                    _ => device.attr_show(&attr),
-                }
-            }
-            Request::Store { attr, value } => {
-                store(device, frontends, &attr, &value, &mut |p| {
-                    // A client gone mid-operation does not stop the operation.
-                    let _ = send(w, &Response::Progress(p));
-                })
-                .map(|()| String::new())
-            }
-        };
+        let result = handler(req, &mut |p| {
+            // A client gone mid-operation does not stop the operation.
+            let _ = send(w, &Response::Progress(p));
+        });
         let r = match result {
             Ok(text) => Response::Ok(text),
             Err(e) => Response::Error((&e).into()),
         };
         send(w, &r)?;
+    }
+}
+
+/// One request on a device's control socket.
+fn handle_device(
+    device: &Device,
+    frontends: &Frontends,
+    req: Request,
+    progress: &mut dyn FnMut(String),
+) -> Result<String> {
+    match req {
+        Request::Show { attr } => {
+            let block_dev = frontends.attachments.and_then(|a| a.block_dev());
+            match (block_dev, frontends.openers, frontends.policy) {
+                (Some(b), _, _) if attr == BLOCK_DEV_ATTR => Ok(format!("{}\n", b.display())),
+                (_, Some(o), _) if attr == NBD_CONNECTIONS_ATTR => Ok(format!("{}\n", o.count())),
+                (_, _, Some(p)) if attr == POLICY_ATTR => Ok(p.show()),
+                (_, _, Some(p)) if attr == POLICY_STAT_ATTR => Ok(p.show_stat()),
+                _ => device.attr_show(&attr),
+            }
+        }
+        Request::Store { attr, value } => {
+            store(device, frontends, &attr, &value, progress)?;
+            if attr == "disksize" {
+                if let Some(a) = frontends.attachments {
+                    a.initialised()?;
+                }
+            }
+            Ok(String::new())
+        }
     }
 }
 
@@ -405,7 +521,8 @@ fn store(
     if attr == "reset" {
         // zram checks the value first, then refuses while the disk is open.
         if kstrtou64(value, 10).is_ok_and(|v| v != 0) {
-            if let Some(e) = frontends.block_dev.and_then(block_dev_busy) {
+            let block_dev = frontends.attachments.and_then(|a| a.block_dev());
+            if let Some(e) = block_dev.as_deref().and_then(block_dev_busy) {
                 return Err(e);
             }
             if let Some(o) = frontends.openers {

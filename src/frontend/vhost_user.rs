@@ -642,6 +642,11 @@ impl VhostUserExport {
         (self.path.clone(), self.socket_id)
     }
 
+    /// Whether a front end (a QEMU) is connected now (`hot_remove` is `EBUSY` then).
+    pub fn is_connected(&self) -> bool {
+        self.connected.lock().is_some()
+    }
+
     /// Disconnects the front end, ends the threads and removes the socket.
     pub fn stop(mut self) {
         self.stop_inner();

@@ -405,6 +405,41 @@ pub fn run_due(
     }
 }
 
+/// The devices whose policies a [`PolicyRunner`] runs, shared with the server that adds and
+/// removes devices while it runs (`hot_add`, `hot_remove`).
+#[derive(Clone, Default)]
+pub struct PolicySet(Arc<Mutex<Vec<Arc<DevicePolicy>>>>);
+
+impl std::fmt::Debug for PolicySet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicySet")
+            .field("devices", &self.0.lock().len())
+            .finish()
+    }
+}
+
+impl PolicySet {
+    /// A set of these policies.
+    pub fn new(policies: Vec<Arc<DevicePolicy>>) -> PolicySet {
+        PolicySet(Arc::new(Mutex::new(policies)))
+    }
+
+    /// Adds a device's policies.
+    pub fn add(&self, policy: Arc<DevicePolicy>) {
+        self.0.lock().push(policy);
+    }
+
+    /// Removes device `name`'s policies (an action under way on it finishes).
+    pub fn remove(&self, name: &str) {
+        self.0.lock().retain(|p| p.name() != name);
+    }
+
+    /// The policies now.
+    pub fn snapshot(&self) -> Vec<Arc<DevicePolicy>> {
+        self.0.lock().clone()
+    }
+}
+
 /// The policy thread of a server: one for every device. Dropping it stops it.
 #[derive(Debug)]
 pub struct PolicyRunner {
@@ -421,6 +456,18 @@ impl PolicyRunner {
         pressure: Arc<dyn PressureSource>,
         tick: Duration,
     ) -> std::io::Result<PolicyRunner> {
+        Self::start_shared(PolicySet::new(policies), clock, pressure, tick)
+    }
+
+    /// As [`start`](Self::start), over a list the server changes as devices are added and
+    /// removed (`hot_add`, `hot_remove`): each tick runs the devices listed then (the lock is
+    /// held only to copy the list).
+    pub fn start_shared(
+        policies: PolicySet,
+        clock: Arc<dyn Clock>,
+        pressure: Arc<dyn PressureSource>,
+        tick: Duration,
+    ) -> std::io::Result<PolicyRunner> {
         let quit = Arc::new((Mutex::new(false), Condvar::new()));
         let q = Arc::clone(&quit);
         let thread = std::thread::Builder::new()
@@ -428,7 +475,8 @@ impl PolicyRunner {
             .spawn(move || {
                 let stopping = || *q.0.lock();
                 loop {
-                    run_due(&policies, &*clock, &*pressure, &stopping);
+                    let now = policies.snapshot();
+                    run_due(&now, &*clock, &*pressure, &stopping);
                     let mut stop = q.0.lock();
                     if !*stop {
                         q.1.wait_for(&mut stop, tick);

@@ -4,7 +4,8 @@
 //! [`ConnectionSlot`](crate::frontend::limits::ConnectionSlot) for its whole life.
 
 use super::handshake::{negotiate, HandshakeIo, TlsPolicy};
-use super::server::Shared;
+use super::server::{lock, ExportEntry, Shared};
+use super::Export;
 use super::tls::TlsMode;
 use super::transmission::{transmission, Context};
 use super::wire::Wire;
@@ -65,11 +66,12 @@ impl HandshakeIo for HandshakeStream<'_> {
     }
 }
 
-/// Serves one connection to the end: handshake, then transmission on the chosen export.
+/// Serves one connection to the end: handshake, then transmission on the chosen export. The
+/// empty export name means `default_export` (`None`: the first export).
 pub(crate) fn serve_connection(
     shared: &Shared,
     wire: &Wire,
-    default_export: Option<usize>,
+    default_export: Option<&str>,
 ) -> io::Result<()> {
     let limits = &shared.config.limits;
     let mut hs = HandshakeStream {
@@ -78,12 +80,25 @@ pub(crate) fn serve_connection(
         quit: &shared.quit,
         shared,
     };
-    let Some(neg) = negotiate(&mut hs, &shared.exports, default_export, &shared.stopping)? else {
+    // The exports as they are now: one removed during the handshake refuses the open below.
+    let entries: Vec<ExportEntry> = lock(&shared.exports).clone();
+    let exports: Vec<Export> = entries.iter().map(|e| e.export.clone()).collect();
+    let default_index = match default_export {
+        Some(name) => exports.iter().position(|e| e.name == name),
+        None => (!exports.is_empty()).then_some(0),
+    };
+    let Some(neg) = negotiate(&mut hs, &exports, default_index, &shared.stopping)? else {
         wire.close_tls(Deadline::after(limits.reply));
         return Ok(());
     };
-    let device = &*shared.exports[neg.export].device;
-    let _open = shared.openers[neg.export].open();
+    let entry = &entries[neg.export];
+    let device = &*entry.export.device;
+    let Some(_open) = entry.openers.open() else {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            "the export was removed during the handshake",
+        ));
+    };
     if device.size_bytes() != neg.size_bytes {
         // Reset (and perhaps resized) between the size being sent and now: the client's idea
         // of the export is wrong, so it must reconnect.

@@ -10,7 +10,7 @@ use super::server::{lock, Endpoint, Shared};
 use super::wire::{Socket, Wire};
 use super::Listen;
 use crate::error::{Error, Result};
-use crate::frontend::limits::{accept_loop, set_nonblocking, ConnectionSlot};
+use crate::frontend::limits::{accept_loop, set_nonblocking, ConnectionSlot, QuitFd};
 use crate::frontend::unix_socket::{bind_unix, SocketId};
 use std::io;
 use std::net::{Shutdown, TcpListener};
@@ -60,11 +60,13 @@ pub(crate) fn bind(l: &Listen) -> Result<(Bound, Endpoint)> {
     Ok((bound, endpoint))
 }
 
-/// Starts the accept thread of one listener.
+/// Starts the accept thread of one listener; it ends when `quit` is raised. The empty export
+/// name means `default_export` (`None`: the first export).
 pub(crate) fn spawn_accept(
     shared: &Arc<Shared>,
     bound: Bound,
-    default_export: Option<usize>,
+    quit: Arc<QuitFd>,
+    default_export: Option<String>,
 ) -> Result<JoinHandle<()>> {
     let shared = Arc::clone(shared);
     std::thread::Builder::new()
@@ -72,13 +74,13 @@ pub(crate) fn spawn_accept(
         .spawn(move || {
             let log = shared.config.log_errors.then_some("uzram nbd");
             let start = |socket: Socket, slot: ConnectionSlot| {
-                start_connection(&shared, socket, slot, default_export)
+                start_connection(&shared, socket, slot, default_export.clone())
             };
             match &bound {
-                Bound::Unix(l, _) => accept_loop(l, &shared.quit, &shared.cap, log, |s, slot| {
+                Bound::Unix(l, _) => accept_loop(l, &quit, &shared.cap, log, |s, slot| {
                     start(Socket::Unix(s), slot)
                 }),
-                Bound::Tcp(l) => accept_loop(l, &shared.quit, &shared.cap, log, |s, slot| {
+                Bound::Tcp(l) => accept_loop(l, &quit, &shared.cap, log, |s, slot| {
                     // NBD asks both ends to disable Nagle: replies are small and latency-bound.
                     let _ = s.set_nodelay(true);
                     start(Socket::Tcp(s), slot)
@@ -104,7 +106,7 @@ fn start_connection(
     shared: &Arc<Shared>,
     socket: Socket,
     slot: ConnectionSlot,
-    default_export: Option<usize>,
+    default_export: Option<String>,
 ) {
     let wire = match Wire::new(socket) {
         Ok(w) => Arc::new(w),
@@ -125,7 +127,7 @@ fn start_connection(
         .spawn(move || {
             let _slot = slot;
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                serve_connection(&shared2, &wire, default_export)
+                serve_connection(&shared2, &wire, default_export.as_deref())
             }));
             match r {
                 Ok(Ok(())) => {}

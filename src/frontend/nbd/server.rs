@@ -28,7 +28,7 @@
 use super::listener::{bind, spawn_accept, Bound};
 use super::tls::Tls;
 use super::{Export, Listen};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::frontend::limits::{
     ConnectionCap, Limits, MemoryBudget, QuitFd, SWAP_PREALLOCATED_BYTES,
 };
@@ -86,34 +86,60 @@ impl ServerConfig {
 
 /// Who has an export open: the count of connections in transmission on it, under a mutex that
 /// also serialises operations that must not happen while the export is open (zram's `reset`
-/// is `EBUSY` while the disk has openers; the control socket runs it under
-/// [`Openers::while_unused`]).
+/// and `hot_remove` are `EBUSY` while the disk has openers; the control socket runs `reset`
+/// under [`Openers::while_unused`], and [`Server::remove_export`] marks the export removed
+/// under the same lock, after which no connection can open it).
 #[derive(Debug, Default)]
 pub struct Openers {
-    count: Mutex<usize>,
+    state: Mutex<OpenState>,
+}
+
+/// Protected by `Openers::state`.
+#[derive(Debug, Default)]
+struct OpenState {
+    /// Connections in transmission on the export.
+    count: usize,
+    /// The export was removed: no connection may open it any more.
+    removed: bool,
 }
 
 impl Openers {
     /// Connections in transmission on the export now.
     pub fn count(&self) -> usize {
-        *lock(&self.count)
+        lock(&self.state).count
     }
 
     /// Runs `f` with no connection in transmission and none able to start until it returns;
     /// `Err(n)` with the number of openers instead if there are any.
     pub fn while_unused<R>(&self, f: impl FnOnce() -> R) -> std::result::Result<R, usize> {
-        let g = lock(&self.count);
-        if *g > 0 {
-            return Err(*g);
+        let g = lock(&self.state);
+        if g.count > 0 {
+            return Err(g.count);
         }
         let r = f();
         drop(g);
         Ok(r)
     }
 
-    pub(crate) fn open(&self) -> OpenGuard<'_> {
-        *lock(&self.count) += 1;
-        OpenGuard(self)
+    /// Marks the export removed if no connection has it open (`Err(n)` with the openers
+    /// otherwise); from then on [`open`](Self::open) fails.
+    fn remove_if_unused(&self) -> std::result::Result<(), usize> {
+        let mut g = lock(&self.state);
+        if g.count > 0 {
+            return Err(g.count);
+        }
+        g.removed = true;
+        Ok(())
+    }
+
+    /// A connection's hold on the export; `None` once the export is removed.
+    pub(crate) fn open(&self) -> Option<OpenGuard<'_>> {
+        let mut g = lock(&self.state);
+        if g.removed {
+            return None;
+        }
+        g.count += 1;
+        Some(OpenGuard(self))
     }
 }
 
@@ -122,15 +148,23 @@ pub(crate) struct OpenGuard<'a>(&'a Openers);
 
 impl Drop for OpenGuard<'_> {
     fn drop(&mut self) {
-        *lock(&self.0.count) -= 1;
+        lock(&self.0.state).count -= 1;
     }
+}
+
+/// An export and who has it open.
+#[derive(Clone)]
+pub(crate) struct ExportEntry {
+    pub(crate) export: Export,
+    pub(crate) openers: Arc<Openers>,
 }
 
 /// State shared by the accept threads and connections.
 pub(crate) struct Shared {
-    pub(crate) exports: Vec<Export>,
-    /// One per export, same order.
-    pub(crate) openers: Vec<Arc<Openers>>,
+    /// The exports, in the order they were added ([`Server::add_export`] and
+    /// [`Server::remove_export`] change it while the server runs). A connection takes a copy
+    /// for its handshake and then holds its export's [`Openers`], not this lock.
+    pub(crate) exports: Mutex<Vec<ExportEntry>>,
     pub(crate) config: ServerConfig,
     /// Raised once by [`Server::stop`]; accept loops and handshakes wait on it.
     pub(crate) quit: QuitFd,
@@ -185,18 +219,40 @@ impl Shared {
 /// A running NBD server. Dropping it stops it (as [`Server::stop`]).
 pub struct Server {
     shared: Arc<Shared>,
-    accept_threads: Vec<JoinHandle<()>>,
-    /// Where each listener is, for the URIs.
-    endpoints: Vec<Endpoint>,
-    /// The unix socket files to remove on stop, with what they were when bound.
-    socket_files: Vec<(PathBuf, SocketId)>,
-    stopped: bool,
+    /// Every listener; exports added while running bring their own unix listener. Never held
+    /// while joining an accept thread of a listener still in the list.
+    listeners: Mutex<Vec<Listener>>,
+    stopped: AtomicBool,
+}
+
+/// One listener and its accept thread.
+struct Listener {
+    /// Where it is, for the URIs.
+    endpoint: Endpoint,
+    /// A unix socket file to remove on stop, with what it was when bound.
+    socket_file: Option<(PathBuf, SocketId)>,
+    /// Ends this accept loop alone (an export removed); a stop raises every listener's.
+    quit: Arc<QuitFd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Listener {
+    /// Ends the accept loop and removes the socket file if it is still ours.
+    fn stop(&mut self) {
+        self.quit.raise();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if let Some((path, id)) = &self.socket_file {
+            remove_if_ours(path, *id);
+        }
+    }
 }
 
 impl std::fmt::Debug for Server {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Server")
-            .field("endpoints", &self.endpoints)
+            .field("endpoints", &self.endpoints())
             .finish_non_exhaustive()
     }
 }
@@ -244,13 +300,13 @@ impl Server {
         let mut socket_files: Vec<(PathBuf, SocketId)> = Vec::new();
         for l in listen {
             let default_export = match l {
-                Listen::Unix { export, .. } => Some(
-                    exports
-                        .iter()
-                        .position(|e| &e.name == export)
-                        .ok_or_else(|| Error::invalid(format!("no export named {export:?}")))?,
-                ),
-                Listen::Tcp(_) => Some(0),
+                Listen::Unix { export, .. } => {
+                    if !exports.iter().any(|e| &e.name == export) {
+                        return Err(Error::invalid(format!("no export named {export:?}")));
+                    }
+                    Some(export.clone())
+                }
+                Listen::Tcp(_) => None,
             };
             let (b, ep) = match bind(l) {
                 Ok(x) => x,
@@ -268,8 +324,15 @@ impl Server {
             endpoints.push(ep);
         }
         let shared = Arc::new(Shared {
-            openers: exports.iter().map(|_| Arc::default()).collect(),
-            exports,
+            exports: Mutex::new(
+                exports
+                    .into_iter()
+                    .map(|export| ExportEntry {
+                        export,
+                        openers: Arc::default(),
+                    })
+                    .collect(),
+            ),
             cap: ConnectionCap::new(config.limits.max_connections, "uzram nbd"),
             config,
             quit: QuitFd::new().map_err(Error::from)?,
@@ -280,35 +343,151 @@ impl Server {
             active: Mutex::new(0),
             active_cv: Condvar::new(),
         });
-        let mut server = Server {
+        let server = Server {
             shared: Arc::clone(&shared),
-            accept_threads: Vec::new(),
-            endpoints,
-            socket_files,
-            stopped: false,
+            listeners: Mutex::new(Vec::new()),
+            stopped: AtomicBool::new(false),
         };
-        for (b, default_export) in bound {
-            let t = spawn_accept(&shared, b, default_export)?;
-            server.accept_threads.push(t);
+        for ((b, default_export), endpoint) in bound.into_iter().zip(endpoints) {
+            let socket_file = match (&b, &endpoint) {
+                (Bound::Unix(_, id), Endpoint::Unix { path, .. }) => Some((path.clone(), *id)),
+                _ => None,
+            };
+            let quit = Arc::new(QuitFd::new().map_err(Error::from)?);
+            // Dropping `server` on an error stops the listeners started so far.
+            let mut listener = Listener {
+                endpoint,
+                socket_file,
+                quit: Arc::clone(&quit),
+                thread: None,
+            };
+            match spawn_accept(&shared, b, quit, default_export) {
+                Ok(t) => listener.thread = Some(t),
+                Err(e) => {
+                    listener.stop();
+                    return Err(e);
+                }
+            }
+            lock(&server.listeners).push(listener);
         }
         Ok(server)
     }
 
+    /// Adds an export while the server runs (zram's `hot_add`), reachable by name on every
+    /// TCP listener and, with `unix`, on a unix socket of its own (whose empty export name
+    /// means it). `EEXIST`-like `EINVAL` if the name is taken or bad.
+    pub fn add_export(&self, export: Export, unix: Option<PathBuf>) -> Result<()> {
+        if export.name.is_empty()
+            || export.name.len() > MAX_STRING_BYTES
+            || export.name.contains('\0')
+        {
+            return Err(Error::invalid(format!("bad export name {:?}", export.name)));
+        }
+        let name = export.name.clone();
+        let mut listener = None;
+        if let Some(path) = unix {
+            let l = Listen::Unix {
+                path,
+                export: name.clone(),
+            };
+            let (b, endpoint) = bind(&l)?;
+            let socket_file = match (&b, &endpoint) {
+                (Bound::Unix(_, id), Endpoint::Unix { path, .. }) => Some((path.clone(), *id)),
+                _ => None,
+            };
+            let quit = Arc::new(QuitFd::new().map_err(Error::from)?);
+            listener = Some((
+                b,
+                Listener {
+                    endpoint,
+                    socket_file,
+                    quit,
+                    thread: None,
+                },
+            ));
+        }
+        {
+            let mut exports = lock(&self.shared.exports);
+            if exports.iter().any(|e| e.export.name == name) {
+                drop(exports);
+                if let Some((_, mut l)) = listener {
+                    l.stop();
+                }
+                return Err(Error::invalid(format!("export {name:?} exists")));
+            }
+            exports.push(ExportEntry {
+                export,
+                openers: Arc::default(),
+            });
+        }
+        if let Some((b, mut l)) = listener {
+            match spawn_accept(&self.shared, b, Arc::clone(&l.quit), Some(name.clone())) {
+                Ok(t) => l.thread = Some(t),
+                Err(e) => {
+                    l.stop();
+                    lock(&self.shared.exports).retain(|e| e.export.name != name);
+                    return Err(e);
+                }
+            }
+            let mut listeners = lock(&self.listeners);
+            if self.shared.stopping.load(Ordering::SeqCst) {
+                drop(listeners);
+                l.stop();
+                return Err(Error::io("the server is stopping"));
+            }
+            listeners.push(l);
+        }
+        Ok(())
+    }
+
+    /// Removes export `name` (zram's `hot_remove`): `EBUSY` while a connection has it open
+    /// (as zram refuses while its disk is open), `ENODEV` if there is none. Connections in the
+    /// handshake that chose it fail; its own unix listeners stop and their sockets go.
+    pub fn remove_export(&self, name: &str) -> Result<()> {
+        let openers = self
+            .openers(name)
+            .ok_or_else(|| Error::new(ErrorKind::NoDevice, format!("no export named {name:?}")))?;
+        openers.remove_if_unused().map_err(|n| {
+            Error::busy(format!("{name} is open by {n} NBD connection(s)"))
+        })?;
+        lock(&self.shared.exports).retain(|e| !Arc::ptr_eq(&e.openers, &openers));
+        let mine: Vec<Listener> = {
+            let mut listeners = lock(&self.listeners);
+            let (mine, rest) = listeners.drain(..).partition(|l: &Listener| {
+                matches!(&l.endpoint, Endpoint::Unix { default_export, .. } if default_export == name)
+            });
+            *listeners = rest;
+            mine
+        };
+        for mut l in mine {
+            l.stop();
+        }
+        Ok(())
+    }
+
     /// The openers of export `name` (for the control socket's `reset`).
     pub fn openers(&self, name: &str) -> Option<Arc<Openers>> {
-        let i = self.shared.exports.iter().position(|e| e.name == name)?;
-        Some(Arc::clone(&self.shared.openers[i]))
+        lock(&self.shared.exports)
+            .iter()
+            .find(|e| e.export.name == name)
+            .map(|e| Arc::clone(&e.openers))
     }
 
     /// Where the server listens.
-    pub fn endpoints(&self) -> &[Endpoint] {
-        &self.endpoints
+    pub fn endpoints(&self) -> Vec<Endpoint> {
+        lock(&self.listeners)
+            .iter()
+            .map(|l| l.endpoint.clone())
+            .collect()
     }
 
     /// The unix socket files and what they were when bound (for removing them on a forced
     /// exit with [`remove_if_ours`]).
     pub fn socket_files(&self) -> Vec<(PathBuf, SocketId)> {
-        self.socket_files.clone()
+        lock(&self.listeners)
+            .iter()
+            .filter_map(|l| l.socket_file.clone())
+            .collect()
     }
 
     /// The server's request memory budget (for statistics and tests).
@@ -328,8 +507,12 @@ impl Server {
             Some(t) if t.mode == super::tls::TlsMode::Require => "nbds",
             _ => "nbd",
         };
+        let names: Vec<String> = lock(&self.shared.exports)
+            .iter()
+            .map(|e| e.export.name.clone())
+            .collect();
         let mut v = Vec::new();
-        for ep in &self.endpoints {
+        for ep in &self.endpoints() {
             match ep {
                 Endpoint::Unix {
                     path,
@@ -339,8 +522,8 @@ impl Server {
                     format!("nbd+unix:///{default_export}?socket={}", path.display()),
                 )),
                 Endpoint::Tcp(addr) => {
-                    for e in &self.shared.exports {
-                        v.push((e.name.clone(), format!("{scheme}://{addr}/{}", e.name)));
+                    for n in &names {
+                        v.push((n.clone(), format!("{scheme}://{addr}/{n}")));
                     }
                 }
             }
@@ -350,15 +533,16 @@ impl Server {
 
     /// Stops, bounded (see the module documentation). Returns when every connection thread
     /// has ended, or when the stragglers' time is up.
-    pub fn stop(mut self) {
-        self.stop_inner();
+    pub fn stop(self) {
+        self.shutdown();
     }
 
-    fn stop_inner(&mut self) {
-        if self.stopped {
+    /// As [`stop`](Self::stop), for a server shared with the threads that add and remove
+    /// exports (those fail from then on). Later calls do nothing.
+    pub fn shutdown(&self) {
+        if self.stopped.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.stopped = true;
         let shared = &self.shared;
         {
             let conns = lock(&shared.conns);
@@ -368,8 +552,15 @@ impl Server {
                 w.socket().shutdown(Shutdown::Read);
             }
         }
-        for t in self.accept_threads.drain(..) {
-            let _ = t.join();
+        // Under the lock `stopping` is seen by add_export, which adds no listener after this.
+        let mut listeners: Vec<Listener> = lock(&self.listeners).drain(..).collect();
+        for l in &listeners {
+            l.quit.raise();
+        }
+        for l in &mut listeners {
+            if let Some(t) = l.thread.take() {
+                let _ = t.join();
+            }
         }
         let grace_end = Instant::now() + shared.config.limits.stop_grace;
         if !shared.wait_connections(grace_end) {
@@ -382,15 +573,15 @@ impl Server {
                 eprintln!("uzram nbd: stopping without connections still inside a device call");
             }
         }
-        for (path, id) in &self.socket_files {
-            remove_if_ours(path, *id);
+        for l in &mut listeners {
+            l.stop();
         }
     }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.stop_inner();
+        self.shutdown();
     }
 }
 
