@@ -126,7 +126,10 @@ impl DeviceAttachments {
 
 impl Attachments for DeviceAttachments {
     fn block_dev(&self) -> Option<PathBuf> {
-        lock(&self.state).ublk.as_ref().map(UblkExport::block_dev_path)
+        lock(&self.state)
+            .ublk
+            .as_ref()
+            .map(UblkExport::block_dev_path)
     }
 
     fn initialised(&self) -> uzram::Result<()> {
@@ -237,7 +240,11 @@ impl Devices {
         .map_err(|e| {
             Error::new(
                 e.kind(),
-                format!("starting the control socket {}: {}", ctl.display(), e.message()),
+                format!(
+                    "starting the control socket {}: {}",
+                    ctl.display(),
+                    e.message()
+                ),
             )
         })?;
         let served = Arc::new(Served {
@@ -263,11 +270,7 @@ impl Devices {
         self.snapshot()
             .iter()
             .map(|s| {
-                metrics::collect_device(
-                    &s.name,
-                    &s.device,
-                    self.server.openers(&s.name).as_deref(),
-                )
+                metrics::collect_device(&s.name, &s.device, self.server.openers(&s.name).as_deref())
             })
             .collect()
     }
@@ -344,20 +347,14 @@ impl HotPlug for Devices {
         ));
         let policy = Arc::new(DevicePolicy::new(name.clone(), Arc::clone(&device)));
         let ctl = control::socket_path(dir, &name);
-        let served = match self.finish_add(
-            &mut list,
-            &name,
-            device,
-            &ctl,
-            attach,
-            Arc::clone(&policy),
-        ) {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = self.server.remove_export(&name);
-                return Err(e);
-            }
-        };
+        let served =
+            match self.finish_add(&mut list, &name, device, &ctl, attach, Arc::clone(&policy)) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = self.server.remove_export(&name);
+                    return Err(e);
+                }
+            };
         self.policies.add(policy);
         eprintln!(
             "uzram: hot_add: {name}: nbd+unix:///{name}?socket={}, control {}",
@@ -434,7 +431,14 @@ mod tests {
     fn ids_are_zram_numbers() {
         assert_eq!(zram_id("zram0"), Some(0));
         assert_eq!(zram_id("zram17"), Some(17));
-        for other in ["zram", "zram01", "zram-1", "swap0", "zram1a", "zram99999999999"] {
+        for other in [
+            "zram",
+            "zram01",
+            "zram-1",
+            "swap0",
+            "zram1a",
+            "zram99999999999",
+        ] {
             assert_eq!(zram_id(other), None, "{other}");
         }
     }

@@ -12,6 +12,7 @@
 //! guest's virtio-blk disk on `NAME.vhost.sock` with `--vhost-user` (`vhost_user = true`;
 //! docs/vhost-user.md).
 
+use crate::devices::{Devices, ServerFrontends};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::net::SocketAddr;
@@ -19,7 +20,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use uzram::clock::SystemClock;
 use uzram::config::{ServeConfig, DEFAULT_CONFIG_TOML};
-use crate::devices::{Devices, ServerFrontends};
 use uzram::frontend::control::{self, Attachments, ControlServer, HotPlug};
 use uzram::frontend::metrics::{
     self,
@@ -493,8 +493,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let metrics = match cfg.metrics_listen {
         Some(addr) => {
             let registry = Arc::clone(&registry);
-            let source: MetricsSource =
-                Arc::new(move || Ok(metrics::render(&registry.metrics()?)));
+            let source: MetricsSource = Arc::new(move || Ok(metrics::render(&registry.metrics()?)));
             Some(
                 MetricsServer::start(
                     addr,

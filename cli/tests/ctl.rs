@@ -590,8 +590,14 @@ fn hot_add_and_hot_remove_as_zram_control() {
     assert_eq!(stdout(&r.ctl(&["--dev", "zram1", "disksize"])), "0\n");
     assert_eq!(qemu_img_size(&r.uri("zram1")), 0, "no disksize yet");
     // Set up as zram's: algorithm, then disksize.
-    assert!(r.ctl(&["--dev", "zram1", "comp_algorithm", "zstd"]).status.success());
-    assert!(r.ctl(&["--dev", "zram1", "disksize", "32M"]).status.success());
+    assert!(r
+        .ctl(&["--dev", "zram1", "comp_algorithm", "zstd"])
+        .status
+        .success());
+    assert!(r
+        .ctl(&["--dev", "zram1", "disksize", "32M"])
+        .status
+        .success());
     assert_eq!(qemu_img_size(&r.uri("zram1")), 32 << 20);
     // Position-dependent data through a real client, read back and compared; zram0 untouched.
     run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x3c 1M 2M", &r.uri("zram1")]));
@@ -607,15 +613,15 @@ fn hot_add_and_hot_remove_as_zram_control() {
     assert_eq!(mm_stat(&r, "zram1")[0], 2 << 20);
     assert_eq!(mm_stat(&r, "zram0")[0], 0);
     let s = r.status(&[]);
-    let row = s.lines().find(|l| l.starts_with("zram1 ")).unwrap_or_else(|| panic!("{s}"));
+    let row = s
+        .lines()
+        .find(|l| l.starts_with("zram1 "))
+        .unwrap_or_else(|| panic!("{s}"));
     assert!(row.contains("zstd") && row.contains("32M"), "{s}");
 
     // EBUSY while an NBD client has it open; nothing changes.
-    let (client, size) = nbd_support::RawClient::handshake_export(
-        &r.dir().join("zram1.sock"),
-        "zram1",
-        false,
-    );
+    let (client, size) =
+        nbd_support::RawClient::handshake_export(&r.dir().join("zram1.sock"), "zram1", false);
     assert_eq!(size, 32 << 20);
     let o = r.ctl(&["hot_remove", "1"]);
     assert_eq!(o.status.code(), Some(libc::EBUSY), "{o:?}");
@@ -637,7 +643,10 @@ fn hot_add_and_hot_remove_as_zram_control() {
     }
     assert_eq!(r.ctl(&["hot_remove"]).status.code(), Some(libc::EACCES));
     assert_eq!(r.ctl(&["hot_add", "1"]).status.code(), Some(libc::EACCES));
-    assert_eq!(stdout(&r.ctl(&["--dev", "zram1", "disksize"])), format!("{}\n", 32 << 20));
+    assert_eq!(
+        stdout(&r.ctl(&["--dev", "zram1", "disksize"])),
+        format!("{}\n", 32 << 20)
+    );
 
     // Removed: its sockets go, status forgets it, a second removal is ENODEV.
     let o = r.ctl(&["hot_remove", "1"]);
@@ -645,7 +654,10 @@ fn hot_add_and_hot_remove_as_zram_control() {
     assert!(!r.dir().join("zram1.sock").exists() && !r.dir().join("zram1.ctl").exists());
     assert!(!r.status(&[]).contains("zram1"));
     assert!(!r.ctl(&["--dev", "zram1", "mm_stat"]).status.success());
-    assert_eq!(r.ctl(&["hot_remove", "1"]).status.code(), Some(libc::ENODEV));
+    assert_eq!(
+        r.ctl(&["hot_remove", "1"]).status.code(),
+        Some(libc::ENODEV)
+    );
     assert!(r.log().contains("hot_remove: zram1 removed"), "{}", r.log());
 
     // The configured device is removable too, and ids are reused lowest first, as zram's.

@@ -35,10 +35,10 @@ use super::limits::{accept_loop, set_nonblocking, ConnectionCap, QuitFd};
 use super::nbd::Openers;
 use super::unix_socket::{bind_unix, remove_if_ours, SocketId};
 use crate::device::attrs::kstrtou64;
-use crate::units::kstrtoint;
 use crate::device::Device;
 use crate::error::{errno_name, Error, ErrorKind, Result};
 use crate::policy::DevicePolicy;
+use crate::units::kstrtoint;
 use serde::{Deserialize, Serialize};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
@@ -180,14 +180,15 @@ impl ControlServer {
         attachments: Option<Arc<dyn Attachments>>,
         policy: Option<Arc<DevicePolicy>>,
     ) -> Result<ControlServer> {
-        let handler: Arc<Handler> = Arc::new(move |req: Request, progress: &mut dyn FnMut(String)| {
-            let frontends = Frontends {
-                openers: openers.as_deref(),
-                attachments: attachments.as_deref(),
-                policy: policy.as_deref(),
-            };
-            handle_device(&device, &frontends, req, progress)
-        });
+        let handler: Arc<Handler> =
+            Arc::new(move |req: Request, progress: &mut dyn FnMut(String)| {
+                let frontends = Frontends {
+                    openers: openers.as_deref(),
+                    attachments: attachments.as_deref(),
+                    policy: policy.as_deref(),
+                };
+                handle_device(&device, &frontends, req, progress)
+            });
         Self::start_handler(path, handler)
     }
 

@@ -5,10 +5,10 @@
 
 use super::handshake::{negotiate, HandshakeIo, TlsPolicy};
 use super::server::{lock, ExportEntry, Shared};
-use super::Export;
 use super::tls::TlsMode;
 use super::transmission::{transmission, Context};
 use super::wire::Wire;
+use super::Export;
 use crate::frontend::limits::{Deadline, QuitFd};
 use std::io::{self, Read, Write};
 use std::sync::atomic::Ordering;

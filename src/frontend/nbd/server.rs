@@ -447,9 +447,9 @@ impl Server {
         let openers = self
             .openers(name)
             .ok_or_else(|| Error::new(ErrorKind::NoDevice, format!("no export named {name:?}")))?;
-        openers.remove_if_unused().map_err(|n| {
-            Error::busy(format!("{name} is open by {n} NBD connection(s)"))
-        })?;
+        openers
+            .remove_if_unused()
+            .map_err(|n| Error::busy(format!("{name} is open by {n} NBD connection(s)")))?;
         lock(&self.shared.exports).retain(|e| !Arc::ptr_eq(&e.openers, &openers));
         let mine: Vec<Listener> = {
             let mut listeners = lock(&self.listeners);
