@@ -226,6 +226,8 @@ fn ublk_filesystem_in_vm() {
     let orig: u64 = mm.split_whitespace().next().unwrap().parse().unwrap();
     assert!(orig > 8 << 20, "mm_stat {mm}");
 
+    hot_add_and_remove_block_device(&dir);
+
     // SIGTERM: the server removes the block device and exits 0, in seconds.
     run(Command::new("kill")
         .args(["-TERM", &s.child.id().to_string()])
@@ -241,6 +243,71 @@ fn ublk_filesystem_in_vm() {
     assert!(st.success(), "{st}: {err}");
     assert!(err.contains(&format!("removed {}", dev.display())), "{err}");
     assert!(!dev.exists(), "{} still exists", dev.display());
+}
+
+/// `uzram ctl --dir DIR ARGS...`: (exit status, stdout, stderr).
+fn ctl(dir: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let o = Command::new(UZRAM)
+        .args(["ctl", "--dir"])
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// `hot_add` on a `--ublk` server: the new device gets its `/dev/ublkbN` once `disksize` is
+/// set (a ublk device's size is fixed when it is added); `hot_remove` is `EBUSY` while a
+/// filesystem on it is mounted, then removes the block device with the rest.
+fn hot_add_and_remove_block_device(dir: &Path) {
+    let (code, id, err) = ctl(dir, &["hot_add"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(id, "1\n");
+    let (code, _, err) = ctl(dir, &["--dev", "zram1", "block_dev"]);
+    assert_ne!(code, Some(0), "a block device before disksize: {err}");
+    let (code, _, err) = ctl(dir, &["--dev", "zram1", "disksize", "64M"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, path, err) = ctl(dir, &["--dev", "zram1", "block_dev"]);
+    assert_eq!(code, Some(0), "{err}");
+    let dev = PathBuf::from(path.trim());
+    assert!(dev.exists(), "{} does not exist", dev.display());
+    assert_eq!(sysfs(&dev, "size"), (64u64 << 20 >> 9).to_string());
+    let status = run(Command::new(UZRAM)
+        .args([
+            "status",
+            "-o",
+            "NAME,DISKSIZE,BLOCK-DEV",
+            "--raw",
+            "-n",
+            "--dir",
+        ])
+        .arg(dir));
+    assert!(
+        status.contains(&format!("zram1 64M {}", dev.display())),
+        "{status}"
+    );
+    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&dev));
+    let mnt = dir.join("mnt1");
+    std::fs::create_dir(&mnt).unwrap();
+    run(Command::new("mount")
+        .args(["-t", "ext4"])
+        .arg(&dev)
+        .arg(&mnt));
+    std::fs::write(mnt.join("f"), vec![0x5a; 1 << 20]).unwrap();
+    let (code, _, err) = ctl(dir, &["hot_remove", "1"]);
+    assert_eq!(code, Some(libc::EBUSY), "hot_remove while mounted: {err}");
+    run(Command::new("umount").arg(&mnt));
+    run(Command::new("e2fsck").args(["-f", "-n"]).arg(&dev));
+    let (code, _, err) = ctl(dir, &["hot_remove", "1"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!dev.exists(), "{} outlived hot_remove", dev.display());
+    assert!(!dir.join("zram1.ctl").exists() && !dir.join("zram1.sock").exists());
+    let (code, _, _) = ctl(dir, &["hot_remove", "1"]);
+    assert_eq!(code, Some(libc::ENODEV));
 }
 
 /// SIGTERM: the server removes the block device and exits 0, in seconds.
