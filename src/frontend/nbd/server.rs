@@ -552,15 +552,21 @@ impl Server {
                 w.socket().shutdown(Shutdown::Read);
             }
         }
-        // Under the lock `stopping` is seen by add_export, which adds no listener after this.
-        let mut listeners: Vec<Listener> = lock(&self.listeners).drain(..).collect();
-        for l in &listeners {
-            l.quit.raise();
-        }
-        for l in &mut listeners {
-            if let Some(t) = l.thread.take() {
-                let _ = t.join();
+        // add_export sees `stopping` under the listeners' lock and adds none after this. The
+        // listeners stay listed (with their socket files, for a forced exit meanwhile) until
+        // their files are removed below; the lock is not held while joining.
+        let threads: Vec<JoinHandle<()>> = {
+            let mut listeners = lock(&self.listeners);
+            for l in listeners.iter() {
+                l.quit.raise();
             }
+            listeners
+                .iter_mut()
+                .filter_map(|l| l.thread.take())
+                .collect()
+        };
+        for t in threads {
+            let _ = t.join();
         }
         let grace_end = Instant::now() + shared.config.limits.stop_grace;
         if !shared.wait_connections(grace_end) {
@@ -573,6 +579,7 @@ impl Server {
                 eprintln!("uzram nbd: stopping without connections still inside a device call");
             }
         }
+        let mut listeners: Vec<Listener> = lock(&self.listeners).drain(..).collect();
         for l in &mut listeners {
             l.stop();
         }
