@@ -37,6 +37,31 @@ enum BenchCommand {
     /// A VM guest's disk: vhost-user-blk against QEMU's NBD client and the guest's own kernel
     /// zram, fio inside one guest.
     Vm(VmArgs),
+    /// A kernel block device: ublk against the guest kernel's NBD client and its own zram,
+    /// uzram and fio inside one guest.
+    Blk(BlkArgs),
+}
+
+#[derive(Debug, Args)]
+struct BlkArgs {
+    /// Seconds per point.
+    #[arg(long, default_value_t = 10)]
+    runtime: u64,
+    /// Size of the device and of the guest's zram (K, M, G suffixes).
+    #[arg(long, default_value = "256M")]
+    size: String,
+    /// Runs per point; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// The guest's RAM, MiB.
+    #[arg(long, default_value_t = 1024)]
+    mem_mb: u32,
+    /// Inside the guest (what the host side boots): run the points, print the samples.
+    #[arg(long, hide = true)]
+    guest: bool,
+    /// Where to write the JSON (default: bench/results/blk-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -372,6 +397,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = crate::multipage::run(&corpus, &opts)?;
             write_results(a.json.as_deref(), "multipage", &doc, a.plot.as_deref())
+        }
+        BenchCommand::Blk(a) => {
+            let opts = crate::blk::BlkBenchOptions {
+                runtime_secs: a.runtime.max(1),
+                size_bytes: uzram::units::parse_size_bytes(&a.size)
+                    .with_context(|| format!("--size {}", a.size))?,
+                repeats: a.repeats.max(1),
+                mem_mb: a.mem_mb,
+            };
+            if a.guest {
+                crate::blk::guest(&opts)?;
+                return Ok(());
+            }
+            let doc = crate::blk::run(&opts)?;
+            let path = crate::json_path(a.json.as_deref(), "blk");
+            crate::write_json(&path, &doc)?;
+            println!("wrote {}", path.display());
+            Ok(())
         }
         BenchCommand::Vm(a) => {
             let opts = crate::vm::VmBenchOptions {

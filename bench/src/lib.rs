@@ -6,6 +6,7 @@
 //! snapshot of a process's anonymous memory, and the `uzram corpus` workloads). The `uzram`
 //! command runs both through [`command`] and [`corpus::build`].
 
+pub mod blk;
 pub mod command;
 pub mod corpus;
 pub mod free;

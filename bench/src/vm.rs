@@ -57,7 +57,7 @@ const RESULT_MARK: &str = "UZRAM-BENCH-VM ";
 
 /// The VM script of this repository (`scripts/zoned-vm`), found from the working directory
 /// or from where this crate was built.
-fn vm_script() -> Result<PathBuf> {
+pub(crate) fn vm_script() -> Result<PathBuf> {
     let here = std::env::current_dir()?;
     let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     here.ancestors()
@@ -67,7 +67,7 @@ fn vm_script() -> Result<PathBuf> {
         .ok_or_else(|| Error::io("scripts/zoned-vm not found (run from the repository)"))
 }
 
-fn program(name: &str) -> Result<String> {
+pub(crate) fn program(name: &str) -> Result<String> {
     for dir in ["/usr/bin", "/usr/sbin", "/bin", "/sbin"] {
         let p = Path::new(dir).join(name);
         if p.exists() {
@@ -154,7 +154,12 @@ pub fn run(opts: &VmBenchOptions) -> Result<serde_json::Value> {
     };
     let guest: serde_json::Value =
         serde_json::from_str(line).map_err(|e| Error::io(format!("the guest's JSON: {e}")))?;
-    // As scripts/zoned-vm decides (its kvm_usable): KVM backed by hardware virtualisation.
+    report(opts, &guest, accel())
+}
+
+/// How scripts/zoned-vm runs the guest (its kvm_usable): `kvm` when KVM is backed by
+/// hardware virtualisation and ours to open, else `tcg`.
+pub(crate) fn accel() -> &'static str {
     let kvm = ["kvm_intel", "kvm_amd"]
         .iter()
         .any(|m| Path::new("/sys/module").join(m).exists())
@@ -163,8 +168,11 @@ pub fn run(opts: &VmBenchOptions) -> Result<serde_json::Value> {
             .write(true)
             .open("/dev/kvm")
             .is_ok();
-    let accel = if kvm { "kvm" } else { "tcg" };
-    report(opts, &guest, accel)
+    if kvm {
+        "kvm"
+    } else {
+        "tcg"
+    }
 }
 
 /// The medians, the table and the JSON document from the guest's samples.
@@ -258,7 +266,7 @@ fn disk_with_serial(serial: &str) -> Result<PathBuf> {
 }
 
 /// Inside the guest: the guest kernel's zram0 of `size_bytes`, lz4.
-fn guest_zram(size_bytes: u64) -> Result<PathBuf> {
+pub(crate) fn guest_zram(size_bytes: u64) -> Result<PathBuf> {
     let sys = Path::new("/sys/block/zram0");
     if !sys.exists() {
         return Err(Error::io("no /sys/block/zram0 in the guest (zram module)"));
@@ -268,7 +276,7 @@ fn guest_zram(size_bytes: u64) -> Result<PathBuf> {
     Ok(PathBuf::from("/dev/zram0"))
 }
 
-fn fio_point(
+pub(crate) fn fio_point(
     dev: &Path,
     rw: &str,
     qd: u32,
