@@ -487,12 +487,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Some(addr) => {
             let named: Vec<_> = devices
                 .iter()
-                .map(|(n, d, _)| (n.clone(), Arc::clone(d), server.openers(n)))
+                .zip(&policies)
+                .map(|((n, d, _), p)| (n.clone(), Arc::clone(d), server.openers(n), Arc::clone(p)))
                 .collect();
             let source: MetricsSource = Arc::new(move || {
                 let samples = named
                     .iter()
-                    .map(|(n, d, o)| metrics::collect_device(n, d, o.as_deref()))
+                    .map(|(n, d, o, p)| {
+                        metrics::collect_device(n, d, o.as_deref(), Some(p.as_ref()))
+                    })
                     .collect::<uzram::Result<Vec<_>>>()?;
                 Ok(metrics::render(&samples))
             });
