@@ -37,6 +37,18 @@ enum BenchCommand {
     /// A VM guest's disk: vhost-user-blk against QEMU's NBD client and the guest's own kernel
     /// zram, fio inside one guest.
     Vm(VmArgs),
+    /// Draws the PNG of a benchmark's JSON written earlier (what `--plot` draws), e.g. from
+    /// bench/results/.
+    Plot(PlotArgs),
+}
+
+#[derive(Debug, Args)]
+struct PlotArgs {
+    /// A benchmark's JSON (bench/results/NAME-UNIXTIME.json).
+    json: PathBuf,
+    /// The PNG to write.
+    #[arg(long, value_name = "FILE")]
+    plot: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -59,6 +71,9 @@ struct VmArgs {
     /// Where to write the JSON (default: bench/results/vm-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -386,7 +401,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 return Ok(());
             }
             let doc = crate::vm::run(&opts)?;
-            write_results(a.json.as_deref(), "vm", &doc, None)
+            write_results(a.json.as_deref(), "vm", &doc, a.plot.as_deref())
+        }
+        BenchCommand::Plot(a) => {
+            let bytes =
+                std::fs::read(&a.json).with_context(|| format!("reading {}", a.json.display()))?;
+            let doc: serde_json::Value = serde_json::from_slice(&bytes)
+                .with_context(|| format!("{}: not JSON", a.json.display()))?;
+            crate::plot::plot(&doc, &a.plot)?;
+            println!("wrote {}", a.plot.display());
+            Ok(())
         }
         BenchCommand::Nbd(a) => {
             for rw in &a.rw {
