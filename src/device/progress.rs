@@ -65,6 +65,14 @@ impl OpProgress {
         self.done.store(done, Ordering::Relaxed);
     }
 
+    /// The operation succeeded: what it did is all there was to do (`total` becomes `done`:
+    /// an estimate such as compaction's, or GC's eligible zones, can be more than the work
+    /// turned out to be).
+    pub fn finish(&self) {
+        let (done, _) = self.get();
+        self.set(done, done);
+    }
+
     /// `(done, total)`, with `done <= total`.
     pub fn get(&self) -> (u64, u64) {
         let done = self.done.load(Ordering::Relaxed);
@@ -76,14 +84,22 @@ impl OpProgress {
 impl Device {
     /// Stores `name` as [`attr_store`](Device::attr_store) does; the long operations
     /// (`writeback`, `recompress`, `compact`, `gc`) also publish how far they have got into
-    /// `progress` as they run (see the module documentation). Other attributes leave it at
-    /// `(0, 0)`.
+    /// `progress` as they run (see the module documentation), and on success end with `done ==
+    /// total` ([`OpProgress::finish`]). Other attributes leave it at `(0, 0)`.
     pub fn attr_store_with_progress(
         &self,
         name: &str,
         value: &str,
         progress: &OpProgress,
     ) -> Result<()> {
+        let r = self.store_counting(name, value, progress);
+        if r.is_ok() {
+            progress.finish();
+        }
+        r
+    }
+
+    fn store_counting(&self, name: &str, value: &str, progress: &OpProgress) -> Result<()> {
         match name {
             "writeback" => self.writeback_str_with(value, &mut |p| {
                 progress.set(p.written + p.changed + p.failed + p.skipped, p.candidates)

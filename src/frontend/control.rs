@@ -507,7 +507,8 @@ fn store(
             match rx.recv_timeout(interval) {
                 Ok(r) => {
                     if counts && r.is_ok() {
-                        // The final figures (all done), so a bar ends full.
+                        // The final figures (all done: `OpProgress::finish`), so a bar ends
+                        // full.
                         progress(line(progress_line(device, attr, &before, start)));
                     }
                     return r;
@@ -759,17 +760,28 @@ mod tests {
             dev.read_at(&mut got, i * 4096).unwrap();
             assert!(got == page(i), "page {i}");
         }
-        // An error of a long operation asked with counts: the errno, no count line after
-        // the "started" one (gc needs a zoned store).
+        // An error of a long operation asked with counts: count lines with nothing done (a
+        // timed one may come before the error on a loaded machine), no final full one, then
+        // the errno (gc needs a zoned store).
         let req = Request::Store {
             attr: "gc".into(),
             value: "1".into(),
             counts: true,
         };
-        let mut n = 0;
-        let r = client.call_with_progress(&req, &mut |_| n += 1).unwrap();
+        let mut seen: Vec<ProgressCount> = Vec::new();
+        let r = client
+            .call_with_progress(&req, &mut |u| match u {
+                ProgressUpdate::Count(c) => seen.push(c.clone()),
+                ProgressUpdate::Text(t) => panic!("a text line {t:?}"),
+            })
+            .unwrap();
         assert_eq!(r.unwrap_err().errno, libc::ENODEV);
-        assert_eq!(n, 1);
+        assert_eq!(seen[0].message, "gc: started");
+        assert!(
+            seen.iter()
+                .all(|c| c.unit == "zones" && c.done == 0 && c.total == 0),
+            "{seen:?}"
+        );
         // A short attribute with counts: no progress at all.
         let req = Request::Store {
             attr: "mem_limit".into(),
