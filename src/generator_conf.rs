@@ -54,11 +54,24 @@ pub struct GeneratorConf {
     pub warnings: Vec<String>,
 }
 
-/// A value and the line it came from.
+/// A place in the configuration: a file and a line (0: a default, no line).
+#[derive(Debug, Clone)]
+struct Place {
+    what: std::rc::Rc<str>,
+    line: usize,
+}
+
+impl std::fmt::Display for Place {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.what, self.line)
+    }
+}
+
+/// A value and the place it came from.
 #[derive(Debug, Clone)]
 struct At {
     value: String,
-    line: usize,
+    line: Place,
 }
 
 /// One `[zramN]` section, merged over every place it appears.
@@ -86,13 +99,13 @@ fn canonical(key: &str) -> Option<&'static str> {
 }
 
 /// `none` or a whole number of MiB.
-fn optional_mib(what: &str, key: &str, at: &At) -> Result<Option<u64>> {
+fn optional_mib(key: &str, at: &At) -> Result<Option<u64>> {
     if at.value == "none" {
         return Ok(None);
     }
     at.value.parse().map(Some).map_err(|_| {
         Error::invalid(format!(
-            "{what}:{}: {key} = {:?}: not a number of MiB or `none`",
+            "{}: {key} = {:?}: not a number of MiB or `none`",
             at.line, at.value
         ))
     })
@@ -100,17 +113,17 @@ fn optional_mib(what: &str, key: &str, at: &At) -> Result<Option<u64>> {
 
 /// zram-generator's check of `mount-point` and `writeback-device`: absolute, no `..`;
 /// normalised (`//`, `/./` and a trailing `/` removed).
-fn absolute_path(what: &str, key: &str, at: &At) -> Result<PathBuf> {
+fn absolute_path(key: &str, at: &At) -> Result<PathBuf> {
     let p = Path::new(&at.value);
     if p.is_relative() {
         return Err(Error::invalid(format!(
-            "{what}:{}: {key} = {:?} is not absolute",
+            "{}: {key} = {:?} is not absolute",
             at.line, at.value
         )));
     }
     if p.components().any(|c| c == Component::ParentDir) {
         return Err(Error::invalid(format!(
-            "{what}:{}: {key} = {:?} is not normalised (has ..)",
+            "{}: {key} = {:?} is not normalised (has ..)",
             at.line, at.value
         )));
     }
@@ -150,95 +163,125 @@ pub fn parse(
     ram_bytes: u64,
     run_set: &mut dyn FnMut(&str) -> Result<String>,
 ) -> Result<GeneratorConf> {
+    parse_fragments(&[(what.to_string(), text.to_string())], ram_bytes, run_set)
+}
+
+/// Reads zram-generator's configuration from several files (`(name, text)`, in the order
+/// [`locate_fragments`] gives): read one after another, as zram-generator does, so a key set
+/// in a later file replaces the same key of the same `[zramN]` section in an earlier one, and
+/// `set!` variables carry over. Messages name the file and line.
+pub fn parse_fragments(
+    fragments: &[(String, String)],
+    ram_bytes: u64,
+    run_set: &mut dyn FnMut(&str) -> Result<String>,
+) -> Result<GeneratorConf> {
     // zram-generator's `ram`: MemTotal in whole MiB.
     let ram_mib = (ram_bytes / 1024 / 1024) as f64;
     let mut vars: BTreeMap<String, f64> = BTreeMap::new();
     let mut sections: BTreeMap<u64, Section> = BTreeMap::new();
     let mut warnings = Vec::new();
-    // None: the global section; Some(None): a section that is ignored.
-    let mut current: Option<Option<u64>> = None;
-    for (i, raw) in text.lines().enumerate() {
-        let line = i + 1;
-        let l = raw.trim();
-        if l.is_empty() || l.starts_with('#') || l.starts_with(';') {
-            continue;
-        }
-        if let Some(rest) = l.strip_prefix('[') {
-            let name = rest.strip_suffix(']').ok_or_else(|| {
-                Error::invalid(format!("{what}:{line}: {l:?}: a section header without ]"))
-            })?;
-            let name = name.trim();
-            current = Some(
-                match name
-                    .strip_prefix("zram")
-                    .and_then(|n| n.parse::<u64>().ok())
-                {
-                    Some(n) => {
-                        sections.entry(n).or_default();
-                        Some(n)
-                    }
-                    None => {
-                        warnings.push(format!("{what}:{line}: ignoring section [{name}]"));
-                        None
-                    }
-                },
-            );
-            continue;
-        }
-        let (key, value) = l
-            .split_once('=')
-            .ok_or_else(|| Error::invalid(format!("{what}:{line}: {l:?} is not key = value")))?;
-        let key = key.trim();
-        let mut value = value.trim();
-        if value.len() >= 2 && value.starts_with('"') && value.ends_with('"') {
-            value = &value[1..value.len() - 1];
-        }
-        match current {
-            None => {
-                let Some(var) = key.strip_prefix("set!") else {
-                    warnings.push(format!(
-                        "{what}:{line}: {key}: not a set! directive outside a section, ignored"
-                    ));
-                    continue;
-                };
-                let out = run_set(value)
-                    .map_err(|e| Error::new(e.kind(), format!("{what}:{line}: {key}: {e}")))?;
-                let vars_now = vars.clone();
-                let v = size_expr::eval_signed(out.trim(), Units::GeneratorMib, &|n| {
-                    if n == "ram" {
-                        Some(ram_mib)
-                    } else {
-                        vars_now.get(n).copied()
-                    }
-                })
-                .map_err(|e| {
-                    Error::invalid(format!(
-                        "{what}:{line}: {key} = {value:?}: its output {:?}: {}",
-                        out.trim(),
-                        e.message()
-                    ))
-                })?;
-                vars.insert(var.to_string(), v);
+    let all: String = fragments
+        .iter()
+        .map(|(w, _)| w.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    for (what, text) in fragments {
+        let what = what.as_str();
+        let place: std::rc::Rc<str> = what.into();
+        // None: the global section; Some(None): a section that is ignored. Each file starts in
+        // the global section.
+        let mut current: Option<Option<u64>> = None;
+        for (i, raw) in text.lines().enumerate() {
+            let line = i + 1;
+            let l = raw.trim();
+            if l.is_empty() || l.starts_with('#') || l.starts_with(';') {
+                continue;
             }
-            Some(None) => {}
-            Some(Some(n)) => {
-                let Some(k) = canonical(key) else {
-                    warnings.push(format!(
-                        "{what}:{line}: zram{n}: unknown key {key}, ignored"
-                    ));
-                    continue;
-                };
-                let section = sections.get_mut(&n).expect("created at its header");
-                section.keys.insert(
-                    k,
-                    At {
-                        value: value.to_string(),
-                        line,
+            if let Some(rest) = l.strip_prefix('[') {
+                let name = rest.strip_suffix(']').ok_or_else(|| {
+                    Error::invalid(format!("{what}:{line}: {l:?}: a section header without ]"))
+                })?;
+                let name = name.trim();
+                current = Some(
+                    match name
+                        .strip_prefix("zram")
+                        .and_then(|n| n.parse::<u64>().ok())
+                    {
+                        Some(n) => {
+                            sections.entry(n).or_default();
+                            Some(n)
+                        }
+                        None => {
+                            warnings.push(format!("{what}:{line}: ignoring section [{name}]"));
+                            None
+                        }
                     },
                 );
+                continue;
+            }
+            let (key, value) = l.split_once('=').ok_or_else(|| {
+                Error::invalid(format!("{what}:{line}: {l:?} is not key = value"))
+            })?;
+            let key = key.trim();
+            let mut value = value.trim();
+            if value.len() >= 2 && value.starts_with('"') && value.ends_with('"') {
+                value = &value[1..value.len() - 1];
+            }
+            match current {
+                None => {
+                    let Some(var) = key.strip_prefix("set!") else {
+                        warnings.push(format!(
+                            "{what}:{line}: {key}: not a set! directive outside a section, ignored"
+                        ));
+                        continue;
+                    };
+                    let out = run_set(value)
+                        .map_err(|e| Error::new(e.kind(), format!("{what}:{line}: {key}: {e}")))?;
+                    let vars_now = vars.clone();
+                    let v = size_expr::eval_signed(out.trim(), Units::GeneratorMib, &|n| {
+                        if n == "ram" {
+                            Some(ram_mib)
+                        } else {
+                            vars_now.get(n).copied()
+                        }
+                    })
+                    .map_err(|e| {
+                        Error::invalid(format!(
+                            "{what}:{line}: {key} = {value:?}: its output {:?}: {}",
+                            out.trim(),
+                            e.message()
+                        ))
+                    })?;
+                    vars.insert(var.to_string(), v);
+                }
+                Some(None) => {}
+                Some(Some(n)) => {
+                    let Some(k) = canonical(key) else {
+                        warnings.push(format!(
+                            "{what}:{line}: zram{n}: unknown key {key}, ignored"
+                        ));
+                        continue;
+                    };
+                    let section = sections.get_mut(&n).expect("created at its header");
+                    section.keys.insert(
+                        k,
+                        At {
+                            value: value.to_string(),
+                            line: Place {
+                                what: std::rc::Rc::clone(&place),
+                                line,
+                            },
+                        },
+                    );
+                }
             }
         }
     }
+    // Where a default comes from (no line).
+    let default_place = Place {
+        what: all.as_str().into(),
+        line: 0,
+    };
 
     let mut config = ServeConfig::default();
     let mut notes = Vec::new();
@@ -253,22 +296,21 @@ pub fn parse(
         let name = format!("zram{n}");
         let get = |k: &str| section.keys.get(k);
         // The size in MiB of an expression key, or its default.
-        let size_mib = |key: &str, default: &str| -> Result<(f64, usize)> {
+        let size_mib = |key: &str, default: &str| -> Result<(f64, Place)> {
             let (expr, line) = match get(key) {
-                Some(at) => (at.value.as_str(), at.line),
-                None => (default, 0),
+                Some(at) => (at.value.as_str(), at.line.clone()),
+                None => (default, default_place.clone()),
             };
-            let v = size_expr::eval(expr, Units::GeneratorMib, &var).map_err(|e| {
-                Error::invalid(format!("{what}:{line}: {name}: {key} = {}", e.message()))
-            })?;
+            let v = size_expr::eval(expr, Units::GeneratorMib, &var)
+                .map_err(|e| Error::invalid(format!("{line}: {name}: {key} = {}", e.message())))?;
             Ok((v, line))
         };
         if let Some(at) = get("host-memory-limit") {
-            if let Some(limit) = optional_mib(what, "host-memory-limit", at)? {
+            if let Some(limit) = optional_mib("host-memory-limit", at)? {
                 if limit < ram_mib as u64 {
                     notes.push(format!(
                         "{name}: not created: this host has {ram_mib} MiB, more than \
-                         host-memory-limit = {limit} (line {})",
+                         host-memory-limit = {limit} ({})",
                         at.line
                     ));
                     continue;
@@ -284,30 +326,28 @@ pub fn parse(
                     .filter(|f| *f >= 0.0 && f.is_finite())
                     .ok_or_else(|| {
                         Error::invalid(format!(
-                            "{what}:{}: {name}: zram-fraction = {:?}: not a fraction",
+                            "{}: {name}: zram-fraction = {:?}: not a fraction",
                             at.line, at.value
                         ))
                     })?,
                 None => 0.5,
             };
             let max = match get("max-zram-size") {
-                Some(at) => optional_mib(what, "max-zram-size", at)?,
+                Some(at) => optional_mib("max-zram-size", at)?,
                 None => None,
             };
             ((fraction * ram_mib) as u64).min(max.unwrap_or(u64::MAX)) << 20
         } else {
             let (mib, line) = size_mib("zram-size", DEFAULT_ZRAM_SIZE)?;
             mib_to_bytes(mib).ok_or_else(|| {
-                Error::invalid(format!(
-                    "{what}:{line}: {name}: zram-size = {mib} MiB: too large"
-                ))
+                Error::invalid(format!("{line}: {name}: zram-size = {mib} MiB: too large"))
             })?
         };
         if disksize_bytes == 0 {
             notes.push(format!("{name}: not created: its size is 0"));
             continue;
         }
-        let mut attrs: Vec<(String, String, usize)> = Vec::new();
+        let mut attrs: Vec<(String, String, Place)> = Vec::new();
         let mut recomp_params = None;
         if let Some(at) = get("compression-algorithm") {
             let mut prio = 0;
@@ -321,7 +361,7 @@ pub fn parse(
                 prio += 1;
                 if this > MAX_RECOMP {
                     warnings.push(format!(
-                        "{what}:{}: {name}: compression-algorithm: {algo}: at most {MAX_RECOMP} \
+                        "{}: {name}: compression-algorithm: {algo}: at most {MAX_RECOMP} \
                          recompression algorithms, ignored",
                         at.line
                     ));
@@ -329,7 +369,7 @@ pub fn parse(
                 }
                 if let Err(e) = crate::compress::check_algorithm(&algo) {
                     warnings.push(format!(
-                        "{what}:{}: {name}: compression-algorithm: {}; {}",
+                        "{}: {name}: compression-algorithm: {}; {}",
                         at.line,
                         e.message(),
                         if this == 0 {
@@ -341,31 +381,35 @@ pub fn parse(
                     continue;
                 }
                 if this == 0 {
-                    attrs.push(("comp_algorithm".into(), algo.clone(), at.line));
+                    attrs.push(("comp_algorithm".into(), algo.clone(), at.line.clone()));
                 } else {
                     attrs.push((
                         "recomp_algorithm".into(),
                         format!("algo={algo} priority={this}"),
-                        at.line,
+                        at.line.clone(),
                     ));
                 }
                 if !params.is_empty() {
                     attrs.push((
                         "algorithm_params".into(),
                         format!("priority={this} {}", attribute_params(&params)),
-                        at.line,
+                        at.line.clone(),
                     ));
                 }
             }
         }
         if let Some(at) = get("writeback-device") {
-            let p = absolute_path(what, "writeback-device", at)?;
-            attrs.push(("backing_dev".into(), p.display().to_string(), at.line));
+            let p = absolute_path("writeback-device", at)?;
+            attrs.push((
+                "backing_dev".into(),
+                p.display().to_string(),
+                at.line.clone(),
+            ));
         }
         let (limit_mib, limit_line) = size_mib("zram-resident-limit", "0")?;
         let mem_limit_bytes = mib_to_bytes(limit_mib).ok_or_else(|| {
             Error::invalid(format!(
-                "{what}:{limit_line}: {name}: zram-resident-limit = {limit_mib} MiB: too large"
+                "{limit_line}: {name}: zram-resident-limit = {limit_mib} MiB: too large"
             ))
         })?;
         if mem_limit_bytes > 0 {
@@ -380,14 +424,14 @@ pub fn parse(
                 .filter(|p| (-1..=0x7fff).contains(p))
                 .ok_or_else(|| {
                     Error::invalid(format!(
-                        "{what}:{}: {name}: swap-priority = {:?}: not in -1..=32767",
+                        "{}: {name}: swap-priority = {:?}: not in -1..=32767",
                         at.line, at.value
                     ))
                 })?,
             None => DEFAULT_SWAP_PRIORITY,
         };
         let mount_point = match get("mount-point") {
-            Some(at) => Some(absolute_path(what, "mount-point", at)?),
+            Some(at) => Some(absolute_path("mount-point", at)?),
             None => None,
         };
         let fs_type = get("fs-type").map(|a| a.value.clone());
@@ -435,7 +479,7 @@ pub fn parse(
             scratch.attr_store(k, v).map_err(|e| {
                 Error::new(
                     e.kind(),
-                    format!("{what}:{line}: {name}: {k} = {v:?}: {}", e.message()),
+                    format!("{line}: {name}: {k} = {v:?}: {}", e.message()),
                 )
             })?;
         }
@@ -454,7 +498,7 @@ pub fn parse(
     }
     if config.devices.is_empty() {
         return Err(Error::invalid(format!(
-            "{what}: no device to create{}",
+            "{all}: no device to create{}",
             if notes.is_empty() {
                 " (no [zramN] section)".to_string()
             } else {
@@ -467,6 +511,64 @@ pub fn parse(
         notes,
         warnings,
     })
+}
+
+/// The directories zram-generator reads its configuration from, under `root`, lowest
+/// precedence first (zram-generator.conf(5)).
+pub const CONFIG_DIRS: [&str; 4] = ["usr/lib", "usr/local/lib", "etc", "run"];
+
+/// zram-generator's configuration files under `root` (`/`, or `$ZRAM_GENERATOR_ROOT`), in
+/// the order it reads them (its `locate_fragments`): first the main file
+/// `systemd/zram-generator.conf` of the highest-precedence directory of [`CONFIG_DIRS`] that
+/// has one (`run`, then `etc`, `usr/local/lib`, `usr/lib`; only that one), then every
+/// `*.conf` of the `systemd/zram-generator.conf.d` directories, sorted by file name whichever
+/// directory holds it; of files with the same name, the one in the highest-precedence
+/// directory replaces the others (a symlink to `/dev/null` there masks a vendor's file: it
+/// reads empty). Names starting with `.` are skipped. Unreadable directories count as empty.
+pub fn locate_fragments(root: &Path) -> Vec<PathBuf> {
+    let mut dropins: BTreeMap<std::ffi::OsString, PathBuf> = BTreeMap::new();
+    for dir in CONFIG_DIRS {
+        let d = root.join(dir).join("systemd/zram-generator.conf.d");
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let n = name.to_string_lossy();
+            if n.starts_with('.') || !n.ends_with(".conf") {
+                continue;
+            }
+            // A directory named *.conf is not a file (zram-generator's scan skips it too).
+            if e.path().is_dir() {
+                continue;
+            }
+            dropins.insert(name, e.path());
+        }
+    }
+    let main = CONFIG_DIRS
+        .iter()
+        .rev()
+        .map(|dir| root.join(dir).join("systemd/zram-generator.conf"))
+        .find(|p| p.exists());
+    main.into_iter().chain(dropins.into_values()).collect()
+}
+
+/// zram-generator's `systemd.zram` kernel command-line option in `cmdline` (the text of
+/// `/proc/cmdline`): the last `systemd.zram`, `systemd.zram=1|yes|true|on` (`Some(true)`:
+/// create `zram0` with the defaults even without configuration) or
+/// `systemd.zram=0|no|false|off` (`Some(false)`: create no device at all); `None` without
+/// one. Words with another value are skipped, as zram-generator skips them.
+pub fn kernel_zram_option(cmdline: &str) -> Option<bool> {
+    const WORD: &str = "systemd.zram";
+    cmdline
+        .split_whitespace()
+        .rev()
+        .filter_map(|w| w.strip_prefix(WORD))
+        .find_map(|rest| match rest {
+            "" | "=1" | "=yes" | "=true" | "=on" => Some(true),
+            "=0" | "=no" | "=false" | "=off" => Some(false),
+            _ => None,
+        })
 }
 
 /// MiB (a float, as zram-generator computes) to bytes, truncated as its `as u64` does; `None`
@@ -699,5 +801,84 @@ mod tests {
         );
         assert!(c.notes[1].contains("mkfs.ext2 DEV,"), "{:?}", c.notes);
         assert_eq!(c.config.devices[0].name, "zram11");
+    }
+
+    #[test]
+    fn fragments_are_found_in_zram_generators_order() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("cli/tests/fixtures/zram-generator/04-dropins");
+        let got: Vec<String> = locate_fragments(&root)
+            .iter()
+            .map(|p| p.strip_prefix(&root).unwrap().display().to_string())
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "usr/lib/systemd/zram-generator.conf",
+                "usr/lib/systemd/zram-generator.conf.d/01-drop1.conf",
+                "usr/lib/systemd/zram-generator.conf.d/02-drop2.conf",
+                "etc/systemd/zram-generator.conf.d/03-drop3.conf",
+                "etc/systemd/zram-generator.conf.d/04-drop4.conf",
+                "etc/systemd/zram-generator.conf.d/zram-generator.conf",
+            ]
+        );
+        // /etc's main file wins over /usr/lib's (only one main file is read).
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["usr/lib/systemd", "etc/systemd"] {
+            std::fs::create_dir_all(dir.path().join(d)).unwrap();
+            std::fs::write(dir.path().join(d).join("zram-generator.conf"), "").unwrap();
+        }
+        assert_eq!(
+            locate_fragments(dir.path()),
+            [dir.path().join("etc/systemd/zram-generator.conf")]
+        );
+        assert!(locate_fragments(&dir.path().join("nowhere")).is_empty());
+    }
+
+    #[test]
+    fn later_fragments_override_earlier_keys() {
+        let frags = [
+            (
+                "a.conf".to_string(),
+                "[zram0]\nzram-size = 100\nswap-priority = 5\n".to_string(),
+            ),
+            (
+                "b.conf".to_string(),
+                "set!x = echo 7\n[zram0]\nzram-size = x\n[zram1]\nzram-size = x * 2\n".to_string(),
+            ),
+            (
+                "c.conf".to_string(),
+                "[zram1]\nzram-size = bad(\n".to_string(),
+            ),
+        ];
+        let mut echo = |p: &str| Ok(p.trim_start_matches("echo ").to_string());
+        // c.conf's bad expression: named with its file and line.
+        let e = parse_fragments(&frags, 1024 * MIB, &mut echo).unwrap_err();
+        assert!(e.message().starts_with("c.conf:2: zram1: zram-size"), "{e}");
+        let g = parse_fragments(&frags[..2], 1024 * MIB, &mut echo).unwrap();
+        assert_eq!(g.config.devices[0].disksize, (7 * MIB).to_string());
+        assert_eq!(g.config.devices[1].disksize, (14 * MIB).to_string());
+        // a.conf's swap-priority stays (b.conf did not set it).
+        assert!(g.notes[0].contains("--priority 5"), "{:?}", g.notes);
+    }
+
+    #[test]
+    fn the_kernel_option_is_read_as_zram_generator_reads_it() {
+        assert_eq!(kernel_zram_option("quiet splash"), None);
+        assert_eq!(kernel_zram_option("\n\nsystemd.zram\n\n"), Some(true));
+        assert_eq!(
+            kernel_zram_option("asfdasdf=foobar bar=foood systemd.zram=0"),
+            Some(false)
+        );
+        // The last one wins; a value it does not know is skipped.
+        assert_eq!(
+            kernel_zram_option("systemd.zram=0 systemd.zram=on"),
+            Some(true)
+        );
+        assert_eq!(
+            kernel_zram_option("systemd.zram=yes systemd.zram=maybe"),
+            Some(true)
+        );
+        assert_eq!(kernel_zram_option("systemd.zramx=1"), None);
     }
 }

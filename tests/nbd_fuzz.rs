@@ -480,6 +480,7 @@ fn fuzz_a_running_server_and_its_control_socket() {
     if fuzzed.disksize_bytes() == 0 {
         let mut cc = uzram::frontend::control::ControlClient::connect(&ctl).unwrap();
         let store = uzram::frontend::control::Request::Store {
+            counts: false,
             attr: "disksize".into(),
             value: "1M".into(),
         };

@@ -40,6 +40,9 @@ enum BenchCommand {
     /// A kernel block device: ublk against the guest kernel's NBD client and its own zram,
     /// uzram and fio inside one guest.
     Blk(BlkArgs),
+    /// Draws the PNG of a benchmark's JSON written earlier (what `--plot` draws), e.g. from
+    /// bench/results/.
+    Plot(PlotArgs),
 }
 
 #[derive(Debug, Args)]
@@ -65,6 +68,15 @@ struct BlkArgs {
 }
 
 #[derive(Debug, Args)]
+struct PlotArgs {
+    /// A benchmark's JSON (bench/results/NAME-UNIXTIME.json).
+    json: PathBuf,
+    /// The PNG to write.
+    #[arg(long, value_name = "FILE")]
+    plot: PathBuf,
+}
+
+#[derive(Debug, Args)]
 struct VmArgs {
     /// Seconds per point.
     #[arg(long, default_value_t = 10)]
@@ -84,6 +96,9 @@ struct VmArgs {
     /// Where to write the JSON (default: bench/results/vm-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -411,10 +426,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 return Ok(());
             }
             let doc = crate::blk::run(&opts)?;
-            let path = crate::json_path(a.json.as_deref(), "blk");
-            crate::write_json(&path, &doc)?;
-            println!("wrote {}", path.display());
-            Ok(())
+            write_results(a.json.as_deref(), "blk", &doc, None)
         }
         BenchCommand::Vm(a) => {
             let opts = crate::vm::VmBenchOptions {
@@ -429,7 +441,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 return Ok(());
             }
             let doc = crate::vm::run(&opts)?;
-            write_results(a.json.as_deref(), "vm", &doc, None)
+            write_results(a.json.as_deref(), "vm", &doc, a.plot.as_deref())
+        }
+        BenchCommand::Plot(a) => {
+            let bytes =
+                std::fs::read(&a.json).with_context(|| format!("reading {}", a.json.display()))?;
+            let doc: serde_json::Value = serde_json::from_slice(&bytes)
+                .with_context(|| format!("{}: not JSON", a.json.display()))?;
+            crate::plot::plot(&doc, &a.plot)?;
+            println!("wrote {}", a.plot.display());
+            Ok(())
         }
         BenchCommand::Nbd(a) => {
             for rw in &a.rw {

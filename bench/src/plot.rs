@@ -68,7 +68,10 @@ fn nested(doc: &Value, pointer: &str, join: &str) -> Vec<(String, String, f64)> 
     if let Some(m) = doc.pointer(pointer).and_then(Value::as_object) {
         for (outer, v) in m {
             if let Some(inner) = v.as_object() {
-                for (k, x) in inner {
+                // Batch sizes in numeric order ("8" before "32"), other keys as they come.
+                let mut entries: Vec<(&String, &Value)> = inner.iter().collect();
+                entries.sort_by_key(|(k, _)| k.parse::<u64>().unwrap_or(u64::MAX));
+                for (k, x) in entries {
                     if let Some(x) = x.as_f64() {
                         out.push((outer.clone(), format!("{join}{k}"), x));
                     }
@@ -264,6 +267,31 @@ pub fn chart_for(doc: &Value) -> Result<Chart> {
                 )
                 .collect(),
         ),
+        "vm" => (
+            "uzram bench vm: fio in a guest, vhost-user-blk vs QEMU's NBD and the guest's zram"
+                .to_string(),
+            "IOPS (higher is better)",
+            doc.get("points")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .flat_map(|p| {
+                    let point = format!(
+                        "{} QD{}",
+                        p["rw"].as_str().unwrap_or("?"),
+                        p["iodepth"].as_u64().unwrap_or(0)
+                    );
+                    [
+                        ("vhost-user", "uzram vhost-user", false),
+                        ("nbd", "uzram via QEMU NBD", true),
+                        ("guest-zram", "guest kernel zram", true),
+                    ]
+                    .map(|(key, name, anchor)| {
+                        bar(format!("{name}: {point}"), p["iops"][key].as_f64(), anchor)
+                    })
+                })
+                .collect(),
+        ),
         other => bail!("no plot for benchmark {other:?}"),
     };
     let bars: Vec<Bar> = bars.into_iter().flatten().collect();
@@ -414,6 +442,11 @@ mod tests {
                 {"codec": "lz4", "multi_page_size": 4096, "mem_used_total_bytes": 50_000_000},
                 {"codec": "lz4", "multi_page_size": 65536, "mem_used_total_bytes": 38_000_000}],
                 "kernel": [{"codec": "lz4", "mem_used_total_bytes": 52_000_000}]}),
+            json!({"bench": "vm", "points": [
+                {"rw": "randread", "iodepth": 1,
+                 "iops": {"vhost-user": 9000.0, "nbd": 3000.0, "guest-zram": 12000.0}},
+                {"rw": "randwrite", "iodepth": 32,
+                 "iops": {"vhost-user": 30000.0, "nbd": 9000.0, "guest-zram": 40000.0}}]}),
         ]
     }
 
@@ -428,6 +461,10 @@ mod tests {
         // A figure the run did not measure (null: the kernel skipped) is left out, not 0.
         let store = chart_for(&docs()[0]).unwrap();
         assert!(!store.bars.iter().any(|b| b.label.contains("read-back")));
+        let vm = chart_for(docs().last().unwrap()).unwrap();
+        assert_eq!(vm.bars.len(), 6);
+        assert_eq!(vm.bars[0].label, "uzram vhost-user: randread QD1");
+        assert!(!vm.bars[0].anchor && vm.bars[1].anchor && vm.bars[2].anchor);
         assert!(chart_for(&json!({"benchmark": "nope"})).is_err());
         assert!(chart_for(&json!({"x": 1})).is_err());
         assert!(

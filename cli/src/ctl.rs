@@ -6,7 +6,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use uzram::frontend::control::{self, ControlClient, Request, WireError, LONG_OPERATIONS};
+use uzram::frontend::control::{
+    self, ControlClient, ProgressUpdate, Request, WireError, LONG_OPERATIONS,
+};
 
 #[derive(Debug, Args)]
 pub struct CtlArgs {
@@ -20,6 +22,10 @@ pub struct CtlArgs {
     /// `metrics`: every device's statistics in Prometheus's text format; `hot_add` (prints the
     /// new device's id) and `hot_remove ID`: the server's, as zram's /sys/class/zram-control.
     pub attr: String,
+    /// Print a long operation's progress lines on stderr (`uzram: LINE`) when stderr is not a
+    /// terminal (on a terminal a progress bar is drawn; elsewhere nothing, by default).
+    #[arg(short, long)]
+    pub verbose: bool,
     /// Store this value (words are joined with spaces); without it, show the attribute.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub value: Vec<String>,
@@ -72,25 +78,35 @@ pub fn socket_dir(dir: Option<PathBuf>) -> std::result::Result<PathBuf, (i32, St
     Ok(d)
 }
 
-/// How a long operation's progress lines reach the person who started it: on a terminal
-/// (stderr), an indicatif spinner with the elapsed time and the server's latest line, redrawn
-/// in place and cleared when the operation ends; anywhere else (a pipe, a file, a log) each
-/// line as it comes, `uzram: LINE` on stderr, unchanged for scripts that read it.
+/// How a long operation's progress reaches the person who started it: on a terminal (stderr,
+/// where the bar is drawn), an indicatif bar of the work done of the operation's total (pages
+/// or zones, counted by the server: the request asks for counts), with the elapsed time and
+/// the server's latest line, redrawn in place and cleared when the operation ends; a spinner
+/// until the total is known (or from a server too old to count). Anywhere else (a pipe, a
+/// file, a log, cron) nothing, unless `--verbose`: then each line as it comes, `uzram: LINE`
+/// on stderr.
 enum Progress {
+    /// Nothing.
+    Quiet,
     /// Lines on stderr.
     Lines,
-    /// A spinner on the terminal.
-    Bar(ProgressBar),
+    /// A bar on the terminal; whether it has turned determinate yet.
+    Bar(ProgressBar, bool),
 }
 
-/// How often the spinner moves between the server's lines (one a second).
+/// How often the spinner moves between the server's lines.
 const SPINNER_TICK: Duration = Duration::from_millis(120);
 
 impl Progress {
-    /// The bar for storing `attr` when stderr is a terminal and `attr` is a long operation.
-    fn for_store(attr: &str) -> Progress {
+    /// The progress of storing `attr`: a bar when stderr is a terminal and `attr` is a long
+    /// operation, else lines if `verbose`, else nothing.
+    fn for_store(attr: &str, verbose: bool) -> Progress {
         if !LONG_OPERATIONS.contains(&attr) || !std::io::stderr().is_terminal() {
-            return Progress::Lines;
+            return if verbose {
+                Progress::Lines
+            } else {
+                Progress::Quiet
+            };
         }
         let bar = ProgressBar::new_spinner();
         bar.set_style(
@@ -99,19 +115,49 @@ impl Progress {
         );
         bar.set_message(format!("{attr}: waiting for the server"));
         bar.enable_steady_tick(SPINNER_TICK);
-        Progress::Bar(bar)
+        Progress::Bar(bar, false)
     }
 
-    fn line(&self, text: &str) {
-        match self {
-            Progress::Lines => eprintln!("uzram: {text}"),
-            Progress::Bar(b) => b.set_message(text.to_string()),
+    /// Whether the request should ask the server for counts.
+    fn wants_counts(&self) -> bool {
+        matches!(self, Progress::Bar(..))
+    }
+
+    fn update(&mut self, u: ProgressUpdate<'_>) {
+        match (self, u) {
+            (Progress::Quiet, _) => {}
+            (Progress::Lines, u) => eprintln!("uzram: {}", u.message()),
+            (Progress::Bar(b, determinate), ProgressUpdate::Count(c)) if c.total > 0 => {
+                if !*determinate {
+                    // The unit is fixed for the operation: part of the template.
+                    let template = format!(
+                        "{{elapsed:>4}} [{{bar:30}}] {{pos}}/{{len}} {} ({{percent}}%) \
+                         {{wide_msg}}",
+                        c.unit
+                    );
+                    b.set_style(
+                        ProgressStyle::with_template(&template)
+                            .expect("a valid template")
+                            .progress_chars("=> "),
+                    );
+                    *determinate = true;
+                }
+                b.set_length(c.total);
+                b.set_position(c.done);
+                b.set_message(c.message.clone());
+            }
+            (Progress::Bar(b, _), u) => b.set_message(u.message().to_string()),
         }
     }
 
-    fn finish(self) {
-        if let Progress::Bar(b) = self {
-            b.finish_and_clear();
+    /// Ends the display: a bar that reached its total after a success stays on the screen,
+    /// full (what was done, in how long); a spinner, or a bar after a failure, is cleared
+    /// (the error follows).
+    fn finish(self, success: bool) {
+        match self {
+            Progress::Bar(b, true) if success => b.finish(),
+            Progress::Bar(b, _) => b.finish_and_clear(),
+            _ => {}
         }
     }
 }
@@ -153,20 +199,22 @@ pub fn run_ctl(args: CtlArgs) -> i32 {
             return exit_code(errno);
         }
     };
-    let (req, progress) = if args.value.is_empty() {
+    let (req, mut progress) = if args.value.is_empty() {
         let req = Request::Show {
             attr: args.attr.clone(),
         };
-        (req, Progress::Lines)
+        (req, Progress::Quiet)
     } else {
+        let progress = Progress::for_store(&args.attr, args.verbose);
         let req = Request::Store {
             attr: args.attr.clone(),
             value: args.value.join(" "),
+            counts: progress.wants_counts(),
         };
-        (req, Progress::for_store(&args.attr))
+        (req, progress)
     };
-    let answer = client.call(&req, &mut |p| progress.line(p));
-    progress.finish();
+    let answer = client.call_with_progress(&req, &mut |u| progress.update(u));
+    progress.finish(matches!(answer, Ok(Ok(_))));
     match answer {
         Ok(Ok(text)) => {
             print!("{text}");

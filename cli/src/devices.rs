@@ -270,7 +270,12 @@ impl Devices {
         self.snapshot()
             .iter()
             .map(|s| {
-                metrics::collect_device(&s.name, &s.device, self.server.openers(&s.name).as_deref())
+                metrics::collect_device(
+                    &s.name,
+                    &s.device,
+                    self.server.openers(&s.name).as_deref(),
+                    Some(&s.policy),
+                )
             })
             .collect()
     }

@@ -48,6 +48,16 @@ pub struct ServeArgs {
           conflicts_with_all = ["config", "name", "disksize", "algorithm", "mem_limit",
                                "page_size", "multi_page_size", "socket"])]
     pub zram_generator_conf: Option<PathBuf>,
+    /// zram-generator's configuration where zram-generator finds it: the main file
+    /// `{/run,/etc,/usr/local/lib,/usr/lib}/systemd/zram-generator.conf` (the first that
+    /// exists) and every `*.conf` of the `zram-generator.conf.d` directories beside them, by
+    /// file name, with its precedence; and the kernel command line's `systemd.zram` (`=0`: no
+    /// device, exit at once; `=1`: zram0 with the defaults even without a file). Under
+    /// `$ZRAM_GENERATOR_ROOT` when that is set (docs/service.md).
+    #[arg(long,
+          conflicts_with_all = ["config", "zram_generator_conf", "name", "disksize", "algorithm",
+                               "mem_limit", "page_size", "multi_page_size", "socket"])]
+    pub zram_generator: bool,
     /// The directory of the sockets, for devices whose socket is not given [default:
     /// /run/uzram as root, else $XDG_RUNTIME_DIR/uzram].
     #[arg(long, value_name = "DIR", conflicts_with = "socket")]
@@ -175,20 +185,75 @@ fn human(bytes: u64) -> String {
     format!("{v:.1} {}", UNITS[u])
 }
 
+/// zram-generator's root: `$ZRAM_GENERATOR_ROOT` when set (its tests' fixtures), else `/`.
+fn generator_root() -> PathBuf {
+    match std::env::var_os("ZRAM_GENERATOR_ROOT") {
+        Some(root) if !root.is_empty() => PathBuf::from(root),
+        _ => PathBuf::from("/"),
+    }
+}
+
 /// zram-generator's file as uzram's configuration; its warnings go to stderr and what it would
 /// have done with the devices to stdout.
 fn generator_config(path: &std::path::Path) -> Result<ServeConfig> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    generator_fragments_config(&[(path.display().to_string(), text)])
+}
+
+/// `systemd.zram` on the kernel command line (`ROOT/proc/cmdline`), as zram-generator reads
+/// it; a command line that cannot be read is a warning and counts as no option, as there.
+fn generator_kernel_option(root: &std::path::Path) -> Option<bool> {
+    let path = root.join("proc/cmdline");
+    match std::fs::read_to_string(&path) {
+        Ok(text) => uzram::generator_conf::kernel_zram_option(&text),
+        Err(e) => {
+            eprintln!(
+                "uzram: warning: reading {}: {e}; systemd.zram ignored",
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// zram-generator's configuration where it finds it (`--zram-generator`; the kernel command
+/// line's `systemd.zram=0` is handled before, in [`run`]).
+fn generator_system_config() -> Result<ServeConfig> {
+    let root = generator_root();
+    let mut fragments = Vec::new();
+    if generator_kernel_option(&root) == Some(true) {
+        // zram0 with zram-generator's defaults; the files may still set its keys.
+        fragments.push((
+            "the kernel command line (systemd.zram)".to_string(),
+            "[zram0]\n".to_string(),
+        ));
+    }
+    let files = uzram::generator_conf::locate_fragments(&root);
+    for path in &files {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        fragments.push((path.display().to_string(), text));
+    }
+    if fragments.is_empty() {
+        anyhow::bail!(
+            "no zram-generator configuration under {}: none of {{{}}}/systemd/\
+             zram-generator.conf{{,.d/*.conf}} exists, and the kernel command line has no \
+             systemd.zram",
+            root.display(),
+            uzram::generator_conf::CONFIG_DIRS.join(",")
+        );
+    }
+    generator_fragments_config(&fragments)
+}
+
+/// zram-generator's files (`(name, text)`, in reading order) as uzram's configuration; the
+/// warnings go to stderr and what zram-generator would have done with the devices to stdout.
+fn generator_fragments_config(fragments: &[(String, String)]) -> Result<ServeConfig> {
     // zram-generator reads $ZRAM_GENERATOR_ROOT/proc/meminfo when that is set.
-    let meminfo = match std::env::var_os("ZRAM_GENERATOR_ROOT") {
-        Some(root) if !root.is_empty() => PathBuf::from(root).join("proc/meminfo"),
-        _ => PathBuf::from("/proc/meminfo"),
-    };
-    let ram = ram_bytes_from(&meminfo)?;
-    let gen = uzram::generator_conf::parse(
-        &text,
-        &path.display().to_string(),
+    let ram = ram_bytes_from(&generator_root().join("proc/meminfo"))?;
+    let gen = uzram::generator_conf::parse_fragments(
+        fragments,
         ram,
         &mut uzram::generator_conf::run_set_program,
     )?;
@@ -205,6 +270,7 @@ fn generator_config(path: &std::path::Path) -> Result<ServeConfig> {
 /// The configuration: the file, or the embedded default with the device flags applied.
 fn config(args: &ServeArgs) -> Result<ServeConfig> {
     let mut cfg = match &args.config {
+        None if args.zram_generator => generator_system_config()?,
         None if args.zram_generator_conf.is_some() => {
             generator_config(args.zram_generator_conf.as_deref().expect("checked"))?
         }
@@ -349,6 +415,11 @@ fn server_config(cfg: &ServeConfig) -> Result<ServerConfig> {
 pub fn run(args: ServeArgs) -> Result<()> {
     if args.print_default_config {
         print!("{DEFAULT_CONFIG_TOML}");
+        return Ok(());
+    }
+    if args.zram_generator && generator_kernel_option(&generator_root()) == Some(false) {
+        // zram-generator creates no device then; neither does the server.
+        println!("uzram: systemd.zram=0 on the kernel command line: no device; exiting");
         return Ok(());
     }
     let cfg = config(&args)?;

@@ -124,6 +124,30 @@ fn bench_store_writes_its_table_and_json() {
     assert_eq!(doc["metadata_bytes_per_page"], 16);
     // The kernel anchor was skipped, and says so rather than inventing figures.
     assert!(doc["kernel_packing_filled"].is_null());
+    // `uzram bench plot`: the same chart drawn again from the JSON written; a file that is
+    // not a benchmark's JSON is an error naming it.
+    let png = dir.path().join("replot.png");
+    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
+        .args(["bench", "plot"])
+        .arg(dir.path().join("store.json"))
+        .arg("--plot")
+        .arg(&png)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    check_plot(&png);
+    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
+        .args(["bench", "plot"])
+        .arg(&corpus_path)
+        .arg("--plot")
+        .arg(&png)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not JSON"),
+        "{out:?}"
+    );
 }
 
 /// `uzram bench writeback` end to end at a tiny size: a corpus of this process's memory, a

@@ -22,6 +22,8 @@ fn bench_vm_measures_three_disks_and_writes_json() {
             "384",
             "--json",
             json.to_str().unwrap(),
+            "--plot",
+            dir.path().join("vm.png").to_str().unwrap(),
         ])
         .output()
         .unwrap();
@@ -42,4 +44,7 @@ fn bench_vm_measures_three_disks_and_writes_json() {
         }
         assert!(p["ratio_vhost_over_nbd"].as_f64().unwrap() > 0.0, "{p}");
     }
+    // --plot: a PNG (its pixels are checked for every chart in bench_smoke.rs).
+    let png = std::fs::read(dir.path().join("vm.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
 }

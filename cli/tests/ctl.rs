@@ -188,8 +188,11 @@ fn ctl_shows_and_stores_attributes_with_zrams_errnos() {
     let o = r.ctl(&["idle", "all"]);
     assert!(o.status.success(), "{o:?}");
 
-    // A long operation reports progress before its result.
+    // A long operation off a terminal: quiet; with -v its progress lines before its result.
     let o = r.ctl(&["compact", "1"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(o.stderr.is_empty() && o.stdout.is_empty(), "{o:?}");
+    let o = r.ctl(&["-v", "compact", "1"]);
     assert!(o.status.success(), "{o:?}");
     assert!(stderr(&o).starts_with("uzram: compact: started\n"), "{o:?}");
 

@@ -1,6 +1,7 @@
 //! `uzram ctl`'s progress for long operations (`compact`, `writeback`, `recompress`, `gc`): a
-//! spinner on a terminal (a real pseudo-terminal from util-linux's `script`), and off a
-//! terminal the same `uzram: LINE` lines on stderr as before, nothing on stdout.
+//! determinate bar on a terminal (a real pseudo-terminal from util-linux's `script`), the
+//! server counting the work; off a terminal nothing, or with `-v` the server's `uzram: LINE`
+//! lines on stderr; nothing on stdout either way.
 
 #[path = "../../tests/nbd_support/mod.rs"]
 mod nbd_support;
@@ -11,22 +12,38 @@ use serve_support::{serve_config, BIN};
 use std::process::Command;
 
 #[test]
-fn long_operations_show_a_spinner_on_a_terminal_and_lines_elsewhere() {
+fn long_operations_show_a_bar_on_a_terminal_and_nothing_elsewhere() {
     require("qemu-io");
+    require("nbdcopy");
     require("script");
-    let s = serve_config(
+    let backing = tempfile::NamedTempFile::new().unwrap();
+    backing.as_file().set_len(64 << 20).unwrap();
+    let s = serve_config(&format!(
         r#"
 [[device]]
 name = "zram0"
-disksize = "16M"
-socket = "{dir}/zram0.sock"
+disksize = "32M"
+backing_dev = "{}"
+socket = "{{dir}}/zram0.sock"
 "#,
-    );
-    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x33 0 4M", &s.uri()]));
+        backing.path().display()
+    ));
+    // Real pages: the first 8 MiB of the uzram executable (2048 pages), through nbdcopy; and
+    // a same-filled MiB after them.
+    let exe = std::fs::read(BIN).unwrap();
+    assert!(exe.len() >= 8 << 20, "{BIN} is {} bytes", exe.len());
+    let img = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(img.path(), &exe[..8 << 20]).unwrap();
+    run(Command::new("nbdcopy").args(["--no-extents", img.path().to_str().unwrap(), &s.uri()]));
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x33 8M 1M", &s.uri()]));
     let dir = s.dir.path().display().to_string();
 
-    // Not a terminal: stdout empty, stderr the server's progress lines as they came.
+    // Not a terminal: nothing on stdout or stderr.
     let o = s.ctl(&["compact", "1"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(o.stdout.is_empty() && o.stderr.is_empty(), "{o:?}");
+    // -v: the server's progress lines on stderr as they come.
+    let o = s.ctl(&["-v", "compact", "1"]);
     assert!(o.status.success(), "{o:?}");
     assert!(o.stdout.is_empty(), "{o:?}");
     let err = String::from_utf8(o.stderr).unwrap();
@@ -37,8 +54,50 @@ socket = "{dir}/zram0.sock"
     );
     assert!(!err.contains('\x1b') && !err.contains('\r'), "{err:?}");
 
-    // On a terminal: the same operation drawn as a spinner line (redrawn in place with
-    // carriage returns and erase sequences, cleared at the end), no `uzram: ` lines.
+    // On a terminal: writeback of every idle page drawn as a bar of pages done of the pages
+    // the scan selected, left full on the screen at the end, no `uzram: ` lines. The zero and
+    // same-filled pages are not candidates: the total is the pages stored as objects.
+    let o = s.ctl(&["idle", "all"]);
+    assert!(o.status.success(), "{o:?}");
+    let mm = s.show("mm_stat");
+    let cmd = format!("{BIN} ctl --dir {dir} writeback idle");
+    let o = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let tty = String::from_utf8_lossy(&o.stdout).into_owned();
+    let bd_writes: u64 = s
+        .show("bd_stat")
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        bd_writes > 1000,
+        "{bd_writes} pages written back; mm_stat {mm}"
+    );
+    assert!(
+        tty.contains(&format!("{bd_writes}/{bd_writes} pages (100%)")),
+        "{tty:?}"
+    );
+    assert!(tty.contains("] "), "{tty:?}");
+    assert!(!tty.contains("uzram: writeback"), "{tty:?}");
+    // Every page reads back identical (from the backing device now).
+    let back = tempfile::NamedTempFile::new().unwrap();
+    run(Command::new("nbdcopy").args([&s.uri(), back.path().to_str().unwrap()]));
+    let got = std::fs::read(back.path()).unwrap();
+    assert!(
+        got[..8 << 20] == exe[..8 << 20],
+        "the pages read back differ"
+    );
+    assert!(got[8 << 20..9 << 20].iter().all(|&b| b == 0x33));
+
+    // compact on a terminal: a bar of pages freed of what compaction estimated (discard most
+    // of the pool first so there is something to free), or a cleared spinner when there is
+    // nothing; either way the exit status and no `uzram: ` lines.
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 4M", &s.uri()]));
     let cmd = format!("{BIN} ctl --dir {dir} compact 1");
     let o = Command::new("script")
         .args(["-qec", &cmd, "/dev/null"])
@@ -46,11 +105,9 @@ socket = "{dir}/zram0.sock"
         .unwrap();
     assert!(o.status.success(), "{o:?}");
     let tty = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(tty.contains("compact: "), "{tty:?}");
-    assert!(tty.contains('\x1b') || tty.contains('\r'), "{tty:?}");
     assert!(!tty.contains("uzram: compact: started"), "{tty:?}");
 
-    // A short attribute on a terminal: no spinner, its text as always.
+    // A short attribute on a terminal: no bar, its text as always.
     let cmd = format!("{BIN} ctl --dir {dir} disksize");
     let o = Command::new("script")
         .args(["-qec", &cmd, "/dev/null"])
@@ -59,10 +116,11 @@ socket = "{dir}/zram0.sock"
     assert!(o.status.success(), "{o:?}");
     assert_eq!(
         String::from_utf8_lossy(&o.stdout).trim(),
-        (16u64 << 20).to_string()
+        (32u64 << 20).to_string()
     );
-    // A failure on a terminal: the errno, the message, no spinner left behind.
-    let cmd = format!("{BIN} ctl --dir {dir} writeback idle");
+    // A failure on a terminal: the errno, the message, no bar left behind (gc needs a
+    // zoned store).
+    let cmd = format!("{BIN} ctl --dir {dir} gc 1");
     let o = Command::new("script")
         .args(["-qec", &cmd, "/dev/null"])
         .output()
@@ -70,4 +128,5 @@ socket = "{dir}/zram0.sock"
     assert_eq!(o.status.code(), Some(libc::ENODEV), "{o:?}");
     let tty = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(tty.contains("No such device (ENODEV)"), "{tty:?}");
+    assert!(!tty.contains("(100%)"), "{tty:?}");
 }

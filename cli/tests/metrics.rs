@@ -136,6 +136,16 @@ fn sample(text: &str, name: &str, dev: &str) -> u64 {
         .unwrap()
 }
 
+/// The value of `name{device="dev",policy="policy"}` in `text`.
+fn policy_sample(text: &str, name: &str, dev: &str, policy: &str) -> u64 {
+    let prefix = format!("{name}{{device=\"{dev}\",policy=\"{policy}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+        .parse()
+        .unwrap()
+}
+
 fn column(attr_text: &str, i: usize) -> u64 {
     attr_text
         .split_whitespace()
@@ -164,6 +174,7 @@ fn ctl_and_http_metrics_pass_promtool_and_equal_the_attributes() {
         "[server]\nmetrics_listen = \"127.0.0.1:0\"\n\
          [[device]]\nname = \"zram0\"\ndisksize = \"64M\"\ncomp_algorithm = \"zstd\"\n\
          socket = \"{dir}/zram0.sock\"\n\
+         policy = \"idle_age_s=3600 period_s=3600\"\n\
          [[device]]\nname = \"zram1\"\ndisksize = \"32M\"\npage_size = 16384\n\
          socket = \"{dir}/zram1.sock\"\n",
     )
@@ -264,6 +275,47 @@ fn ctl_and_http_metrics_pass_promtool_and_equal_the_attributes() {
     assert_eq!(sample(&text, "uzram_nbd_connections", "zram0"), 0);
     assert_eq!(sample(&text, "uzram_nbd_connections", "zram1"), 1);
     assert!(text.contains("uzram_device_info{device=\"zram0\",comp_algorithm=\"zstd\","));
+    // The policies' counters (policy_stat), labelled by device and policy: zram0's idle aging
+    // is on and ran once when the server started (its period is an hour), zram1 has none on.
+    let policy_stat = r.show("zram0", "policy_stat");
+    let idle = policy_stat
+        .lines()
+        .find(|l| l.starts_with("idle "))
+        .unwrap();
+    assert!(
+        idle.split_whitespace().nth(1) == Some("on"),
+        "{policy_stat}"
+    );
+    for (i, family) in [
+        "uzram_policy_runs_total",
+        "uzram_policy_pages_total",
+        "uzram_policy_errors_total",
+    ]
+    .iter()
+    .enumerate()
+    {
+        assert_eq!(
+            policy_sample(&text, family, "zram0", "idle"),
+            column(idle, i + 2),
+            "{family}"
+        );
+    }
+    assert_eq!(
+        policy_sample(&text, "uzram_policy_runs_total", "zram0", "idle"),
+        1
+    );
+    assert_eq!(
+        policy_sample(&text, "uzram_policy_enabled", "zram0", "idle"),
+        1
+    );
+    assert_eq!(
+        policy_sample(&text, "uzram_policy_enabled", "zram1", "idle"),
+        0
+    );
+    assert_eq!(
+        policy_sample(&text, "uzram_policy_runs_total", "zram1", "compact"),
+        0
+    );
 
     // The same text over HTTP, read by curl, also passing promtool.
     let url = r.metrics_url();

@@ -218,3 +218,99 @@ fn toml_sizes_take_the_same_expressions_with_units() {
     assert_eq!(r.show("zram0", "disksize").trim(), (52 * MIB).to_string());
     r.stop();
 }
+
+/// `uzram serve --zram-generator` under `ZRAM_GENERATOR_ROOT=ROOT` (one of zram-generator's own
+/// test roots, copied in the fixtures).
+fn serve_root(root: &str) -> Result<Running, (String, String)> {
+    serve(
+        &["--zram-generator"],
+        &[(
+            "ZRAM_GENERATOR_ROOT",
+            fixtures().join(root).display().to_string(),
+        )],
+    )
+}
+
+/// `bytes` rounded up to pages, as `disksize` stores it.
+fn pages(bytes: f64) -> String {
+    ((bytes as u64).div_ceil(4096) * 4096).to_string()
+}
+
+/// zram-generator's test 04-dropins: the main file from /usr/lib, drop-ins from /usr/lib and
+/// /etc sorted by name, /etc's 03-drop3.conf (empty) masking /usr/lib's, and a drop-in named
+/// like the main file that is only a drop-in. zram-generator creates zram0 (its
+/// host-memory-limit is 1235 from 02-drop2, above the host's 782 MiB) and zram2 (ram * 0.8,
+/// swap priority 200, no options), and no zram1 (only the masked file had it).
+#[test]
+fn drop_ins_follow_zram_generators_precedence() {
+    let r = serve_root("04-dropins").unwrap();
+    assert_eq!(
+        r.show("zram0", "disksize").trim(),
+        pages(391.0 * MIB as f64)
+    );
+    assert_eq!(
+        r.show("zram2", "disksize").trim(),
+        pages(782.0 * 0.8 * MIB as f64)
+    );
+    assert!(!r.dir.path().join("zram1.ctl").exists(), "{}", r.out);
+    assert!(
+        r.out.contains(
+            "zram2: zram-generator would make it swap: mkswap DEV && swapon --priority 200 DEV,"
+        ),
+        "{}",
+        r.out
+    );
+    assert!(
+        r.out
+            .contains("swapon --priority 100 --options discard DEV"),
+        "{}",
+        r.out
+    );
+    r.stop();
+}
+
+/// zram-generator's tests 05-kernel-disabled and 06-kernel-enabled: `systemd.zram=0` on the
+/// kernel command line creates nothing even with a configuration (the server says so and
+/// exits 0 at once); a bare `systemd.zram` creates zram0 with the defaults without one.
+#[test]
+fn the_kernel_command_line_turns_devices_off_and_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--zram-generator", "--dir"])
+        .arg(dir.path())
+        .env("ZRAM_GENERATOR_ROOT", fixtures().join("05-kernel-disabled"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("systemd.zram=0"),
+        "{out:?}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+
+    // MemTotal 8013220 kB is 7825 MiB: min(ram / 2, 4096) = 3912.5 MiB.
+    let r = serve_root("06-kernel-enabled").unwrap();
+    assert_eq!(
+        r.show("zram0", "disksize").trim(),
+        pages(3912.5 * MIB as f64)
+    );
+    assert!(r.out.contains("swapon --priority 100"), "{}", r.out);
+    r.stop();
+
+    // No configuration and no option: an error naming where zram-generator looks.
+    let empty = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(empty.path().join("proc")).unwrap();
+    std::fs::write(empty.path().join("proc/meminfo"), "MemTotal: 1048576 kB\n").unwrap();
+    std::fs::write(empty.path().join("proc/cmdline"), "quiet\n").unwrap();
+    let (_, err) = serve(
+        &["--zram-generator"],
+        &[("ZRAM_GENERATOR_ROOT", empty.path().display().to_string())],
+    )
+    .err()
+    .expect("nothing to serve");
+    assert!(
+        err.contains("no zram-generator configuration under")
+            && err.contains("{usr/lib,usr/local/lib,etc,run}/systemd/zram-generator.conf"),
+        "{err}"
+    );
+}

@@ -291,7 +291,7 @@ fn zram_parity_details() {
     // idle and compact on an uninitialised device: EINVAL (zram's init_done checks).
     r.set_fails(d, "idle", "all", libc::EINVAL);
     r.set_fails(d, "compact", "1", libc::EINVAL);
-    let out = r.ctl_out(d, &["compact", "1"]);
+    let out = r.ctl_out(d, &["-v", "compact", "1"]);
     assert!(
         !String::from_utf8_lossy(&out.stderr).contains("started"),
         "refused at once, without a progress line: {out:?}"

@@ -114,13 +114,7 @@ pub const ATTRIBUTES: &[Attr] = &[
     // debugfs's /sys/kernel/debug/zram/zramN/block_state, as an attribute.
     Attr::ro_try("block_state", |d| Ok(d.store()?.block_state())),
     Attr::rw("comp_algorithm", show_comp_algorithm, store_comp_algorithm),
-    Attr::wo("compact", |d, _| {
-        if !d.is_initialised() {
-            return Err(Error::invalid("compact: the device is not initialised"));
-        }
-        d.compact();
-        Ok(())
-    }),
+    Attr::wo("compact", |d, _| store_compact_with(d, &mut |_, _| {})),
     Attr::rw(
         "compressed_writeback",
         |d| format!("{}\n", u8::from(d.compressed_writeback())),
@@ -436,12 +430,33 @@ fn store_multi_page_size(d: &Device, value: &str) -> Result<()> {
 
 /// `gc`: takes `1` only.
 fn store_gc(d: &Device, value: &str) -> Result<()> {
+    store_gc_with(d, value, &mut |_, _| {})
+}
+
+/// `gc`, calling `progress(reclaimed, victims)` (see `ZoneStore::gc_with_progress`).
+pub(super) fn store_gc_with(
+    d: &Device,
+    value: &str,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
     let v =
         kstrtou64(value, 10).map_err(|_| Error::invalid(format!("gc takes 1, not {value:?}")))?;
     if v != 1 {
         return Err(Error::invalid(format!("gc takes 1, not {v}")));
     }
-    d.gc().map(|_| ())
+    d.store()?.gc_with_progress(progress).map(|_| ())
+}
+
+/// `compact` (any value, as zram), calling `progress(freed, estimate)` (see
+/// `PoolCore::compact_with_progress`). `EINVAL` uninitialised.
+pub(super) fn store_compact_with(d: &Device, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+    if !d.is_initialised() {
+        return Err(Error::invalid("compact: the device is not initialised"));
+    }
+    if let Ok(store) = d.store() {
+        store.compact_with_progress(progress);
+    }
+    Ok(())
 }
 
 /// `idle`: `all` or an age in seconds (`kstrtoull` with base detection).

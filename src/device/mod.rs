@@ -28,12 +28,14 @@
 pub mod attrs;
 pub mod block_stat;
 pub mod idle;
+pub mod progress;
 mod recompress;
 pub mod request;
 pub mod stats;
 mod writeback;
 
 pub use idle::IdleCutoff;
+pub use progress::{OpProgress, ProgressUnit};
 pub use stats::{MetaStats, StatsSnapshot};
 
 use crate::backing::Backing;

@@ -61,8 +61,20 @@ impl Device {
 
     /// The `recompress` attribute: parse, then run.
     pub(crate) fn recompress_str(&self, value: &str) -> Result<()> {
+        self.recompress_str_with(value, &mut |_, _| {})
+    }
+
+    /// The `recompress` attribute, calling `progress(report so far, max_pages)` as
+    /// [`Device::recompress_with_progress`] does.
+    pub(crate) fn recompress_str_with(
+        &self,
+        value: &str,
+        progress: &mut dyn FnMut(&RecompressReport, Option<u64>),
+    ) -> Result<()> {
         let spec = RecompressSpec::parse(value)?;
-        self.recompress(&spec).map(|_| ())
+        let max_pages = spec.max_pages;
+        self.recompress_with_progress(&spec, &mut |r| progress(r, max_pages))
+            .map(|_| ())
     }
 
     /// The codec priority of page `index` when it is held in RAM as an object (`testing`: for

@@ -39,11 +39,19 @@ impl Device {
 
     /// The `writeback` attribute: parse, then run.
     pub(crate) fn writeback_str(&self, value: &str) -> Result<()> {
+        self.writeback_str_with(value, &mut |_| {})
+    }
+
+    /// The `writeback` attribute, calling `progress` as [`Device::writeback_with_progress`]
+    /// does.
+    pub(crate) fn writeback_str_with(
+        &self,
+        value: &str,
+        progress: &mut dyn FnMut(&WritebackProgress),
+    ) -> Result<()> {
         let value = value.strip_suffix('\n').unwrap_or(value).to_string();
-        let report = self.run_writeback(
-            |nr_pages| WritebackSpec::parse(&value, nr_pages),
-            &mut |_| {},
-        )?;
+        let report =
+            self.run_writeback(|nr_pages| WritebackSpec::parse(&value, nr_pages), progress)?;
         match report.error {
             Some(e) => Err(e),
             None => Ok(()),

@@ -1109,6 +1109,12 @@ impl Store {
     /// Runs zoned-store GC over every eligible victim, with a queue of its own on the store's
     /// backing (see [`crate::zoned::gc`]). `ENODEV` without a zoned target.
     pub(crate) fn gc(&self) -> Result<GcReport> {
+        self.gc_with_progress(&mut |_, _| {})
+    }
+
+    /// Like [`gc`](Self::gc), calling `progress(reclaimed, victims)` as each victim zone is
+    /// reset (see [`crate::zoned::ZoneStore::gc_with_progress`]).
+    pub(crate) fn gc_with_progress(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<GcReport> {
         let zoned = self.zoned().ok_or_else(|| {
             Error::new(
                 ErrorKind::NoDevice,
@@ -1117,7 +1123,7 @@ impl Store {
         })?;
         let store = zoned.store();
         let mut queue = store.backing().new_queue(GC_QUEUE_DEPTH)?;
-        store.gc(self, queue.as_mut(), usize::MAX)
+        store.gc_with_progress(self, queue.as_mut(), usize::MAX, progress)
     }
 
     /// Whether the zoned store is short of empty zones (false without one).
@@ -1142,8 +1148,14 @@ impl Store {
     /// objects that are about to be freed is wasted work, and their frees may empty zspages by
     /// themselves. Returns pages freed.
     pub(crate) fn compact(&self) -> u64 {
+        self.compact_with_progress(&mut |_, _| {})
+    }
+
+    /// Like [`compact`](Self::compact), calling `progress(freed, estimate)` (see
+    /// [`crate::zsmalloc::PoolCore::compact_with_progress`]).
+    pub(crate) fn compact_with_progress(&self, progress: &mut dyn FnMut(u64, u64)) -> u64 {
         self.pool.flush();
-        self.pool.compact()
+        self.pool.compact_with_progress(progress)
     }
 
     /// The deferred-free queue's counters.

@@ -127,6 +127,9 @@ pub struct RecompressReport {
     /// Pages accessed (read, written, freed) while being recompressed: left as the access left
     /// them.
     pub raced: u64,
+    /// Candidates not tried (no longer a candidate, below the threshold, or already at a
+    /// priority as high as asked); they do not count against `max_pages`.
+    pub skipped: u64,
     /// Bytes of `compr_data_size` saved.
     pub saved_bytes: u64,
 }
@@ -187,7 +190,7 @@ impl Store {
     }
 
     /// Runs a recompression (see the module docs); the caller holds `pp_lock`. `progress` is
-    /// called after every page tried. Returns `Err` for a bad spec (nothing done) or, with the
+    /// called after every candidate tried or skipped. Returns `Err` for a bad spec (nothing done) or, with the
     /// work done so far kept, for a codec or allocation failure, which stops the run (zram
     /// returns it from the write).
     pub(crate) fn recompress(
@@ -231,7 +234,11 @@ impl Store {
                 }
             };
             match outcome {
-                Outcome::Skipped => continue,
+                Outcome::Skipped => {
+                    report.skipped += 1;
+                    progress(&report);
+                    continue;
+                }
                 Outcome::Recompressed(old, new) => {
                     report.recompressed += 1;
                     report.saved_bytes += (old - new) as u64;

@@ -230,6 +230,8 @@ pub struct WritebackProgress {
     pub changed: u64,
     /// Pages whose write failed (they stay in RAM).
     pub failed: u64,
+    /// Candidates skipped before submission (accessed or freed since the scan).
+    pub skipped: u64,
     /// Requests in flight.
     pub in_flight: u64,
 }
@@ -269,6 +271,7 @@ impl WritebackReport {
             written: self.written,
             changed: self.changed,
             failed: self.failed,
+            skipped: self.skipped,
             in_flight: in_flight as u64,
         }
     }

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use super::record;
 use super::ring::{new_scratch, Scratch, Span};
-use super::{Opener, Rec, RecState, ZoneCondition, ZoneLoc, ZoneStore, PIECE_BYTES};
+use super::{Opener, Rec, RecState, Zone, ZoneCondition, ZoneLoc, ZoneStore, PIECE_BYTES};
 use crate::backing::{AlignedBuf, IoKind, IoOp, IoQueue, Segment};
 use crate::error::{Error, Result};
 
@@ -103,14 +103,29 @@ impl ZoneStore {
         z.zones
             .iter()
             .enumerate()
-            .filter(|(_, zone)| {
-                zone.cond == ZoneCondition::Full
-                    && zone.pending == 0
-                    && zone.gc_pass != z.gc_pass
-                    && capacity - zone.live_bytes >= min_gain
-            })
+            .filter(|(_, zone)| Self::eligible(zone, z.gc_pass, capacity, min_gain))
             .min_by_key(|(i, zone)| (zone.live_bytes, *i))
             .map(|(i, _)| i as u32)
+    }
+
+    /// Whether `zone` may be picked as a victim in GC pass `gc_pass`: full, nothing pending,
+    /// not picked this pass, and at least `min_gain` of its `capacity` dead.
+    fn eligible(zone: &Zone, gc_pass: u64, capacity: u64, min_gain: u64) -> bool {
+        zone.cond == ZoneCondition::Full
+            && zone.pending == 0
+            && zone.gc_pass != gc_pass
+            && capacity - zone.live_bytes >= min_gain
+    }
+
+    /// How many zones [`pick_victim`](Self::pick_victim) could pick now.
+    fn eligible_victims(&self) -> usize {
+        let capacity = self.zone_capacity_bytes();
+        let min_gain = capacity / MIN_RECLAIM_DIVISOR;
+        let z = self.zones.lock();
+        z.zones
+            .iter()
+            .filter(|zone| Self::eligible(zone, z.gc_pass, capacity, min_gain))
+            .count()
     }
 
     /// Reclaims up to `max_victims` zones (stopping early when no zone has anything dead),
@@ -124,11 +139,27 @@ impl ZoneStore {
         queue: &mut dyn IoQueue,
         max_victims: usize,
     ) -> Result<GcReport> {
+        self.gc_with_progress(owner, queue, max_victims, &mut |_, _| {})
+    }
+
+    /// Like [`gc`](Self::gc), calling `progress(reclaimed, victims)` at the start and after
+    /// each victim: zones reset so far, and the zones eligible as victims when the run began
+    /// (at most `max_victims`; zones that fill during the run and are picked too make it grow
+    /// to match).
+    pub fn gc_with_progress(
+        &self,
+        owner: &dyn GcOwner,
+        queue: &mut dyn IoQueue,
+        max_victims: usize,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<GcReport> {
         let _one_at_a_time = self.gc_lock.lock();
         {
             let mut z = self.zones.lock();
             z.gc_pass += 1;
         }
+        let mut victims = (self.eligible_victims() as u64).min(max_victims as u64);
+        progress(0, victims);
         let start = Instant::now();
         let mut scratch = new_scratch(
             self.config.scratch_mode,
@@ -147,6 +178,8 @@ impl ZoneStore {
                 // faithfully): stop rather than pick it again.
                 break;
             }
+            victims = victims.max(report.zones_reclaimed);
+            progress(report.zones_reclaimed, victims);
         }
         report.elapsed = start.elapsed();
         Ok(report)

@@ -563,11 +563,29 @@ impl PoolCore {
     /// frees the emptied zspages, then empties the frame cache. Returns the pages freed by this
     /// call (not counting the cache, which `mem_used_total` never included).
     pub fn compact(&self) -> u64 {
+        self.compact_with_progress(&mut |_, _| {})
+    }
+
+    /// Like [`compact`](Self::compact), calling `progress(freed, estimate)` after each size class:
+    /// pages freed so far, and the pages compaction could free when it started (the sum of
+    /// every class's `zs_can_compact` figure, each read under its class lock; frees during
+    /// the run can make it free more, and `estimate` then grows to match).
+    pub fn compact_with_progress(&self, progress: &mut dyn FnMut(u64, u64)) -> u64 {
+        let mut estimate: u64 = self
+            .classes
+            .iter()
+            .map(|class| class.state.lock().freeable_pages(&class.info))
+            .sum();
+        progress(0, estimate);
         let mut freed_pages = 0;
         for class in self.classes.iter().rev() {
             let freed = self.compact_class(class);
             self.pages_compacted.fetch_add(freed, Ordering::Relaxed);
             freed_pages += freed;
+            estimate = estimate.max(freed_pages);
+            if freed > 0 {
+                progress(freed_pages, estimate);
+            }
         }
         // Compaction is how users give memory back: the frame cache goes too.
         self.frames.trim();

@@ -10,15 +10,19 @@
 //! device does not have (`ENOENT`) gives no samples; [`METRICS`] lists them all and
 //! `docs/metrics.md` documents them.
 //!
+//! The server's policies (`policy_stat`, [`crate::policy`]) give [`POLICY_METRICS`]: one
+//! sample per device and policy, labelled `device` and `policy`.
+//!
 //! Families are written whole (`# HELP`, `# TYPE`, then one sample per device), as the format
 //! requires: a family's samples must not be split.
 
 pub mod http;
 
-use super::control::NBD_CONNECTIONS_ATTR;
+use super::control::{NBD_CONNECTIONS_ATTR, POLICY_STAT_ATTR};
 use super::nbd::Openers;
 use crate::device::Device;
 use crate::error::{Error, ErrorKind, Result};
+use crate::policy::DevicePolicy;
 
 /// A family's type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,6 +146,25 @@ pub const METRICS: &[Metric] = &[
     m("uzram_nbd_connections", Gauge, NBD_CONNECTIONS_ATTR, 0, 1, "NBD connections using the device now."),
 ];
 
+/// The families of `policy_stat` (a line per policy: name, `on`/`off`, runs, pages, errors,
+/// last error): each sample labelled `device` and `policy`; `column` is the word of the
+/// policy's line (1: `on` as 1, `off` as 0).
+pub const POLICY_METRICS: &[Metric] = &[
+    m("uzram_policy_enabled", Gauge, POLICY_STAT_ATTR, 1, 1, "1 when the policy is on (policy_stat on/off)."),
+    m("uzram_policy_runs_total", Counter, POLICY_STAT_ATTR, 2, 1, "Times the policy acted, failed runs included (policy_stat runs)."),
+    m("uzram_policy_pages_total", Counter, POLICY_STAT_ATTR, 3, 1, "Pages the policy acted on: idle after aging, written back, recompressed smaller, freed by compaction, relocated by GC in 4 KiB units (policy_stat pages)."),
+    m("uzram_policy_errors_total", Counter, POLICY_STAT_ATTR, 4, 1, "Runs of the policy that failed (policy_stat errors)."),
+];
+
+/// One policy's line of `policy_stat`, as [`POLICY_METRICS`] samples it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicySample {
+    /// The policy's name (the `policy` label).
+    pub policy: String,
+    /// One per [`POLICY_METRICS`] entry.
+    pub values: [u64; 4],
+}
+
 /// The family of settings shown as labels: `uzram_device_info{device, comp_algorithm,
 /// backing_dev, backing_layout} 1`.
 pub const INFO_METRIC: &str = "uzram_device_info";
@@ -156,6 +179,36 @@ pub struct DeviceSamples {
     pub values: Vec<Option<String>>,
     /// (label, value) pairs of [`INFO_METRIC`].
     pub info: Vec<(&'static str, String)>,
+    /// The lines of `policy_stat` (none when the device has no policies).
+    pub policies: Vec<PolicySample>,
+}
+
+/// Parses `policy_stat` (see [`POLICY_METRICS`]); malformed text is `EIO`.
+fn parse_policy_stat(device: &str, text: &str) -> Result<Vec<PolicySample>> {
+    let bad = |line: &str| {
+        Error::new(
+            ErrorKind::Io,
+            format!("{device}: {POLICY_STAT_ATTR}: malformed line {line:?}"),
+        )
+    };
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let words: Vec<&str> = line.split_whitespace().take(5).collect();
+        let [policy, state, runs, pages, errors] = words[..] else {
+            return Err(bad(line));
+        };
+        let on = match state {
+            "on" => 1,
+            "off" => 0,
+            _ => return Err(bad(line)),
+        };
+        let n = |w: &str| w.parse::<u64>().map_err(|_| bad(line));
+        out.push(PolicySample {
+            policy: policy.to_string(),
+            values: [on, n(runs)?, n(pages)?, n(errors)?],
+        });
+    }
+    Ok(out)
 }
 
 /// Reads one attribute: `Ok(Some(text))`, `Ok(None)` if the device has no such attribute.
@@ -215,22 +268,29 @@ pub fn collect(device: &str, read: &mut AttrReader) -> Result<DeviceSamples> {
             info.push((attr, t.trim().to_string()));
         }
     }
+    let policies = match read(POLICY_STAT_ATTR)? {
+        Some(t) => parse_policy_stat(device, &t)?,
+        None => Vec::new(),
+    };
     Ok(DeviceSamples {
         device: device.to_string(),
         values,
         info,
+        policies,
     })
 }
 
-/// [`collect`] from a device in this process, with its NBD export's `openers` if it has one
-/// (the same figures the control socket gives `uzram ctl metrics`).
+/// [`collect`] from a device in this process, with its NBD export's `openers` and its
+/// `policy` if it has them (the same figures the control socket gives `uzram ctl metrics`).
 pub fn collect_device(
     name: &str,
     device: &Device,
     openers: Option<&Openers>,
+    policy: Option<&DevicePolicy>,
 ) -> Result<DeviceSamples> {
-    collect(name, &mut |attr| match (attr, openers) {
-        (NBD_CONNECTIONS_ATTR, Some(o)) => Ok(Some(format!("{}\n", o.count()))),
+    collect(name, &mut |attr| match (attr, openers, policy) {
+        (NBD_CONNECTIONS_ATTR, Some(o), _) => Ok(Some(format!("{}\n", o.count()))),
+        (POLICY_STAT_ATTR, _, Some(p)) => Ok(Some(p.show_stat())),
         _ => match device.attr_show(attr) {
             Ok(t) => Ok(Some(t)),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
@@ -278,6 +338,29 @@ pub fn render(devices: &[DeviceSamples]) -> String {
             }
         }
     }
+    for (i, metric) in POLICY_METRICS.iter().enumerate() {
+        if devices.iter().all(|d| d.policies.is_empty()) {
+            break;
+        }
+        out.push_str(&format!(
+            "# HELP {} {}\n# TYPE {} {}\n",
+            metric.name,
+            metric.help,
+            metric.name,
+            metric.kind.name()
+        ));
+        for d in devices {
+            for p in &d.policies {
+                out.push_str(&format!(
+                    "{}{{device=\"{}\",policy=\"{}\"}} {}\n",
+                    metric.name,
+                    escape_label(&d.device),
+                    escape_label(&p.policy),
+                    p.values[i]
+                ));
+            }
+        }
+    }
     if devices.iter().any(|d| !d.info.is_empty()) {
         out.push_str(&format!(
             "# HELP {INFO_METRIC} The device's settings as labels (comp_algorithm, backing_dev, \
@@ -303,7 +386,8 @@ mod tests {
 
     #[test]
     fn names_follow_prometheus_rules() {
-        for (i, metric) in METRICS.iter().enumerate() {
+        let all: Vec<&Metric> = METRICS.iter().chain(POLICY_METRICS).collect();
+        for (i, metric) in all.iter().enumerate() {
             assert!(metric.name.starts_with("uzram_"), "{}", metric.name);
             assert!(
                 metric
@@ -320,7 +404,7 @@ mod tests {
                 metric.name
             );
             assert!(
-                METRICS[..i].iter().all(|o| o.name != metric.name),
+                all[..i].iter().all(|o| o.name != metric.name),
                 "{} twice",
                 metric.name
             );
@@ -333,7 +417,7 @@ mod tests {
         dev.attr_store("disksize", "1M").unwrap();
         let page: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
         crate::BlockDevice::write_at(&dev, &page, 8192).unwrap();
-        let s = collect_device("zram0", &dev, None).unwrap();
+        let s = collect_device("zram0", &dev, None, None).unwrap();
         let text = render(std::slice::from_ref(&s));
         let mm: Vec<String> = dev
             .attr_show("mm_stat")
@@ -387,5 +471,53 @@ mod tests {
         let text = render(&[collect("x", &mut scaled).unwrap()]);
         assert!(text.contains("uzram_bd_count_bytes{device=\"x\"} 8192\n"));
         assert!(text.contains("uzram_bd_writes_bytes_total{device=\"x\"} 20480\n"));
+    }
+
+    #[test]
+    fn policy_stat_gives_a_sample_per_device_and_policy() {
+        use crate::policy::{DevicePolicy, ManualPressure};
+        use std::sync::Arc;
+        let dev = Arc::new(Device::new_uninit(4096).unwrap());
+        dev.attr_store("disksize", "1M").unwrap();
+        let page: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+        for i in 0..8 {
+            crate::BlockDevice::write_at(&*dev, &page, i * 4096).unwrap();
+        }
+        let policy = DevicePolicy::new("zram0", Arc::clone(&dev));
+        policy.store("idle_age_s=0").unwrap();
+        policy.run_due(
+            std::time::Duration::from_secs(100),
+            &ManualPressure::new(),
+            &|| false,
+        );
+        let idle = policy.counters(crate::policy::PolicyKind::Idle);
+        assert_eq!(idle.runs, 1);
+        let s = collect_device("zram0", &dev, None, Some(&policy)).unwrap();
+        let text = render(&[s]);
+        assert_eq!(
+            text.matches("# TYPE uzram_policy_runs_total counter\n")
+                .count(),
+            1
+        );
+        assert!(text.contains("uzram_policy_enabled{device=\"zram0\",policy=\"idle\"} 1\n"));
+        assert!(text.contains("uzram_policy_enabled{device=\"zram0\",policy=\"gc\"} 0\n"));
+        assert!(text.contains("uzram_policy_runs_total{device=\"zram0\",policy=\"idle\"} 1\n"));
+        assert!(text.contains(&format!(
+            "uzram_policy_pages_total{{device=\"zram0\",policy=\"idle\"}} {}\n",
+            idle.pages
+        )));
+        assert!(
+            text.contains("uzram_policy_errors_total{device=\"zram0\",policy=\"writeback\"} 0\n")
+        );
+        // Without policies: no policy family at all.
+        let text = render(&[collect_device("zram0", &dev, None, None).unwrap()]);
+        assert!(!text.contains("uzram_policy"), "{text}");
+        // A malformed policy_stat is EIO naming it.
+        let mut bad = |attr: &str| -> Result<Option<String>> {
+            Ok((attr == POLICY_STAT_ATTR).then(|| "idle maybe 1 2 3 -\n".to_string()))
+        };
+        let e = collect("x", &mut bad).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Io);
+        assert!(e.message().contains("policy_stat"), "{e}");
     }
 }
