@@ -460,7 +460,8 @@ fn check_model(backing: &ModelBacking, seq_w: f64, seq_r: f64) -> Result<ModelCh
     let predicted_ms = predicted.as_secs_f64() * 1e3 / (n - 1) as f64;
     let seeks = backing.stats().seeks - before.seeks;
     let summary = format!(
-        "device model {}: sequential write / read {:.0} / {:.0} MB/s (predicted {:.0}); random          4 KiB reads {:.2} ms each (predicted {:.2}; {} of {} seeks)",
+        "device model {}: sequential write / read {:.0} / {:.0} MB/s (predicted {:.0}); random \
+         4 KiB reads {:.2} ms each (predicted {:.2}; {} of {} seeks)",
         m.name, seq_w, seq_r, seq_pred, measured_ms, predicted_ms, seeks, n
     );
     Ok(ModelCheck {

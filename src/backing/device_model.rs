@@ -9,14 +9,19 @@
 //!
 //! A request of `len` bytes at `offset` is served after the previous one (requests queue
 //! behind the *actuator*, a mutex held for the whole service time, synchronous calls and
-//! queued ops alike; queued ops are served in submission order by one thread per queue, as a
-//! drive with its queue turned off would: no reordering). Its service time is
+//! queued ops alike). Queued ops are served by one thread per queue. With `queue_depth` 1 it
+//! serves them in submission order; above 1 it is a drive's command queue (SATA NCQ holds 32):
+//! of the first `queue_depth` ops waiting, it serves the one with the shortest positioning
+//! time from the head (rotational position ordering), except that writes keep their order
+//! among themselves (the only one eligible is the oldest), as writes into a sequential zone of
+//! an SMR drive must. Its service time is
 //!
 //! - `command_overhead` (controller time, every request), plus
 //! - positioning, from the distance `d` between `offset` and where the last request ended
 //!   (the head):
 //!   - `d == 0` (sequential): nothing;
-//!   - `0 < d <= track_bytes` forward: the gap passes under the head, `d / media_rate`;
+//!   - `0 < d <= track_bytes` forward: the gap passes under the head, `d / media_rate` (or
+//!     the seek below if that is quicker);
 //!   - otherwise a seek and the average rotational latency (half a revolution):
 //!     `single_track_seek + (full_stroke_seek - single_track_seek) * sqrt(d / capacity)`
 //!     (the usual square-root seek curve: the arm accelerates for half the distance) plus
@@ -58,7 +63,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::{check_depth, check_range, check_submit, total_len};
-use super::{Backing, IoCompletion, IoOp, IoQueue, SubmitResult};
+use super::{Backing, IoCompletion, IoKind, IoOp, IoQueue, SubmitResult};
 use crate::error::{Error, Result};
 
 /// A device's timing parameters (see the module docs for the formulas and the presets'
@@ -83,6 +88,8 @@ pub struct DeviceModel {
     /// The modelled device's capacity, for the seek curve (the wrapped backing may be much
     /// smaller: a few zones of a large disk).
     pub capacity_bytes: u64,
+    /// Queued ops the device chooses among (its command queue); 1: in submission order.
+    pub queue_depth: usize,
 }
 
 impl DeviceModel {
@@ -99,6 +106,7 @@ impl DeviceModel {
             media_bytes_per_sec: 200e6,
             track_bytes: 1_600_000,
             capacity_bytes: 14_000_000_000_000,
+            queue_depth: 32,
         }
     }
 
@@ -113,6 +121,7 @@ impl DeviceModel {
             media_bytes_per_sec: 520e6,
             track_bytes: u64::MAX,
             capacity_bytes: 1 << 40,
+            queue_depth: 1,
         }
     }
 
@@ -147,14 +156,19 @@ impl DeviceModel {
         if offset == head {
             return (Duration::ZERO, false);
         }
-        if offset > head && offset - head <= self.track_bytes {
-            return (self.transfer_time(offset - head), false);
-        }
         let d = offset.abs_diff(head).min(self.capacity_bytes) as f64;
         let frac = (d / self.capacity_bytes as f64).sqrt();
         let seek = self.single_track_seek
-            + (self.full_stroke_seek.saturating_sub(self.single_track_seek)).mul_f64(frac);
-        (seek + self.average_rotational_latency(), true)
+            + (self.full_stroke_seek.saturating_sub(self.single_track_seek)).mul_f64(frac)
+            + self.average_rotational_latency();
+        if offset > head && offset - head <= self.track_bytes {
+            // Waiting for the gap to pass, unless a seek is quicker.
+            let pass = self.transfer_time(offset - head);
+            if pass <= seek {
+                return (pass, false);
+            }
+        }
+        (seek, true)
     }
 
     /// The whole service time of a request of `len_bytes` at `offset` with the head at `head`.
@@ -350,7 +364,28 @@ fn serve_queue(
             return;
         }
     };
-    for op in requests.iter() {
+    let depth = shared.model.queue_depth.max(1);
+    let mut waiting: std::collections::VecDeque<IoOp> = std::collections::VecDeque::new();
+    loop {
+        if waiting.is_empty() {
+            match requests.recv() {
+                Ok(op) => waiting.push_back(op),
+                Err(_) => return, // the queue dropped and everything was served
+            }
+        }
+        while waiting.len() < depth {
+            match requests.try_recv() {
+                Ok(op) => waiting.push_back(op),
+                Err(_) => break,
+            }
+        }
+        let head = shared.actuator.lock().head;
+        let first_write = waiting.iter().position(|op| op.kind == IoKind::Write);
+        let pick = (0..waiting.len())
+            .filter(|&i| waiting[i].kind != IoKind::Write || Some(i) == first_write)
+            .min_by_key(|&i| shared.model.positioning_time(head, waiting[i].offset).0)
+            .expect("a waiting op is eligible");
+        let op = waiting.remove(pick).expect("picked from the list");
         let (offset, len) = (op.offset, op.len_bytes());
         let completion = shared.serve(offset, len, || run_one(queue.as_mut(), op));
         if done.send(completion).is_err() {
@@ -491,6 +526,7 @@ mod tests {
     #[test]
     fn requests_take_the_modelled_time_and_keep_their_data() {
         let mut m = DeviceModel::smr_hdd();
+        m.queue_depth = 1;
         // Slow enough to measure on a loaded machine: 10 MB/s, 20 ms half revolution.
         m.media_bytes_per_sec = 10e6;
         m.rpm = 1500.0;
@@ -538,5 +574,55 @@ mod tests {
         // Bad requests are refused before the model (nothing served).
         assert!(b.read_at(&mut [0u8; 100], 0).is_err());
         assert_eq!(b.stats().requests, 8);
+    }
+
+    /// With a command queue, reads are served nearest first and writes in their order.
+    #[test]
+    fn the_command_queue_reorders_reads_not_writes() {
+        let mut m = DeviceModel::smr_hdd();
+        m.media_bytes_per_sec = 100e6;
+        m.rpm = 60_000.0; // 0.5 ms half revolution: keeps the test short
+        m.track_bytes = 100_000; // what passes the head in a revolution at that rate
+        m.queue_depth = 32;
+        let b = ModelBacking::new(Arc::new(MemBacking::new(64 << 20).unwrap()), m);
+        let mut q = b.new_queue(16).unwrap();
+        // Occupy the device so the rest queue up behind it, then: reads far, near, middle;
+        // writes at 40 MiB then 8 MiB (kept in that order although 8 MiB is nearer).
+        let buf = || vec![AlignedBuf::new_zeroed(4096).unwrap()];
+        q.submit(IoOp::new(
+            0,
+            vec![AlignedBuf::new_zeroed(1 << 20).unwrap()],
+            0,
+        ))
+        .map_err(|(e, _)| e)
+        .unwrap();
+        for (tag, at, read) in [
+            (1, 60u64 << 20, true),
+            (2, 2 << 20, true),
+            (3, 30 << 20, true),
+            (4, 40 << 20, false),
+            (5, 8 << 20, false),
+        ] {
+            let op = if read {
+                IoOp::read(at, buf(), tag)
+            } else {
+                IoOp::new(at, buf(), tag)
+            };
+            q.submit(op).map_err(|(e, _)| e).unwrap();
+        }
+        let mut order = Vec::new();
+        while order.len() < 6 {
+            for c in q.wait(1).unwrap() {
+                c.result.unwrap();
+                order.push(c.op.tag);
+            }
+        }
+        assert_eq!(order[0], 0);
+        let pos = |t| order.iter().position(|&x| x == t).unwrap();
+        assert!(pos(4) < pos(5), "writes reordered: {order:?}");
+        assert!(
+            pos(2) < pos(3) && pos(3) < pos(1),
+            "reads not nearest first: {order:?}"
+        );
     }
 }
