@@ -7,7 +7,7 @@
 //! deadlock (docs/ublk.md, "Swap on ublk"). So in swap mode what a device needs is faulted in
 //! when it is created, not when a write first touches it: the slot table (16 bytes a page, as
 //! the kernel's zram allocates its table at `disksize`), and a reserve of zsmalloc frames
-//! (`zsmalloc::page_alloc`, "The swap reserve"), refilled off the request path.
+//! (`zsmalloc::page_alloc`, "The reserve"), refilled off the request path.
 //!
 //! Set once by the server before it creates devices ([`set_swap_reserve_bytes`]); devices
 //! created afterwards follow it. An atomic, read when a device is initialised.

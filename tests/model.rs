@@ -35,6 +35,9 @@
 //!   on and off, recompression, compaction, zoned GC), on a clock that a thread moves a
 //!   second every few milliseconds (shared with the device's access times, so pages age):
 //!   whatever they do, concurrently with I/O, resets and faults, must change no page.
+//! - New zspages come from the allocator's reserve of populated frames (its refiller thread
+//!   fills it while the workers write), so compaction trims the reserve under a running refill
+//!   and resets drop pools whose refiller is running; pages must read back all the same.
 
 use parking_lot::{Mutex, RwLock};
 use rand::rngs::SmallRng;

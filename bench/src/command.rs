@@ -246,6 +246,10 @@ struct GcArgs {
     /// Mean length in pages of a punched hole and of a kept run (each uniform in 1..2N).
     #[arg(long, default_value_t = 64)]
     hole_pages: u64,
+    /// Make every request take the time this device would: `smr-hdd` or `ssd` (seek,
+    /// rotation, media rate, one request at a time; uzram::backing::DeviceModel).
+    #[arg(long)]
+    device_model: Option<String>,
     /// Where to write the JSON (default: bench/results/gc-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -360,6 +364,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 buffer_bytes: uzram::units::parse_size_bytes(&a.buffer_size)? as usize,
                 depth: a.depth,
                 holes: crate::gc::Holes::parse(&a.holes, a.hole_pages)?,
+                device_model: a
+                    .device_model
+                    .as_deref()
+                    .map(uzram::backing::DeviceModel::by_name)
+                    .transpose()?,
                 ..Default::default()
             };
             let doc = crate::gc::run(&corpus, &opts)?;

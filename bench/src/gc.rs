@@ -6,6 +6,12 @@
 //! GC time, MB/s relocated, and the fraction of the file's sequential bandwidth (write, and
 //! the read-then-write bound `1 / (1/read + 1/write)` that relocation cannot exceed), measured
 //! in the same run with the same chunk size.
+//!
+//! With `--device-model smr-hdd|ssd` the file is wrapped in a [`ModelBacking`]: every request
+//! takes the time the modelled device would (seek from the distance, rotational latency, media
+//! rate, one request at a time; `uzram::backing::DeviceModel` documents the parameters and
+//! their sources). The run then also checks the model: sequential bandwidth and random 4 KiB
+//! reads through it, against what its parameters predict.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +23,9 @@ use serde_json::json;
 
 use crate::corpus::Corpus;
 use crate::{f, median, Table};
-use uzram::backing::{AlignedBuf, Backing, FileBacking, FileOptions, IoOp};
+use uzram::backing::{
+    AlignedBuf, Backing, DeviceModel, FileBacking, FileOptions, IoOp, ModelBacking,
+};
 use uzram::compress::{self, same_filled_word, CodecParams};
 use uzram::error::{Error, Result};
 use uzram::zoned::{
@@ -47,6 +55,8 @@ pub struct GcBenchOptions {
     pub buffer_bytes: usize,
     /// How half the space is freed.
     pub holes: Holes,
+    /// Wrap the file in this device model (`None`: the plain file).
+    pub device_model: Option<DeviceModel>,
 }
 
 /// How the benchmark frees half the space before GC.
@@ -117,6 +127,7 @@ impl Default for GcBenchOptions {
             chunk_bytes: uzram::zoned::DEFAULT_GC_CHUNK_BYTES,
             buffer_bytes: uzram::zoned::DEFAULT_GC_BUFFER_BYTES,
             holes: Holes::Punch { mean_pages: 64 },
+            device_model: None,
         }
     }
 }
@@ -272,16 +283,31 @@ pub fn run(corpus: &Corpus, opts: &GcBenchOptions) -> Result<serde_json::Value> 
     let size = opts.zone_size_bytes * opts.zones;
     let file = FileBacking::create(&opts.backing, size, &FileOptions::default())?;
     let io_mode = file.io_mode().to_string();
-    let backing: Arc<dyn Backing> = Arc::new(file);
-    // Write the whole file once, untimed: a sparse file's first write into a block allocates
-    // it, and the flush before each victim reset would then commit file system metadata (up
-    // to 0.7 s per flush here), which a block device has none of.
-    let result = write_sequential(backing.as_ref(), 1 << 20, size, 8)
-        .and_then(|_| backing.flush())
-        .and_then(|_| run_on(&backing, &objects, opts));
+    let file: Arc<dyn Backing> = Arc::new(file);
+    // Write the whole file once, untimed (and not through the model): a sparse file's first
+    // write into a block allocates it, and the flush before each victim reset would then
+    // commit file system metadata (up to 0.7 s per flush here), which a block device has none
+    // of.
+    let prepared = write_sequential(file.as_ref(), 1 << 20, size, 8).and_then(|_| file.flush());
+    let model = opts
+        .device_model
+        .clone()
+        .map(|m| Arc::new(ModelBacking::new(file.clone(), m)));
+    let backing: Arc<dyn Backing> = match &model {
+        Some(m) => m.clone(),
+        None => file.clone(),
+    };
+    let result = prepared.and_then(|_| run_on(&backing, &objects, opts));
+    let check = match (&model, &result) {
+        (Some(m), Ok((_, (seq_w, seq_r)))) => Some(check_model(m, *seq_w, *seq_r)),
+        _ => None,
+    };
     drop(backing);
+    drop(model);
+    drop(file);
     let _ = std::fs::remove_file(&opts.backing);
     let (rows, bw) = result?;
+    let check = check.transpose()?;
 
     let (ring, bank): (Vec<&Row>, Vec<&Row>) =
         rows.iter().partition(|r| r.mode == ScratchMode::Ring);
@@ -309,6 +335,9 @@ pub fn run(corpus: &Corpus, opts: &GcBenchOptions) -> Result<serde_json::Value> 
     let mbps_bank = med(&bank, |r| r.relocated_mb / (r.gc_ms / 1e3));
     let (seq_w, seq_r) = bw;
     let rw_bound = 1.0 / (1.0 / seq_r + 1.0 / seq_w);
+    if let Some(c) = &check {
+        println!("{}", c.summary);
+    }
     let first = &rows[0];
     let mut t = Table::new(&["gc benchmark", "ring", "bank switching", "ring/bank"]);
     t.row(vec![
@@ -373,6 +402,7 @@ pub fn run(corpus: &Corpus, opts: &GcBenchOptions) -> Result<serde_json::Value> 
         "depth": opts.depth,
         "holes": opts.holes.describe(),
         "io_mode": io_mode,
+        "device_model": check.as_ref().map(|c| c.json.clone()),
         "gc_ms_ring": gc_ms_ring,
         "gc_ms_bank": gc_ms_bank,
         "gc_ratio": ratio,
@@ -394,6 +424,62 @@ pub fn run(corpus: &Corpus, opts: &GcBenchOptions) -> Result<serde_json::Value> 
             "records": r.records,
         })).collect::<Vec<_>>(),
     }))
+}
+
+/// What [`check_model`] found.
+struct ModelCheck {
+    summary: String,
+    json: serde_json::Value,
+}
+
+/// Checks the model in use: sequential bandwidth (measured by `run_on` through it, 1 MiB I/Os)
+/// and random 4 KiB reads at queue depth 1 against what its parameters predict.
+fn check_model(backing: &ModelBacking, seq_w: f64, seq_r: f64) -> Result<ModelCheck> {
+    let m = backing.model().clone();
+    let chunk = uzram::zoned::DEFAULT_GC_CHUNK_BYTES as u64;
+    // Predicted: per 1 MiB sequential request, the command overhead and the transfer.
+    let seq_pred = chunk as f64 / (m.command_overhead + m.transfer_time(chunk)).as_secs_f64() / 1e6;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    let mut buf = AlignedBuf::new_zeroed(4096)?;
+    let blocks = backing.size_bytes() / 4096;
+    let n = 100;
+    let before = backing.stats();
+    let mut head = None::<u64>;
+    let mut predicted = std::time::Duration::ZERO;
+    let start = Instant::now();
+    for _ in 0..n {
+        let off = rng.gen_range(0..blocks) * 4096;
+        backing.read_at(&mut buf, off)?;
+        // The model's head is wherever the last request ended.
+        if let Some(h) = head {
+            predicted += m.service_time(h, off, 4096).0;
+        }
+        head = Some(off + 4096);
+    }
+    let measured_ms = start.elapsed().as_secs_f64() * 1e3 / n as f64;
+    let predicted_ms = predicted.as_secs_f64() * 1e3 / (n - 1) as f64;
+    let seeks = backing.stats().seeks - before.seeks;
+    let summary = format!(
+        "device model {}: sequential write / read {:.0} / {:.0} MB/s (predicted {:.0}); random \
+         4 KiB reads {:.2} ms each (predicted {:.2}; {} of {} seeks)",
+        m.name, seq_w, seq_r, seq_pred, measured_ms, predicted_ms, seeks, n
+    );
+    Ok(ModelCheck {
+        summary,
+        json: json!({
+            "name": m.name,
+            "command_overhead_us": m.command_overhead.as_secs_f64() * 1e6,
+            "single_track_seek_ms": m.single_track_seek.as_secs_f64() * 1e3,
+            "full_stroke_seek_ms": m.full_stroke_seek.as_secs_f64() * 1e3,
+            "rpm": m.rpm,
+            "media_mbps": m.media_bytes_per_sec / 1e6,
+            "track_bytes": m.track_bytes,
+            "capacity_bytes": m.capacity_bytes,
+            "seq_predicted_mbps": seq_pred,
+            "rand_read_4k_ms": measured_ms,
+            "rand_read_4k_predicted_ms": predicted_ms,
+        }),
+    })
 }
 
 struct Row {

@@ -6,7 +6,11 @@
 //! snapshot of a process's anonymous memory, and the `uzram corpus` workloads). The `uzram`
 //! command runs both through [`command`] and [`corpus::build`].
 
+// `uzram bench store`'s JSON document is one `json!` literal deeper than the default limit.
+#![recursion_limit = "256"]
+
 pub mod blk;
+pub mod codec_impls;
 pub mod command;
 pub mod corpus;
 pub mod free;

@@ -80,7 +80,6 @@ impl Drop for Running {
 /// sockets default to through `--socket`); waits until it is serving.
 fn serve_in(dir: tempfile::TempDir, args: &[&str], prefix: &[&str]) -> Running {
     let d = dir.path().to_str().unwrap().to_string();
-    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
     let mut cmd = Command::new(prefix.first().copied().unwrap_or(BIN));
     if !prefix.is_empty() {
         // The prefix may drop privileges: run a copy in the (world-readable) temporary
@@ -90,17 +89,29 @@ fn serve_in(dir: tempfile::TempDir, args: &[&str], prefix: &[&str]) -> Running {
         std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
         cmd.args(&prefix[1..]).arg(copy);
     }
-    let mut child = cmd
-        .arg("serve")
+    cmd.arg("serve")
         .args(args.iter().map(|a| a.replace("{dir}", &d)))
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let (_, serving) = wait_serving(child.stdout.take().unwrap());
-    let r = Running { child, dir };
-    assert!(serving, "uzram serve did not start: {}", r.log());
-    r
+        .stdout(Stdio::piped());
+    // A copy just written can be busy for exec (ETXTBSY) while another test thread's child,
+    // forked while the copy's file was open for writing, has not exec'd yet and still holds
+    // that descriptor: the prefix's exec then fails. A few tries, a moment apart.
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
+        let mut child = cmd.stderr(stderr).spawn().unwrap();
+        let (_, serving) = wait_serving(child.stdout.take().unwrap());
+        let log = std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default();
+        if !serving && log.contains("Text file busy") && tries < 5 {
+            let _ = child.kill();
+            let _ = child.wait();
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            continue;
+        }
+        let r = Running { child, dir };
+        assert!(serving, "uzram serve did not start: {}", r.log());
+        return r;
+    }
 }
 
 fn serve(args: &[&str]) -> Running {

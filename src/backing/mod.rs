@@ -13,7 +13,8 @@
 //!   (one `pwritev` per op at submit time, [`Engine::Sync`]: the old single-page path);
 //!   and, with the `testing` feature, `MemBacking` (in memory) and `FaultyBacking` (wraps any
 //!   backing and injects EIO, ENOSPC, short and torn writes, on synchronous and queued writes
-//!   alike).
+//!   alike), and `ModelBacking` (wraps any backing and makes each request take the time a
+//!   modelled hard disk or SSD would: `device_model`).
 //! - [`verify`]: the checksum of a written-back block and the count (and once-per-device log)
 //!   of data a backing returned that failed verification.
 //! - [`ceiling`]: the 4 KiB write throughput of a backing at a queue depth, the anchor the
@@ -46,6 +47,8 @@ mod aligned_buf;
 pub mod blkzoned;
 pub mod ceiling;
 #[cfg(any(test, feature = "testing"))]
+mod device_model;
+#[cfg(any(test, feature = "testing"))]
 mod faulty;
 mod fds;
 mod file;
@@ -62,6 +65,8 @@ use std::sync::Arc;
 
 pub use aligned_buf::{AlignedBuf, BUF_ALIGN_BYTES};
 pub use blkzoned::{ZoneGeometry, ZoneInfo, ZoneKind, ZonePlugQueue};
+#[cfg(any(test, feature = "testing"))]
+pub use device_model::{DeviceModel, ModelBacking, ModelStats};
 #[cfg(any(test, feature = "testing"))]
 pub use faulty::{FaultCounts, FaultKind, FaultPlan, FaultyBacking};
 pub use file::{DirectIo, FileBacking, FileOptions};

@@ -1,27 +1,35 @@
-//! lz4 in the LZ4 *block* format (no frame header, no checksum), through `lz4_flex`'s safe
-//! encoder and decoder: zram's `lz4` backend.
+//! lz4 in the LZ4 *block* format (no frame header, no checksum): zram's `lz4` backend, through
+//! liblz4 (the reference C library, the `lz4` crate's safe block API over `lz4-sys`).
 //!
 //! The block format carries no length: the page size is the caller's `dst.len()`, and
 //! decompression that does not produce exactly that many bytes is an `EIO` error.
 //!
-//! Known allocation: `lz4_flex` 0.11's block API has no way to pass in a caller-owned hash
-//! table, so `lz4_flex::block::compress_into` allocates a zeroed 8 KiB table (16 KiB for inputs
-//! of 64 KiB and more) per call. A reused table would have to be zeroed per page as well, so the
-//! extra cost is the allocator call itself (not measured separately; `bench/README.md` has the
-//! codec's throughput with it). The counting-allocator test in `tests/compress_alloc.rs` pins it
-//! at exactly one allocation per call so a change is noticed.
-//! Decompression allocates nothing.
+//! # Why liblz4 and not `lz4_flex`
+//!
+//! Measured side by side on the page corpus (`uzram bench store` prints the table "lz4
+//! implementations"; figures in `bench/README.md`): liblz4's `LZ4_compress_fast` compresses the
+//! corpus's pages faster than `lz4_flex` 0.11 with its safe encoder (which also allocates and
+//! zeroes an 8 KiB hash table per call: its block API takes no caller-owned table), and
+//! `LZ4_decompress_safe` decodes them faster than `lz4_flex`'s safe decoder. Both write the same
+//! block format, so pages written by either read back through the other (tested).
+//!
+//! Safety, argued: no `unsafe` is written here; the `lz4` crate's block functions pass each
+//! slice's pointer with its own length. `LZ4_compress_fast` writes at most `dstCapacity` bytes
+//! (we always pass at least `LZ4_compressBound`: [`check_dst`]) and reads exactly `srcSize`.
+//! `LZ4_decompress_safe` is liblz4's decoder for untrusted input: it "will never write outside
+//! `dst`, nor read outside `source`" (lz4.h), whatever the bytes (it is fuzzed by OSS-Fuzz);
+//! corrupt input is a negative return, mapped to `EIO`. The per-call state (a 16 KiB hash table)
+//! lives on the C stack (liblz4 is built with `LZ4_HEAPMODE=0`) and is cleared per call; the
+//! fast-reset variant (`LZ4_compress_fast_extState_fastReset`, a caller-kept state) clears it
+//! too for inputs of 4 KiB or more (`LZ4_prepareTable`), so it would save nothing for pages.
+//! Nothing is allocated per call.
 //!
 //! Levels: the kernel's lz4 backend reads `level` as LZ4's *acceleration* (`LZ4_compress_fast`:
 //! 1, the default, compresses best; higher trades ratio for speed, up to liblz4's
-//! `LZ4_ACCELERATION_MAX`, 65537). uzram does the same: no level or level 1 is `lz4_flex`'s
-//! encoder (LZ4's default acceleration), a higher level is liblz4's `LZ4_compress_fast` with
-//! that acceleration (through the `lz4` crate, as lz4hc; it keeps its state on the stack).
-//! Both write the same block format, so decompression is the same. Levels below 1 or above
-//! 65537 are `EINVAL` (liblz4 would silently replace them).
+//! `LZ4_ACCELERATION_MAX`, 65537). uzram does the same. Levels below 1 or above 65537 are
+//! `EINVAL` (liblz4 would silently replace them).
 //!
-//! Dictionaries: not supported (`EOPNOTSUPP`): `lz4_flex` would rebuild its hash table from
-//! the dictionary on every page.
+//! Dictionaries: not supported (`EOPNOTSUPP`), as the kernel's lz4 backend before 6.12.
 
 use super::{check_dst, Codec, CodecParams};
 use crate::error::{Error, Result};
@@ -32,8 +40,7 @@ pub(super) const NAME: &str = "lz4";
 /// liblz4's `LZ4_ACCELERATION_MAX`.
 pub const MAX_ACCELERATION: i32 = 65537;
 
-/// LZ4 block compression: `lz4_flex` (safe Rust) at the default acceleration, liblz4's
-/// `LZ4_compress_fast` at a higher one.
+/// LZ4 block compression: liblz4's `LZ4_compress_fast` with the acceleration.
 #[derive(Debug, Clone, Copy)]
 pub struct Lz4 {
     /// The acceleration (`level`), 1 = LZ4's default.
@@ -67,18 +74,13 @@ impl Codec for Lz4 {
 
     fn compress(&self, src: &[u8], dst: &mut [u8]) -> Result<usize> {
         check_dst(src.len(), dst)?;
-        if self.acceleration == 1 {
-            lz4_flex::block::compress_into(src, dst)
-                .map_err(|e| Error::io(format!("lz4 compress: {e}")))
-        } else {
-            lz4::block::compress_to_buffer(
-                src,
-                Some(lz4::block::CompressionMode::FAST(self.acceleration)),
-                false,
-                dst,
-            )
-            .map_err(|e| Error::io(format!("lz4 compress: {e}")))
-        }
+        lz4::block::compress_to_buffer(
+            src,
+            Some(lz4::block::CompressionMode::FAST(self.acceleration)),
+            false,
+            dst,
+        )
+        .map_err(|e| Error::io(format!("lz4 compress: {e}")))
     }
 
     fn decompress(&self, src: &[u8], dst: &mut [u8]) -> Result<()> {
@@ -139,11 +141,13 @@ pub(super) fn decompress_block_prefix(
     }
 }
 
-/// Decodes one LZ4 block into exactly `dst.len()` bytes. Shared with `lz4hc`, whose output is
-/// the same block format. The safe decoder bounds-checks every literal and match copy, so
-/// corrupt input is an error, never a panic or an out-of-bounds access.
+/// Decodes one LZ4 block into exactly `dst.len()` bytes with liblz4's `LZ4_decompress_safe`.
+/// Shared with `lz4hc`, whose output is the same block format. Corrupt input is an error, never
+/// an out-of-bounds access (see the module docs).
 pub(super) fn decompress_block(name: &str, src: &[u8], dst: &mut [u8]) -> Result<()> {
-    match lz4_flex::block::decompress_into(src, dst) {
+    let want = i32::try_from(dst.len())
+        .map_err(|_| Error::invalid(format!("{name}: page of {} bytes", dst.len())))?;
+    match lz4::block::decompress_to_buffer(src, Some(want), dst) {
         Ok(n) if n == dst.len() => Ok(()),
         Ok(n) => Err(Error::io(format!(
             "{name}: decompressed {n} bytes, expected {}",

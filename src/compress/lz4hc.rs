@@ -1,6 +1,6 @@
 //! lz4hc: LZ4's high-compression encoder (liblz4's `LZ4_compress_HC`, through the `lz4` crate's
 //! block API), producing the same LZ4 block format as [`lz4`](super::lz4): decompression is
-//! shared with it (`lz4_flex`'s safe decoder).
+//! shared with it (liblz4's `LZ4_decompress_safe`).
 //!
 //! Levels 1..=12 (liblz4's `LZ4HC_CLEVEL_MAX`), default 9 (`LZ4HC_CLEVEL_DEFAULT`, the kernel's
 //! default too).

@@ -401,3 +401,27 @@ fn prefix_decompression_of_a_run() {
         assert_eq!(e.kind(), ErrorKind::Io, "{}", codec.name());
     }
 }
+
+#[test]
+fn lz4_blocks_cross_between_liblz4_and_lz4_flex() {
+    // The lz4 codec is liblz4; pages written by uzram builds that used lz4_flex (and any other
+    // LZ4 block encoder) must still read back, and the other way round.
+    let codec = new_codec("lz4", CodecParams::default()).unwrap();
+    for size in SUPPORTED_PAGE_SIZES_BYTES {
+        for (kind, page) in sample_pages(size) {
+            let mut ours = vec![0u8; compress_bound(size)];
+            let n = codec.compress(&page, &mut ours).unwrap();
+            let mut out = vec![0u8; size];
+            assert_eq!(
+                lz4_flex::block::decompress_into(&ours[..n], &mut out).unwrap(),
+                size,
+                "{kind} {size}"
+            );
+            assert!(out == page, "{kind} {size}: liblz4 -> lz4_flex");
+            let theirs = lz4_flex::block::compress(&page);
+            out.fill(0);
+            codec.decompress(&theirs, &mut out).unwrap();
+            assert!(out == page, "{kind} {size}: lz4_flex -> liblz4");
+        }
+    }
+}

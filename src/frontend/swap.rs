@@ -203,12 +203,12 @@ fn lock_mappings() -> (bool, String) {
     }
 }
 
-/// The swap reserve of each device's pool (see step 4 of the module docs): 16 MiB, 4096
+/// The swap reserve of each device's pool (see step 4 of the module docs): 64 MiB, 16384
 /// pages. A swap-out of a page takes at most one page of it (an incompressible page is stored
 /// whole) and every page written out frees one, so the reserve needs to cover the writes
 /// between a burst's start and the refill thread's catching up: the kernel keeps at most
-/// `queues × 128` writes in flight on a ublk device (256 on two CPUs, 1 MiB), so 16 MiB is
-/// a dozen such waves.
+/// `queues × 128` writes in flight on a ublk device (256 on two CPUs, 1 MiB); 16 MiB, a dozen
+/// such waves, was exhausted in the VM test (docs/ublk.md, "Swap on ublk", step 5).
 pub const SWAP_RESERVE_BYTES: usize = 64 << 20;
 
 /// Locks memory and marks the process an I/O flusher where permitted. Call before any thread

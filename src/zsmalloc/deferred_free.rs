@@ -3,7 +3,8 @@
 //! Freeing an object costs a class lock and, when its zspage empties, returning pages. On a
 //! release path (TRIM of a range, a swap area's pages freed on process exit) that cost lands on
 //! the releasing task. [`DeferredQueue`] lets such a caller hand the handle over instead: it is
-//! freed later, in a batch, by a background worker (woken once the queue is half full) or by
+//! freed later, in a batch, by a background worker (woken once the queue holds
+//! [`DEFERRED_WAKE_ITEMS`] items or is half full, whichever comes first) or by
 //! [`DeferredQueue::drain`] (the pool's `flush()`), which also runs when the pool is dropped.
 //!
 //! The queue is generic over its items (the pool queues `Handle`s, the loom model plain
@@ -15,7 +16,8 @@
 //!   the lock is busy (another enqueuer, or a drainer swapping the buffer out) or the queue
 //!   holds `capacity` items, the item is handed back and the caller frees it synchronously: a
 //!   caller never waits for the queue, and the queue never grows past its capacity.
-//! - **Wake**: the enqueue that finds the queue at least half full after its push, and no wake
+//! - **Wake**: the enqueue that finds the queue at its wake mark (`wake_at`: the smaller of
+//!   [`DEFERRED_WAKE_ITEMS`] and half the capacity) or past it after its push, and no wake
 //!   already requested (`wake_requested`), asks its caller to [`wake`](DeferredQueue::wake) the
 //!   worker. The worker clears `wake_requested` *before* it drains, so items arriving during a
 //!   drain can request the next one; a wake is recorded under the signal mutex, which the
@@ -64,6 +66,16 @@ use std::sync::{Condvar, Mutex, MutexGuard, TryLockError};
 /// (256 KiB of handles per buffer) for 4 KiB pages, 2048 for 64 KiB pages.
 pub const DEFERRED_FREE_BUDGET_BYTES: usize = 128 << 20;
 
+/// The worker is woken once this many items wait (or the queue is half full, if that comes
+/// first): 1024 handles, two 2 MiB discards of 4 KiB pages. Before issue 14 it waited for half
+/// the capacity (16384 handles), so during a release larger than the queue it started late,
+/// the queue filled while it freed its first batch, and a fifth of the frees fell back to the
+/// releasing callers (`uzram bench free` at 100,000 pages). Woken this early it drains while
+/// the releasers still enqueue, in batches large enough that the frame allocator drops emptied
+/// zspages in whole batches (`page_alloc::DROP_BATCH_PAGES`), for one wake-up (a futex call)
+/// per 1024 handles.
+pub const DEFERRED_WAKE_ITEMS: usize = 1024;
+
 /// The default capacity (entries) for a pool of `page_size_bytes` pages.
 pub fn default_capacity(page_size_bytes: usize) -> usize {
     DEFERRED_FREE_BUDGET_BYTES / page_size_bytes
@@ -84,7 +96,7 @@ pub struct DeferredStats {
     pub drained: u64,
     /// Items queued and not yet freed (`queued - drained`).
     pub pending: u64,
-    /// Worker wake-ups requested (half-full crossings).
+    /// Worker wake-ups requested (crossings of the wake mark).
     pub wakeups: u64,
     /// Capacity in items.
     pub capacity: u64,
@@ -111,7 +123,7 @@ pub(crate) struct DeferredQueue<T> {
     /// The drain mutex and the spare buffer (the batch being freed while it is held).
     drain: Mutex<Vec<T>>,
     /// A wake-up was requested and the worker has not started draining since. Lets enqueuers
-    /// past the half-full mark skip the signal mutex.
+    /// past the wake mark skip the signal mutex.
     wake_requested: AtomicBool,
     signal: Mutex<Signal>,
     cond: Condvar,
@@ -135,7 +147,7 @@ impl<T> DeferredQueue<T> {
         let capacity = capacity.max(2);
         DeferredQueue {
             capacity,
-            wake_at: capacity / 2,
+            wake_at: (capacity / 2).min(DEFERRED_WAKE_ITEMS),
             queue: Mutex::new(Vec::new()),
             drain: Mutex::new(Vec::new()),
             wake_requested: AtomicBool::new(false),
@@ -158,7 +170,7 @@ impl<T> DeferredQueue<T> {
 
     /// Queues `item` if the queue lock is free right now and the queue is not full; otherwise
     /// hands it back (`Err`), and the caller must free it itself. `Ok(true)`: the queue reached
-    /// half full and the caller must call [`wake`](Self::wake).
+    /// its wake mark and the caller must call [`wake`](Self::wake).
     pub(crate) fn try_enqueue(&self, item: T) -> Result<bool, T> {
         let mut q = match self.queue.try_lock() {
             Ok(q) => q,
@@ -209,7 +221,7 @@ impl<T> DeferredQueue<T> {
             if s.wake {
                 s.wake = false;
                 drop(s);
-                // Before draining: an enqueue that reaches half full during this drain must be
+                // Before draining: an enqueue that reaches the wake mark during this drain must be
                 // able to request the next one.
                 self.wake_requested.store(false, Ordering::Release);
                 return true;

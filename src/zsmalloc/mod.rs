@@ -115,7 +115,8 @@ pub struct PoolCore {
     handles: HandleTable,
     /// Objects larger than a pool page. Declared before `frames` (runs own frames).
     runs: RunTable,
-    frames: FrameAllocator,
+    /// Shared with its reserve's refiller thread (stopped by `ZsPool`'s `Drop`).
+    frames: Arc<FrameAllocator>,
     /// Pool pages (4 KiB) of attached zspages and runs (incremented when a zspage or run is
     /// created, decremented when its pages were returned).
     total_pages: AtomicU64,
@@ -159,10 +160,14 @@ impl PoolCore {
             handles: HandleTable::new(),
             runs: RunTable::default(),
             // Frames of at least a device page, so the largest run fits one.
-            frames: FrameAllocator::with_frame_pages(
-                POOL_PAGE_BYTES,
-                page_size_bytes / POOL_PAGE_BYTES,
-                FRAME_CACHE_BYTES,
+            frames: Arc::new(
+                FrameAllocator::with_frame_pages(
+                    POOL_PAGE_BYTES,
+                    page_size_bytes / POOL_PAGE_BYTES,
+                    FRAME_CACHE_BYTES,
+                )
+                .with_drop_batches()
+                .with_reserve(),
             ),
             total_pages: AtomicU64::new(0),
             pages_compacted: AtomicU64::new(0),
@@ -658,7 +663,9 @@ impl PoolCore {
         PoolMeta {
             handle_table_bytes: self.handles.allocated_bytes() as u64,
             zspage_meta_bytes: zspage_meta_bytes as u64,
-            frame_cache_bytes: ((self.frames.cached_pages() + self.frames.reserve_pages())
+            frame_cache_bytes: ((self.frames.cached_pages()
+                + self.frames.reserve_pages()
+                + self.frames.dropping_batch_pages())
                 * POOL_PAGE_BYTES) as u64,
             deferred_queue_bytes: self.deferred.max_heap_bytes() as u64,
         }
@@ -692,9 +699,6 @@ pub struct ZsPool {
     core: Arc<PoolCore>,
     /// The deferred-free worker, once started. Locked only to start it and to stop it.
     worker: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// The swap reserve's refill thread, when the process serves swap
-    /// ([`crate::memory::serving_swap`]; `page_alloc`, "The swap reserve").
-    refill: Option<std::thread::JoinHandle<()>>,
 }
 
 impl fmt::Debug for ZsPool {
@@ -717,7 +721,7 @@ impl ZsPool {
         page_size_bytes: usize,
         capacity: Option<usize>,
     ) -> Result<ZsPool> {
-        let mut pool = ZsPool::with_core(PoolCore::new(page_size_bytes, capacity)?);
+        let pool = ZsPool::with_core(PoolCore::new(page_size_bytes, capacity)?);
         let reserve_bytes = crate::memory::swap_reserve_bytes();
         if reserve_bytes > 0 {
             pool.start_reserve(reserve_bytes)?;
@@ -726,8 +730,8 @@ impl ZsPool {
     }
 
     /// Faults in a swap reserve of `bytes` of frames (spread over the classes' zspage page
-    /// counts) and starts the thread that refills it (`page_alloc`, "The swap reserve").
-    fn start_reserve(&mut self, bytes: usize) -> Result<()> {
+    /// counts) and starts the thread that refills it (`page_alloc`, "The reserve").
+    fn start_reserve(&self, bytes: usize) -> Result<()> {
         let counts: Vec<usize> = self
             .core
             .table
@@ -737,28 +741,31 @@ impl ZsPool {
             .collect();
         self.core
             .frames
-            .set_reserve(bytes / POOL_PAGE_BYTES, &counts)?;
-        let core = Arc::clone(&self.core);
-        let thread = std::thread::Builder::new()
-            .name("uzram-zs-reserve".into())
-            .spawn(move || core.frames.refill())
-            .map_err(|e| Error::no_memory(format!("zsmalloc: starting the reserve thread: {e}")))?;
-        self.refill = Some(thread);
-        Ok(())
+            .set_reserve(bytes / POOL_PAGE_BYTES, &counts)
     }
 
-    /// Pages the swap reserve holds faulted in now.
+    /// Pages the reserve holds faulted in now (`page_alloc`, "The reserve").
     pub fn reserve_pages(&self) -> usize {
         self.core.frames.reserve_pages()
     }
 
     /// Benchmark baseline (`testing`): a pool whose `free` returns an emptied zspage's pages
-    /// while still holding the class lock, as zsmalloc did before the short critical section.
-    /// The baseline of `uzram bench free`; fixed for the pool's life.
+    /// while still holding the class lock, as zsmalloc did before the short critical section,
+    /// with one `madvise` per zspage (no drop batches). The baseline of `uzram bench free`;
+    /// fixed for the pool's life.
     #[cfg(any(test, feature = "testing"))]
     pub fn bench_new_release_under_class_lock(page_size_bytes: usize) -> Result<ZsPool> {
         let mut core = PoolCore::new(page_size_bytes, None)?;
         core.release_under_class_lock = true;
+        // And one `madvise` per emptied zspage, as before drop batches (issue 14).
+        core.frames = Arc::new(
+            FrameAllocator::with_frame_pages(
+                POOL_PAGE_BYTES,
+                page_size_bytes / POOL_PAGE_BYTES,
+                FRAME_CACHE_BYTES,
+            )
+            .with_reserve(),
+        );
         Ok(ZsPool::with_core(core))
     }
 
@@ -766,14 +773,14 @@ impl ZsPool {
         ZsPool {
             core: Arc::new(core),
             worker: parking_lot::Mutex::new(None),
-            refill: None,
         }
     }
 
     /// Frees `h` later (upstream's `zs_free_deferred()`), for release paths that must return
     /// quickly. `h` goes into the pool's bounded queue if its lock is free right now and it is
     /// not full; otherwise it is freed synchronously, here. The queue is drained by a
-    /// background worker once it is half full, by [`flush`](PoolCore::flush), and when the pool
+    /// background worker once it holds `DEFERRED_WAKE_ITEMS` handles (or is half full), by
+    /// [`flush`](PoolCore::flush), and when the pool
     /// is dropped. Until then the object still holds its memory (`total_pages` counts it).
     ///
     /// `h` is given up: using or freeing it again is a use after free, as after
@@ -823,10 +830,7 @@ impl std::ops::Deref for ZsPool {
 impl Drop for ZsPool {
     /// Stops the worker (waiting for the batch it is freeing), then frees what is still queued.
     fn drop(&mut self) {
-        if let Some(refill) = self.refill.take() {
-            self.core.frames.stop_refill();
-            let _ = refill.join();
-        }
+        self.core.frames.stop_refiller();
         self.core.deferred.stop();
         if let Some(worker) = self.worker.get_mut().take() {
             if let Err(panic) = worker.join() {
@@ -1366,16 +1370,22 @@ pub(crate) mod tests {
         assert_only_the_frame_cache_stays(&pool);
     }
 
-    /// With every object freed, only the frame cache (at most `FRAME_CACHE_BYTES`) is still
-    /// resident, and compaction gives that back too.
+    /// With every object freed, only the frame cache (at most `FRAME_CACHE_BYTES`) and the
+    /// reserve are still resident, and compaction gives those back too.
     fn assert_only_the_frame_cache_stays(pool: &ZsPool) {
         assert_eq!(pool.total_pages(), 0);
         let cached = pool.frames().cached_pages() * POOL_PAGE_BYTES;
         assert!(cached <= page_alloc::FRAME_CACHE_BYTES);
+        // The refiller may still be populating; stop it so the count is exact.
+        pool.frames().stop_refiller();
+        let reserve = pool.frames().reserve_pages() * POOL_PAGE_BYTES;
+        assert!(reserve <= 16 * page_alloc::FRAME_RESERVE_PAGES * POOL_PAGE_BYTES);
+        let batch = pool.frames().dropping_batch_pages() * POOL_PAGE_BYTES;
+        assert!(batch < page_alloc::DROP_BATCH_PAGES * POOL_PAGE_BYTES);
         assert_eq!(
             pool.frames().resident_bytes(),
-            cached,
-            "only the frame cache stays"
+            cached + reserve + batch,
+            "only the frame cache, the reserve and a partial drop batch stay"
         );
         pool.compact();
         assert_eq!(
@@ -1441,8 +1451,10 @@ pub(crate) mod tests {
             bytes += size;
             seed += 1;
         }
+        // Stopped so the reserve does not change between the two counts.
+        pool.frames().stop_refiller();
         let resident = pool.frames().resident_bytes() as u64;
-        let held = pool.total_pages() * 4096;
+        let held = (pool.total_pages() + pool.frames().reserve_pages() as u64) * 4096;
         assert!(resident >= TOTAL_BYTES as u64, "resident {resident}");
         assert!(resident <= held, "resident {resident} > held {held}");
         let full = rss_bytes();

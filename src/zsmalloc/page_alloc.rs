@@ -23,21 +23,35 @@
 //! the resident set (the next touch faults in a zero page) and puts the frame on the free list.
 //! Chunks are unmapped only when the allocator drops.
 //!
-//! # The swap reserve
+//! # The reserve
 //!
-//! A server backing swap (`uzram serve --swap`) stores the pages the kernel writes out to free
-//! memory, so it must not wait for memory itself: its page faults would enter direct reclaim,
-//! which (the server being an I/O flusher, `PF_MEMALLOC_NOIO`) cannot swap anything out, and
-//! wait for the very writes it is serving (seen in a VM: both queue threads looping in
-//! `try_to_free_pages` under `madvise(MADV_POPULATE_WRITE)` of a new zspage, kswapd and the
-//! memory hog waiting in `mempool_alloc` for swap bios that never completed). So such a pool
-//! keeps a *reserve*: frames whose pages are already faulted in (and locked), by page count,
-//! [`FrameAllocator::set_reserve`] pages in all. A new zspage takes a reserve frame of its page
-//! count (or a larger one, whose extra pages are dropped: that needs no memory) when the frame
-//! cache has none, so a write never faults while the reserve lasts. What was taken is
-//! replaced by the pool's refill thread ([`FrameAllocator::refill`], off the request path: it
-//! may wait in reclaim, which makes progress once the writes it waits for complete), frames of
-//! the page counts taken, so the reserve follows the demand.
+//! A new zspage's pages are fresh anonymous memory: faulted in, zeroed and charged to the
+//! cgroup on first touch, work the kernel's zsmalloc (taking pages from the buddy allocator's
+//! free lists) does not do on the store path. So the pool keeps a *reserve*: frames whose first
+//! `k` pages are already faulted in, `reserve[k]` by page count, filled by a background thread
+//! (the *refiller*, `uzram-zs-reserve`) off the writers' path. A new zspage takes, in order, a
+//! frame of its page count from the frame cache, one from the reserve, else a fresh frame it
+//! faults in itself. One design serves two needs, by each list's *target* (frames) and *low
+//! mark* (the refiller is woken when a list holds no more than that):
+//!
+//! - **Speed** (every pool, [`FrameAllocator::with_reserve`]): [`FRAME_RESERVE_PAGES`] pages
+//!   per page count, only for page counts that were asked for, woken at half; the refiller is
+//!   spawned on demand and exits after [`REFILLER_IDLE`] without work (a device that stopped
+//!   growing keeps no thread), and compaction's [`FrameAllocator::trim`] empties the reserve.
+//! - **Swap** (`uzram serve --swap`, [`FrameAllocator::set_reserve`]): a server backing swap
+//!   stores the pages the kernel writes out to free memory, so it must not wait for memory
+//!   itself: its page faults would enter direct reclaim, which (the server being an I/O
+//!   flusher, `PF_MEMALLOC_NOIO`) cannot swap anything out, and wait for the very writes it is
+//!   serving (seen in a VM: both queue threads looping in `try_to_free_pages` under
+//!   `madvise(MADV_POPULATE_WRITE)` of a new zspage, kswapd and the memory hog waiting in
+//!   `mempool_alloc` for swap bios that never completed). So the targets of the classes' page
+//!   counts grow to a large reserve (64 MiB a pool, `frontend::swap`), faulted in before the
+//!   pool serves, refilled at every frame taken, never trimmed, by a refiller that never
+//!   exits; a zspage also takes a *larger* reserve frame when its own count's list is empty
+//!   (the extra pages are dropped: that needs no memory), so a write never faults while the
+//!   reserve lasts. The refiller may wait in reclaim, which makes progress once the writes it
+//!   waits for complete. Pages are faulted in by touching them, not by
+//!   `MADV_POPULATE_WRITE` (which holds the mmap lock a request thread's `mmap` then waits for).
 //!
 //! # Locked memory
 //!
@@ -73,8 +87,9 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::size_class::MAX_PAGES_PER_ZSPAGE;
 use crate::error::{Error, Result};
@@ -179,17 +194,36 @@ struct FrameState {
     cached: Vec<Vec<Frame>>,
     /// Sum of the pages of the frames in `cached` (at most `cache_limit_pages`).
     cached_pages: usize,
+    /// Released frames the cache had no room for, still resident, waiting to be dropped
+    /// together once they hold [`DROP_BATCH_PAGES`] (see there).
+    dropping_batch: Vec<(Frame, usize)>,
+    /// Sum of the pages of the frames in `dropping_batch` (below `DROP_BATCH_PAGES`).
+    dropping_batch_pages: usize,
     /// Frames carved from the last chunk so far.
     carved_in_last: usize,
-    /// The swap reserve (module docs): frames whose first `k` pages are resident, in
-    /// `reserve[k]`.
+    /// The reserve (module docs): fresh frames whose first `k` pages are faulted in,
+    /// `reserve[k]`, at most `reserve_target[k]` each.
     reserve: Vec<Vec<Frame>>,
-    /// Sum of the resident pages of the frames in `reserve`.
+    /// Frames `reserve[k]` holds when full.
+    reserve_target: Vec<usize>,
+    /// `reserve[k]` is refilled once it holds no more than `reserve_low[k]` frames.
+    reserve_low: Vec<usize>,
+    /// Serving swap ([`FrameAllocator::set_reserve`]): the reserve is never trimmed, the
+    /// refiller never exits idle, and a zspage may take a larger reserve frame.
+    reserve_resident: bool,
+    /// Sum of the pages of the frames in `reserve`.
     reserve_pages: usize,
-    /// Frames taken from the reserve and not yet replaced, by the page count asked for.
-    reserve_deficit: Vec<usize>,
-    /// Set when the pool drops: the refill thread ends.
-    refill_stopped: bool,
+    /// Bit `k`: `reserve[k]` is below its target and the refiller should fill it.
+    refill_wanted: u64,
+    /// Bumped by [`FrameAllocator::trim`]: a frame the refiller populated under an older epoch
+    /// is discarded instead of joining the reserve (so a trim really empties it).
+    reserve_epoch: u64,
+    /// The refiller must exit ([`FrameAllocator::stop_refiller`]).
+    refill_stop: bool,
+    /// A refiller thread is running (or being spawned). It clears this itself, under this
+    /// mutex, when it exits after [`REFILLER_IDLE`] without work, so a writer that finds it
+    /// false spawns a new one and no wake-up is lost.
+    refiller_running: bool,
 }
 
 /// Hands out frames of `frame_pages` pages (at least `MAX_PAGES_PER_ZSPAGE`); see the module
@@ -213,9 +247,48 @@ pub(crate) struct FrameAllocator {
     dropping: AtomicU8,
     /// Most pages the frame cache keeps resident ([`FRAME_CACHE_BYTES`] worth).
     cache_limit_pages: usize,
-    /// Wakes the refill thread when a reserve frame was taken or the pool drops (waits on
-    /// `state`).
-    refill_wanted: parking_lot::Condvar,
+    /// Released frames beyond the cache are dropped once this many pages wait
+    /// ([`DROP_BATCH_PAGES`] for the pool's allocator, 1, i.e. at once, by default).
+    drop_batch_pages: usize,
+    /// Whether [`alloc_populated`](FrameAllocator::alloc_populated) keeps a reserve filled by
+    /// a background thread (the pool's allocator does; the unit tests' allocators do not).
+    reserve_enabled: bool,
+    /// Signals the refiller (with `state`): a reserve list fell below half its target, or stop.
+    refill_cond: Condvar,
+    /// The last refiller thread spawned, joined by `stop_refiller` (or by the next spawn).
+    refiller: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// Pages the reserve keeps populated per zspage size (per page count `k`): 64 pages, 256 KiB,
+/// i.e. 64 zspages of one page, 16 of four. At most 2 MiB over the eight sizes of 4 KiB-page
+/// pools (4 MiB over the sixteen page counts runs use in 64 KiB-page pools), and only sizes that
+/// were asked for are refilled. Why it exists: on a fresh device each new zspage's pages are
+/// fresh anonymous memory, faulted in, zeroed and charged to the cgroup (`MADV_POPULATE_WRITE`),
+/// a fifth of the store path's CPU time on the corpus (bench/README.md); the kernel's zsmalloc
+/// takes pages from the buddy allocator's free lists instead. The reserve moves that work to a
+/// background thread, off the writer's path. Why 64: a writer on this machine allocates about
+/// 30,000 pool pages a second (1 GB/s of pages at a 2.7 compression ratio spread over the
+/// sizes, see `uzram bench store`), the refiller populates several hundred thousand pages a
+/// second, and it is woken when a list falls to half: 32 pages are about a millisecond of one
+/// size's demand, longer than a wake-up takes even on the loaded 2-core machine, and the bound
+/// on resident memory stays that of the frame cache.
+pub(crate) const FRAME_RESERVE_PAGES: usize = 64;
+
+/// The refiller exits after this long without work (a device that stopped growing keeps no
+/// thread) and is spawned again by the next allocation that wants the reserve refilled.
+const REFILLER_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What an allocation asks of the refiller (ordered: the stronger wins).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Wake {
+    No,
+    Signal,
+    Spawn,
+}
+
+/// Frames `reserve[k]` holds when full, for speed ([`FRAME_RESERVE_PAGES`]).
+fn reserve_target_frames(k: usize) -> usize {
+    (FRAME_RESERVE_PAGES / k).max(1)
 }
 
 /// Resident memory the frame cache may hold: 2 MiB (512 pages of 4 KiB, 128 of 16 KiB, 32 of
@@ -226,6 +299,19 @@ pub(crate) struct FrameAllocator {
 /// pool's resident set stays within 2 MiB of `mem_used_total`, and [`FrameAllocator::trim`]
 /// (called by compaction) empties it.
 pub(crate) const FRAME_CACHE_BYTES: usize = 2 << 20;
+
+/// Released frames the frame cache has no room for are dropped from the resident set in
+/// batches of this many pages (1 MiB of 4 KiB pages), sorted by address, with one `madvise` per
+/// run of adjacent frames rather than one per zspage (issue 14). Each `madvise(MADV_DONTNEED)`
+/// takes the process's `mmap_lock`, walks the page tables and flushes the TLB of every CPU
+/// running the process (an IPI), which made it about 90% of the cost of a free that empties a
+/// zspage (`bench/README.md`, "bench free"); a batch pays the lock and the flush once per run.
+/// Frames are carved in address order, so zspages created together (a fill) and freed together
+/// (a process exit, a TRIM of a range) are mostly neighbours. Why 256 pages: it bounds the
+/// extra resident memory (at most 1 MiB beyond `mem_used_total`, on top of the cache) while a
+/// batch spans 32 to 256 frames (zspages of 8 to 1 pages), enough that the per-call costs fade;
+/// `compact` drops a partial batch.
+pub(crate) const DROP_BATCH_PAGES: usize = 256;
 
 /// `MADV_POPULATE_WRITE` (Linux 5.14, include/uapi/asm-generic/mman-common.h).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
@@ -295,17 +381,49 @@ impl FrameAllocator {
                 unlocked: Vec::new(),
                 cached: (0..=frame_pages).map(|_| Vec::new()).collect(),
                 cached_pages: 0,
+                dropping_batch: Vec::new(),
+                dropping_batch_pages: 0,
                 carved_in_last: 0,
                 reserve: (0..=frame_pages).map(|_| Vec::new()).collect(),
+                reserve_target: vec![0; frame_pages + 1],
+                reserve_low: vec![0; frame_pages + 1],
+                reserve_resident: false,
                 reserve_pages: 0,
-                reserve_deficit: vec![0; frame_pages + 1],
-                refill_stopped: false,
+                refill_wanted: 0,
+                reserve_epoch: 0,
+                refill_stop: false,
+                refiller_running: false,
             }),
             populate: AtomicBool::new(true),
             dropping: AtomicU8::new(Dropping::DontneedLocked as u8),
             cache_limit_pages: cache_bytes / page_size_bytes,
-            refill_wanted: parking_lot::Condvar::new(),
+            drop_batch_pages: 1,
+            reserve_enabled: false,
+            refill_cond: Condvar::new(),
+            refiller: Mutex::new(None),
         }
+    }
+
+    /// Drops released frames beyond the cache in batches of [`DROP_BATCH_PAGES`] pages.
+    pub(crate) fn with_drop_batches(mut self) -> FrameAllocator {
+        self.drop_batch_pages = DROP_BATCH_PAGES;
+        self
+    }
+
+    /// Turns the reserve of populated frames on (see [`FRAME_RESERVE_PAGES`]); its thread
+    /// starts on the first allocation that finds it empty.
+    pub(crate) fn with_reserve(mut self) -> FrameAllocator {
+        assert!(
+            self.frame_pages < 64,
+            "refill_wanted has a bit per page count"
+        );
+        self.reserve_enabled = true;
+        let st = self.state.get_mut();
+        for k in 1..=self.frame_pages {
+            st.reserve_target[k] = reserve_target_frames(k);
+            st.reserve_low[k] = reserve_target_frames(k) / 2;
+        }
+        self
     }
 
     /// How freed frames' pages are dropped now.
@@ -387,39 +505,74 @@ impl FrameAllocator {
         })
     }
 
-    /// [`alloc`](Self::alloc), then faults the frame's first `pages` pages in with one
-    /// `madvise(MADV_POPULATE_WRITE)` instead of one page fault per page on first write (a new
-    /// zspage is written at once, so they would be faulted in anyway). Kernels before 5.14 lack
-    /// the advice: then the pages fault in on first touch, as before.
-    /// A frame released with the same page count and kept in the frame cache comes first: its
-    /// pages are resident already (holding stale bytes of freed objects).
-    pub(crate) fn alloc_populated(&self, pages: usize) -> Result<Frame> {
+    /// A frame whose first `pages` pages are resident, for a new zspage (or run) that writes
+    /// them at once. In order: a frame released with the same page count and kept in the frame
+    /// cache (resident, holding stale bytes of freed objects); one from the reserve (faulted in
+    /// by the refiller, zeroes; serving swap, a larger one if none of this count is left),
+    /// waking the refiller when a list reaches its low mark; else a fresh frame faulted in
+    /// here ([`populate`](Self::populate)).
+    pub(crate) fn alloc_populated(self: &Arc<Self>, pages: usize) -> Result<Frame> {
+        let mut wake = Wake::No;
+        let mut taken = None;
         {
             let mut st = self.state.lock();
             if let Some(frame) = st.cached[pages].pop() {
                 st.cached_pages -= pages;
                 return Ok(frame);
             }
-            // The swap reserve: a frame of this page count, else the smallest larger one.
-            if let Some(have) = (pages..=self.frame_pages).find(|&k| !st.reserve[k].is_empty()) {
-                let frame = st.reserve[have].pop().expect("found non-empty");
-                st.reserve_pages -= have;
-                st.reserve_deficit[pages] += 1;
-                drop(st);
-                self.refill_wanted.notify_one();
-                if have > pages {
-                    // Pages the zspage will not use go back to the kernel (no memory needed).
-                    self.drop_pages(&frame, pages, have);
+            if self.reserve_enabled || st.reserve_resident {
+                // Lists without a target (0) are never refilled (`want_refill`).
+                let have = if st.reserve_resident {
+                    (pages..=self.frame_pages).find(|&k| !st.reserve[k].is_empty())
+                } else {
+                    Some(pages).filter(|&k| !st.reserve[k].is_empty())
+                };
+                if let Some(have) = have {
+                    let frame = st.reserve[have].pop().expect("found non-empty");
+                    st.reserve_pages -= have;
+                    taken = Some((frame, have));
+                    wake = wake.max(Self::want_refill(&mut st, have));
                 }
-                return Ok(frame);
+                wake = wake.max(Self::want_refill(&mut st, pages));
             }
+        }
+        self.wake_refiller(wake);
+        if let Some((frame, have)) = taken {
+            if have > pages {
+                // Pages the zspage will not use go back to the kernel (no memory needed).
+                self.drop_pages(&frame, pages, have);
+            }
+            return Ok(frame);
         }
         let frame = self.alloc()?;
         self.populate(&frame, pages);
         Ok(frame)
     }
 
-    /// Faults the first `pages` pages of `frame` in (see [`alloc_populated`]).
+    /// Marks `reserve[k]` for the refiller if it is at its low mark and not marked yet; says
+    /// what the caller must do to the refiller after dropping the lock.
+    fn want_refill(st: &mut FrameState, k: usize) -> Wake {
+        let bit = 1u64 << k;
+        if st.reserve_target[k] == 0
+            || st.reserve[k].len() > st.reserve_low[k]
+            || st.refill_wanted & bit != 0
+            || st.refill_stop
+        {
+            return Wake::No;
+        }
+        st.refill_wanted |= bit;
+        if st.refiller_running {
+            Wake::Signal
+        } else {
+            st.refiller_running = true;
+            Wake::Spawn
+        }
+    }
+
+    /// Faults the first `pages` pages of `frame` in with one `madvise(MADV_POPULATE_WRITE)`
+    /// instead of one page fault per page on first write (a new zspage is written at once, so
+    /// they would be faulted in anyway). Kernels before 5.14 lack the advice: then, and when
+    /// serving swap, each page is touched instead.
     fn populate(&self, frame: &Frame, pages: usize) {
         // Serving swap, pages are touched one by one instead: a page fault holds only the
         // mapping's own lock while it waits for memory, where MADV_POPULATE_WRITE holds the
@@ -431,25 +584,29 @@ impl FrameAllocator {
                 .min(frame.len_bytes);
             // SAFETY: the range lies inside the frame (clamped to its length; frames are
             // system-page aligned), a private anonymous mapping we own and nobody else
-            // references: the token was just handed to us. Populating only pre-faults the pages
-            // (zero-filled, or keeping what is there); it never changes their contents.
+            // references: the caller holds the token and has handed out no slice of it.
+            // Populating only pre-faults the pages (zero-filled, or keeping what is there); it
+            // never changes their contents.
             let rc = unsafe {
                 libc::madvise(frame.base.as_ptr().cast(), len_bytes, MADV_POPULATE_WRITE)
             };
+            if rc == 0 {
+                return;
+            }
             // Unknown advice (kernel < 5.14): stop asking. ENOMEM/EFAULT/EINTR: the first write
             // faults the pages in (or fails there, as it would have without populating).
-            if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
                 self.populate.store(false, Ordering::Relaxed);
+            } else {
+                return;
             }
         }
-        if !self.populate.load(Ordering::Relaxed) || crate::memory::serving_swap() {
-            // No MADV_POPULATE_WRITE, or serving swap: touch each page (a zero written to zeroed memory; the
-            // frame is ours alone, so nobody reads these bytes meanwhile).
-            let len_bytes = (pages * self.page_size_bytes).min(frame.len_bytes);
-            for off in (0..len_bytes).step_by(self.sys_page_bytes) {
-                // SAFETY: `off < len_bytes <= frame.len_bytes`: inside the frame, which we own.
-                unsafe { frame.base.as_ptr().add(off).write_volatile(0) };
-            }
+        // No MADV_POPULATE_WRITE, or serving swap: touch each page (a zero written to zeroed
+        // memory; the frame is ours alone, so nobody reads these bytes meanwhile).
+        let len_bytes = (pages * self.page_size_bytes).min(frame.len_bytes);
+        for off in (0..len_bytes).step_by(self.sys_page_bytes) {
+            // SAFETY: `off < len_bytes <= frame.len_bytes`: inside the frame, which we own.
+            unsafe { frame.base.as_ptr().add(off).write_volatile(0) };
         }
     }
 
@@ -474,11 +631,19 @@ impl FrameAllocator {
         unsafe { libc::madvise(frame.base.as_ptr().add(start).cast(), end - start, advice) };
     }
 
-    /// Keeps a swap reserve of about `target_pages` resident pages (module docs, "The swap
+    /// Serving swap: keeps a reserve of about `target_pages` resident pages (module docs, "The
     /// reserve"), spread evenly over the page counts `page_counts` (those of the size
-    /// classes): faults them in now, so call it before the pool serves. The pool's refill
-    /// thread ([`refill`](Self::refill)) then replaces what is taken.
-    pub(crate) fn set_reserve(&self, target_pages: usize, page_counts: &[usize]) -> Result<()> {
+    /// classes), never trimmed; faults them in now, so call it before the pool serves, and
+    /// starts the refiller, which stays until [`stop_refiller`](Self::stop_refiller).
+    pub(crate) fn set_reserve(
+        self: &Arc<Self>,
+        target_pages: usize,
+        page_counts: &[usize],
+    ) -> Result<()> {
+        assert!(
+            self.frame_pages < 64,
+            "refill_wanted has a bit per page count"
+        );
         let mut counts: Vec<usize> = page_counts
             .iter()
             .copied()
@@ -490,37 +655,111 @@ impl FrameAllocator {
             return Ok(());
         }
         let share = target_pages / counts.len();
+        {
+            let mut st = self.state.lock();
+            st.reserve_resident = true;
+            for &k in &counts {
+                st.reserve_target[k] = (share / k).max(1);
+                // Refilled at every frame taken.
+                st.reserve_low[k] = st.reserve_target[k] - 1;
+            }
+        }
         for &k in &counts {
-            for _ in 0..share / k {
+            loop {
+                let mut st = self.state.lock();
+                if st.reserve[k].len() >= st.reserve_target[k] {
+                    break;
+                }
+                drop(st);
                 let frame = self.alloc()?;
                 self.populate(&frame, k);
-                let mut st = self.state.lock();
+                st = self.state.lock();
                 st.reserve[k].push(frame);
                 st.reserve_pages += k;
             }
         }
+        let spawn = {
+            let mut st = self.state.lock();
+            !std::mem::replace(&mut st.refiller_running, true)
+        };
+        if spawn {
+            self.spawn_refiller().map_err(|e| {
+                self.state.lock().refiller_running = false;
+                Error::no_memory(format!("zsmalloc: starting the reserve thread: {e}"))
+            })?;
+        }
         Ok(())
     }
 
-    /// Pages held resident by the swap reserve.
+    /// Pages held resident by the reserve.
     pub(crate) fn reserve_pages(&self) -> usize {
         self.state.lock().reserve_pages
     }
 
-    /// The refill thread's loop: waits until reserve frames were taken, replaces them (faulting
-    /// new frames in: this may wait for memory, off the request path), until
-    /// [`stop_refill`](Self::stop_refill).
-    pub(crate) fn refill(&self) {
+    /// Starts a refiller thread (the caller set `refiller_running`), joining the previous one
+    /// (which cleared `refiller_running` just before returning).
+    fn spawn_refiller(self: &Arc<Self>) -> std::io::Result<()> {
+        let mut slot = self.refiller.lock();
+        if let Some(old) = slot.take() {
+            let _ = old.join();
+        }
+        let me = Arc::clone(self);
+        *slot = Some(
+            std::thread::Builder::new()
+                .name("uzram-zs-reserve".into())
+                .spawn(move || me.refill_loop())?,
+        );
+        Ok(())
+    }
+
+    /// Signals the refiller, or spawns one (`Wake::Spawn`: the caller set `refiller_running`).
+    fn wake_refiller(self: &Arc<Self>, wake: Wake) {
+        match wake {
+            Wake::No => {}
+            Wake::Signal => {
+                self.refill_cond.notify_one();
+            }
+            Wake::Spawn => {
+                if self.spawn_refiller().is_err() {
+                    // No thread (the process's limit): the reserve stays empty and every zspage
+                    // is populated by its writer, as without a reserve; a later miss retries.
+                    let mut st = self.state.lock();
+                    st.refiller_running = false;
+                    st.refill_wanted = 0;
+                }
+            }
+        }
+    }
+
+    /// The refiller: fills every wanted reserve list to its target, one frame at a time with
+    /// the state mutex dropped while it faults pages in, then sleeps until woken; exits when
+    /// stopped or, unless serving swap, after [`REFILLER_IDLE`] without work.
+    fn refill_loop(&self) {
         let mut st = self.state.lock();
         loop {
-            if st.refill_stopped {
+            if st.refill_stop {
+                st.refiller_running = false;
                 return;
             }
-            let Some(k) = st.reserve_deficit.iter().position(|&n| n > 0) else {
-                self.refill_wanted.wait(&mut st);
+            if st.refill_wanted == 0 {
+                if self
+                    .refill_cond
+                    .wait_for(&mut st, REFILLER_IDLE)
+                    .timed_out()
+                    && st.refill_wanted == 0
+                    && !st.reserve_resident
+                {
+                    st.refiller_running = false;
+                    return;
+                }
                 continue;
-            };
-            st.reserve_deficit[k] -= 1;
+            }
+            let k = st.refill_wanted.trailing_zeros() as usize;
+            if st.reserve[k].len() >= st.reserve_target[k] {
+                st.refill_wanted &= !(1u64 << k);
+                continue;
+            }
+            let epoch = st.reserve_epoch;
             drop(st);
             let frame = self.alloc();
             if let Ok(frame) = &frame {
@@ -528,62 +767,147 @@ impl FrameAllocator {
             }
             st = self.state.lock();
             match frame {
-                Ok(frame) => {
+                Ok(frame) if st.reserve_epoch == epoch && !st.refill_stop => {
                     st.reserve[k].push(frame);
                     st.reserve_pages += k;
                 }
-                // No address space: try again later rather than spin.
-                Err(_) => {
-                    st.reserve_deficit[k] += 1;
-                    self.refill_wanted
+                Ok(frame) => {
+                    // Trimmed (or stopping) meanwhile: give the pages back.
+                    drop(st);
+                    self.discard(frame, k);
+                    st = self.state.lock();
+                }
+                // No address space. Serving swap: try again later rather than spin. Else stop
+                // refilling; the writers report ENOMEM themselves.
+                Err(_) if st.reserve_resident => {
+                    self.refill_cond
                         .wait_for(&mut st, std::time::Duration::from_secs(1));
                 }
+                Err(_) => st.refill_wanted = 0,
             }
         }
     }
 
-    /// Ends [`refill`](Self::refill).
-    pub(crate) fn stop_refill(&self) {
-        self.state.lock().refill_stopped = true;
-        self.refill_wanted.notify_all();
+    /// Stops the refiller and waits for it (the pool's `Drop`). The reserve's frames stay
+    /// mapped until the allocator drops.
+    pub(crate) fn stop_refiller(&self) {
+        self.state.lock().refill_stop = true;
+        self.refill_cond.notify_all();
+        if let Some(t) = self.refiller.lock().take() {
+            let _ = t.join();
+        }
     }
 
     /// Returns `frame`, whose zspage used its first `pages` pages. Taking the token by value
     /// proves nobody can still read it. The frame stays resident in the frame cache if that
-    /// has room for `pages` more pages (see [`FRAME_CACHE_BYTES`]); otherwise its pages are
-    /// dropped from the resident set and it goes to the free list.
+    /// has room for `pages` more pages (see [`FRAME_CACHE_BYTES`]); otherwise it joins the batch
+    /// of frames to drop, and the release that completes the batch drops it (see
+    /// [`DROP_BATCH_PAGES`]).
     pub(crate) fn release(&self, frame: Frame, pages: usize) {
         assert!((1..=self.frame_pages).contains(&pages), "{pages} pages");
-        {
+        let batch = {
             let mut st = self.state.lock();
             if st.cached_pages + pages <= self.cache_limit_pages {
                 st.cached_pages += pages;
                 st.cached[pages].push(frame);
                 return;
             }
-        }
-        self.discard(frame, pages);
+            st.dropping_batch.push((frame, pages));
+            st.dropping_batch_pages += pages;
+            if st.dropping_batch_pages < self.drop_batch_pages {
+                return;
+            }
+            st.dropping_batch_pages = 0;
+            std::mem::take(&mut st.dropping_batch)
+        };
+        self.discard_batch(batch);
     }
 
-    /// Empties the frame cache, returning its pages to the operating system.
+    /// Drops the used pages of every frame of `batch` from the resident set: sorted by
+    /// address, one `madvise` over each run of adjacent frames (from the first frame's base to
+    /// the last one's used pages: the unused tails in between hold no pages, so dropping them
+    /// costs nothing and changes nothing). Only the ways that need no per-frame work batch
+    /// (`MADV_DONTNEED_LOCKED`, `MADV_DONTNEED`); a refused run, or the unlocking way, goes
+    /// frame by frame through [`discard`](Self::discard), which also learns the kernel's way.
+    fn discard_batch(&self, mut batch: Vec<(Frame, usize)>) {
+        batch.sort_unstable_by_key(|(f, _)| f.base.as_ptr() as usize);
+        let mut frames = batch.into_iter().peekable();
+        while let Some(first) = frames.next() {
+            let mut run = vec![first];
+            while let Some((next, _)) = frames.peek() {
+                let (last, _) = run.last().expect("a run has a frame");
+                if last.base.as_ptr() as usize + self.frame_bytes != next.base.as_ptr() as usize {
+                    break;
+                }
+                run.push(frames.next().expect("peeked"));
+            }
+            let advice = match self.dropping() {
+                Dropping::DontneedLocked => Some(MADV_DONTNEED_LOCKED),
+                Dropping::Dontneed => Some(libc::MADV_DONTNEED),
+                Dropping::Unlock => None,
+            };
+            let batched = advice.is_some_and(|advice| {
+                let (start, _) = &run[0];
+                let (last, last_pages) = run.last().expect("a run has a frame");
+                let last_len = (last_pages * self.page_size_bytes)
+                    .next_multiple_of(self.sys_page_bytes)
+                    .min(last.len_bytes);
+                let len_bytes =
+                    last.base.as_ptr() as usize - start.base.as_ptr() as usize + last_len;
+                // SAFETY: the range runs from the first frame's base to the end of the last
+                // one's used pages; the frames are adjacent (checked above), so it covers only
+                // these frames, all inside live mappings we own (adjacent frames of two chunks
+                // are two adjacent mappings of ours). Nobody references them: we own every
+                // token, and every slice into a frame borrowed its token. Dropping pages of
+                // private anonymous memory only replaces their contents with zeroes.
+                unsafe { libc::madvise(start.base.as_ptr().cast(), len_bytes, advice) == 0 }
+            });
+            if batched {
+                let mut st = self.state.lock();
+                st.free.extend(run.into_iter().map(|(f, _)| f));
+            } else {
+                for (frame, pages) in run {
+                    self.discard(frame, pages);
+                }
+            }
+        }
+    }
+
+    /// Empties the frame cache, the reserve (unless serving swap) and the batch waiting to be
+    /// dropped, returning their pages to the operating system. The reserve is refilled only
+    /// when writers ask for frames again.
     pub(crate) fn trim(&self) {
         let cached: Vec<(Frame, usize)> = {
             let mut st = self.state.lock();
             st.cached_pages = 0;
-            let mut out = Vec::new();
+            st.dropping_batch_pages = 0;
+            let mut out = std::mem::take(&mut st.dropping_batch);
             for (pages, list) in st.cached.iter_mut().enumerate() {
                 out.extend(list.drain(..).map(|f| (f, pages)));
             }
+            // Serving swap, the reserve stays: it is what keeps writes from faulting.
+            if !st.reserve_resident {
+                st.reserve_pages = 0;
+                st.refill_wanted = 0;
+                st.reserve_epoch += 1;
+                for (pages, list) in st.reserve.iter_mut().enumerate() {
+                    out.extend(list.drain(..).map(|f| (f, pages)));
+                }
+            }
             out
         };
-        for (frame, pages) in cached {
-            self.discard(frame, pages);
-        }
+        self.discard_batch(cached);
     }
 
     /// Pages held resident by the frame cache.
     pub(crate) fn cached_pages(&self) -> usize {
         self.state.lock().cached_pages
+    }
+
+    /// Pages of released frames still resident in the batch waiting to be dropped (below
+    /// [`DROP_BATCH_PAGES`]).
+    pub(crate) fn dropping_batch_pages(&self) -> usize {
+        self.state.lock().dropping_batch_pages
     }
 
     /// Drops the first `pages` pages of `frame` from the resident set (the first way the kernel
@@ -710,31 +1034,32 @@ mod tests {
 
     #[test]
     fn swap_reserve_hands_out_resident_frames_and_is_refilled() {
-        let a = std::sync::Arc::new(FrameAllocator::with_cache_bytes(4096, 0));
+        let a = Arc::new(FrameAllocator::with_cache_bytes(4096, 0));
         // 32 pages for each count: 32 frames of 1 page, 8 of 4.
         a.set_reserve(64, &[1, 4]).unwrap();
         assert_eq!(a.reserve_pages(), 64);
         assert_eq!(a.resident_bytes(), 64 * 4096);
+        assert!(a.state.lock().refiller_running, "started with the reserve");
         let f = a.alloc_populated(4).unwrap();
-        assert_eq!(a.reserve_pages(), 60);
-        // No frame of 2 pages: a 4-page one, whose last 2 pages go back to the kernel.
+        // No frame of 2 pages: a 4-page one, whose last 2 pages go back to the kernel. Taken
+        // under the lock with the refiller's work: it may have replaced the first already.
         let mut g = a.alloc_populated(2).unwrap();
-        assert_eq!(a.reserve_pages(), 56);
-        assert_eq!(a.resident_bytes(), (56 + 4 + 2) * 4096);
+        assert!(a.resident_bytes() <= (64 + 4 + 2) * 4096);
         g.bytes_mut(0, 2 * 4096).fill(7);
-        // The refill thread replaces what was taken, by the page counts asked for.
-        let refill = {
-            let a = std::sync::Arc::clone(&a);
-            std::thread::spawn(move || a.refill())
-        };
+        // The refiller replaces what was taken, up to each count's target.
         let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while a.reserve_pages() < 56 + 4 + 2 && std::time::Instant::now() < end {
+        while a.reserve_pages() < 64 && std::time::Instant::now() < end {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        assert_eq!(a.reserve_pages(), 62);
-        assert_eq!(a.resident_bytes(), (62 + 4 + 2) * 4096);
-        a.stop_refill();
-        refill.join().unwrap();
+        assert_eq!(a.reserve_pages(), 64);
+        assert_eq!(a.resident_bytes(), (64 + 4 + 2) * 4096);
+        // Compaction's trim keeps the swap reserve; the refiller does not leave when idle.
+        a.trim();
+        assert_eq!(a.reserve_pages(), 64);
+        std::thread::sleep(REFILLER_IDLE + std::time::Duration::from_millis(300));
+        assert!(a.state.lock().refiller_running, "the swap refiller stays");
+        a.stop_refiller();
+        assert!(!a.state.lock().refiller_running);
         assert!(g.bytes(0, 2 * 4096).iter().all(|&b| b == 7));
         a.release(f, 4);
         a.release(g, 2);
@@ -776,7 +1101,7 @@ mod tests {
 
     #[test]
     fn frame_cache_keeps_frames_resident_bounded_and_by_page_count() {
-        let a = FrameAllocator::with_cache_bytes(4096, 4 * 4096);
+        let a = Arc::new(FrameAllocator::with_cache_bytes(4096, 4 * 4096));
         let mut f = a.alloc_populated(3).unwrap();
         assert_eq!(a.resident_bytes(), 3 * 4096, "populated up front");
         f.bytes_mut(0, 3 * 4096).fill(0x5a);
@@ -869,7 +1194,7 @@ mod tests {
             Dropping::Dontneed,
             Dropping::Unlock,
         ] {
-            let a = FrameAllocator::with_cache_bytes(page, 0);
+            let a = Arc::new(FrameAllocator::with_cache_bytes(page, 0));
             a.set_dropping(how);
             let mut frames: Vec<Frame> = (0..FRAMES)
                 .map(|_| a.alloc_populated(PAGES).unwrap())
@@ -942,5 +1267,120 @@ mod tests {
             }
             assert_eq!(a.resident_bytes(), 0, "{how:?}");
         }
+    }
+
+    #[test]
+    fn reserve_hands_out_populated_zero_frames_and_trims() {
+        let a = Arc::new(FrameAllocator::with_cache_bytes(4096, 0).with_reserve());
+        // The first allocation misses (populated here) and starts the refiller.
+        let first = a.alloc_populated(2).unwrap();
+        let target = reserve_target_frames(2);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while a.reserve_pages() < target * 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "refiller never filled"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(
+            a.reserve_pages(),
+            target * 2,
+            "filled to its target, no further"
+        );
+        assert_eq!(a.resident_bytes(), (target + 1) * 2 * 4096);
+        // Frames from the reserve: resident and zero; using them refills the list.
+        let mut taken: Vec<Frame> = (0..target).map(|_| a.alloc_populated(2).unwrap()).collect();
+        for f in &mut taken {
+            assert!(f.bytes(0, 2 * 4096).iter().all(|&b| b == 0));
+            f.bytes_mut(0, 2 * 4096).fill(0x33);
+        }
+        while a.reserve_pages() < target * 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "refiller never refilled"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // Trim empties the reserve and it stays empty until asked again.
+        a.trim();
+        assert_eq!(a.reserve_pages(), 0);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(a.reserve_pages(), 0);
+        for f in taken {
+            a.release(f, 2);
+        }
+        a.release(first, 2);
+        assert_eq!(a.resident_bytes(), 0);
+        // Idle for REFILLER_IDLE: the thread exits; the next miss spawns another.
+        while a.state.lock().refiller_running {
+            assert!(
+                std::time::Instant::now() < deadline + REFILLER_IDLE,
+                "refiller never left"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let again = a.alloc_populated(2).unwrap();
+        while a.reserve_pages() < target * 2 {
+            assert!(
+                std::time::Instant::now() < deadline + 2 * REFILLER_IDLE,
+                "no new refiller"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        a.release(again, 2);
+        a.stop_refiller();
+        assert!(!a.state.lock().refiller_running);
+        a.trim();
+        // Stopped: a miss populates in the caller and nothing refills.
+        let f = a.alloc_populated(1).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(a.reserve_pages(), 0);
+        a.release(f, 1);
+    }
+
+    #[test]
+    fn drop_batches_wait_for_a_batch_then_drop_everything_coalesced() {
+        let a = FrameAllocator::with_cache_bytes(4096, 0).with_drop_batches();
+        let pages = 4;
+        let n = DROP_BATCH_PAGES / pages;
+        let mut frames: Vec<Frame> = (0..n + 2).map(|_| a.alloc().unwrap()).collect();
+        for f in &mut frames {
+            f.bytes_mut(0, pages * 4096).fill(0x77);
+        }
+        let spare = frames.pop().unwrap();
+        let lonely = frames.pop().unwrap();
+        assert_eq!(a.resident_bytes(), (n + 2) * pages * 4096);
+        // Released in a scrambled order: the batch sorts them.
+        let mut order: Vec<usize> = (0..n).collect();
+        order.reverse();
+        order.swap(1, n / 2);
+        let mut frames: Vec<Option<Frame>> = frames.into_iter().map(Some).collect();
+        for (k, &i) in order.iter().enumerate() {
+            a.release(frames[i].take().unwrap(), pages);
+            if k + 1 < n {
+                assert_eq!(a.dropping_batch_pages(), (k + 1) * pages, "waits");
+            }
+        }
+        assert_eq!(a.dropping_batch_pages(), 0);
+        assert_eq!(
+            a.resident_bytes(),
+            2 * pages * 4096,
+            "the batch was dropped"
+        );
+        // Dropped frames are reused and read as zeroes.
+        let reused = a.alloc().unwrap();
+        assert!(reused.bytes(0, pages * 4096).iter().all(|&b| b == 0));
+        // A partial batch is dropped by trim.
+        a.release(lonely, pages);
+        assert_eq!(a.dropping_batch_pages(), pages);
+        a.trim();
+        assert_eq!(a.dropping_batch_pages(), 0);
+        // Left: `spare`, and `reused`, whose pages reading mapped (the zero page).
+        assert_eq!(a.resident_bytes(), 2 * pages * 4096);
+        a.release(spare, pages);
+        a.release(reused, pages);
+        a.trim();
+        assert_eq!(a.resident_bytes(), 0);
     }
 }
