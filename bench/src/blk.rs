@@ -19,8 +19,7 @@
 //! here, unlike `bench vm`'s host-side server), so compression costs far more than on real
 //! hardware for uzram and the guest's zram alike; the table says which was used.
 
-use crate::vm::{accel, fio_point, guest_zram, program, vm_script};
-use crate::{f, median, Table};
+use crate::vm::{accel, fio_point, guest_zram, program, three_way_points, vm_script};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -107,57 +106,7 @@ fn report(
     guest: &serde_json::Value,
     accel: &str,
 ) -> Result<serde_json::Value> {
-    let mut table = Table::new(&[
-        "rw",
-        "qd",
-        "ublk IOPS",
-        "p50 µs",
-        "nbd IOPS",
-        "p50 µs",
-        "guest-zram IOPS",
-        "p50 µs",
-        "ublk/nbd",
-        "ublk/guest-zram",
-    ])
-    .left_align(&[0]);
-    let mut points = Vec::new();
-    for (rw, qd) in POINTS {
-        let mut iops = Vec::new();
-        let mut p50 = Vec::new();
-        let mut runs = serde_json::Map::new();
-        for t in TARGETS {
-            let samples = guest[t][format!("{rw}-{qd}")]
-                .as_array()
-                .ok_or_else(|| Error::io(format!("no samples for {t} {rw} {qd}")))?;
-            let i: Vec<f64> = samples.iter().filter_map(|s| s[0].as_f64()).collect();
-            let l: Vec<f64> = samples.iter().filter_map(|s| s[1].as_f64()).collect();
-            iops.push(median(&i));
-            p50.push(median(&l));
-            runs.insert(t.into(), json!(samples));
-        }
-        let vs_nbd = iops[0] / iops[1];
-        let vs_zram = iops[0] / iops[2];
-        table.row(vec![
-            rw.into(),
-            qd.to_string(),
-            f(iops[0]),
-            f(p50[0]),
-            f(iops[1]),
-            f(p50[1]),
-            f(iops[2]),
-            f(p50[2]),
-            format!("{vs_nbd:.2}"),
-            format!("{vs_zram:.2}"),
-        ]);
-        points.push(json!({
-            "rw": rw, "iodepth": qd,
-            "iops": {"ublk": iops[0], "nbd": iops[1], "guest-zram": iops[2]},
-            "p50_us": {"ublk": p50[0], "nbd": p50[1], "guest-zram": p50[2]},
-            "ratio_ublk_over_nbd": vs_nbd,
-            "ratio_ublk_over_guest_zram": vs_zram,
-            "runs": runs,
-        }));
-    }
+    let (table, points) = three_way_points(guest, TARGETS, &POINTS, "ublk", "ublk")?;
     println!(
         "bench blk: one guest ({accel}, 2 vCPUs, {} MiB), uzram in the guest; fio 4 KiB libaio \
          O_DIRECT, 1 job, {} s per point, median of {}:",

@@ -181,57 +181,7 @@ fn report(
     guest: &serde_json::Value,
     accel: &str,
 ) -> Result<serde_json::Value> {
-    let mut table = Table::new(&[
-        "rw",
-        "qd",
-        "vhost-user IOPS",
-        "p50 µs",
-        "nbd IOPS",
-        "p50 µs",
-        "guest-zram IOPS",
-        "p50 µs",
-        "vhost/nbd",
-        "vhost/guest-zram",
-    ])
-    .left_align(&[0]);
-    let mut points = Vec::new();
-    for (rw, qd) in POINTS {
-        let mut iops = Vec::new();
-        let mut p50 = Vec::new();
-        let mut runs = serde_json::Map::new();
-        for t in TARGETS {
-            let samples = guest[t][format!("{rw}-{qd}")]
-                .as_array()
-                .ok_or_else(|| Error::io(format!("no samples for {t} {rw} {qd}")))?;
-            let i: Vec<f64> = samples.iter().filter_map(|s| s[0].as_f64()).collect();
-            let l: Vec<f64> = samples.iter().filter_map(|s| s[1].as_f64()).collect();
-            iops.push(median(&i));
-            p50.push(median(&l));
-            runs.insert(t.into(), json!(samples));
-        }
-        let vs_nbd = iops[0] / iops[1];
-        let vs_zram = iops[0] / iops[2];
-        table.row(vec![
-            rw.into(),
-            qd.to_string(),
-            f(iops[0]),
-            f(p50[0]),
-            f(iops[1]),
-            f(p50[1]),
-            f(iops[2]),
-            f(p50[2]),
-            format!("{vs_nbd:.2}"),
-            format!("{vs_zram:.2}"),
-        ]);
-        points.push(json!({
-            "rw": rw, "iodepth": qd,
-            "iops": {"vhost-user": iops[0], "nbd": iops[1], "guest-zram": iops[2]},
-            "p50_us": {"vhost-user": p50[0], "nbd": p50[1], "guest-zram": p50[2]},
-            "ratio_vhost_over_nbd": vs_nbd,
-            "ratio_vhost_over_guest_zram": vs_zram,
-            "runs": runs,
-        }));
-    }
+    let (table, points) = three_way_points(guest, TARGETS, &POINTS, "vhost", "vhost")?;
     println!(
         "bench vm: one guest ({accel}, 2 vCPUs, {} MiB), fio 4 KiB libaio O_DIRECT, 1 job, \
          {} s per point, median of {}:",
@@ -362,4 +312,80 @@ pub fn guest(opts: &VmBenchOptions) -> Result<()> {
         .collect();
     println!("{RESULT_MARK}{}", serde_json::Value::Object(doc));
     Ok(())
+}
+
+/// The table and the JSON points of a three-way guest benchmark (`bench vm`, `bench blk`):
+/// per point the median IOPS and p50 of each of `targets` (the first is uzram's frontend, the
+/// second the NBD path, the third the guest's zram) from the guest's samples, and the ratios of
+/// the first over the other two, labelled `SHORT/nbd` in the table and `ratio_KEY_over_…` in
+/// the JSON.
+pub(crate) fn three_way_points(
+    guest: &serde_json::Value,
+    targets: [&str; 3],
+    points: &[(&str, u32)],
+    short: &str,
+    key: &str,
+) -> Result<(Table, Vec<serde_json::Value>)> {
+    let names: Vec<String> = targets.iter().map(|t| format!("{t} IOPS")).collect();
+    let (vs_nbd_col, vs_zram_col) = (format!("{short}/nbd"), format!("{short}/guest-zram"));
+    let mut table = Table::new(&[
+        "rw",
+        "qd",
+        &names[0],
+        "p50 µs",
+        &names[1],
+        "p50 µs",
+        &names[2],
+        "p50 µs",
+        &vs_nbd_col,
+        &vs_zram_col,
+    ])
+    .left_align(&[0]);
+    let mut out = Vec::new();
+    for &(rw, qd) in points {
+        let mut iops = Vec::new();
+        let mut p50 = Vec::new();
+        let mut runs = serde_json::Map::new();
+        for t in targets {
+            let samples = guest[t][format!("{rw}-{qd}")]
+                .as_array()
+                .ok_or_else(|| Error::io(format!("no samples for {t} {rw} {qd}")))?;
+            let i: Vec<f64> = samples.iter().filter_map(|s| s[0].as_f64()).collect();
+            let l: Vec<f64> = samples.iter().filter_map(|s| s[1].as_f64()).collect();
+            iops.push(median(&i));
+            p50.push(median(&l));
+            runs.insert(t.into(), json!(samples));
+        }
+        let vs_nbd = iops[0] / iops[1];
+        let vs_zram = iops[0] / iops[2];
+        table.row(vec![
+            rw.into(),
+            qd.to_string(),
+            f(iops[0]),
+            f(p50[0]),
+            f(iops[1]),
+            f(p50[1]),
+            f(iops[2]),
+            f(p50[2]),
+            format!("{vs_nbd:.2}"),
+            format!("{vs_zram:.2}"),
+        ]);
+        let by_target = |v: &[f64]| -> serde_json::Map<String, serde_json::Value> {
+            targets
+                .iter()
+                .zip(v)
+                .map(|(t, x)| (t.to_string(), json!(x)))
+                .collect()
+        };
+        let mut point = serde_json::Map::new();
+        point.insert("rw".into(), json!(rw));
+        point.insert("iodepth".into(), json!(qd));
+        point.insert("iops".into(), by_target(&iops).into());
+        point.insert("p50_us".into(), by_target(&p50).into());
+        point.insert(format!("ratio_{key}_over_nbd"), json!(vs_nbd));
+        point.insert(format!("ratio_{key}_over_guest_zram"), json!(vs_zram));
+        point.insert("runs".into(), runs.into());
+        out.push(point.into());
+    }
+    Ok((table, out))
 }
