@@ -18,6 +18,17 @@
 //! instruction is emulated: the guest's own share of each request (its block layer, virtio
 //! driver, fio) costs far more than on KVM, so the ratios between the paths are compressed
 //! towards 1 and say less than they would under KVM; the table says which was used.
+//!
+//! CPU per I/O: IOPS at depth 1 under TCG follow how much CPU the QEMU process gets (on a
+//! loaded machine, a quarter of a core at times), so the same point can swing several times
+//! between runs, and a ratio of IOPS says as much about the machine's load as about the paths.
+//! So the host also measures the CPU each point costs: the guest prints a mark on its serial
+//! stderr before and after each fio run, and at each mark the host reads the CPU time of all
+//! of QEMU's threads and of all of its own (the server: the NBD and vhost-user threads)
+//! from `/proc/*/task/*/schedstat` (nanoseconds). Divided by the run's I/Os, that is CPU µs
+//! per I/O in QEMU (the emulated guest, its device models and QEMU's NBD client) and in the
+//! server, which the machine's load changes far less than IOPS. (A mark reaches the host
+//! within about 50 ms, `scripts/zoned-vm`'s polling; both ends of a window are late alike.)
 
 use crate::{f, median, Table};
 use serde_json::json;
@@ -54,6 +65,41 @@ const POINTS: [(&str, u32); 4] = [
 ];
 /// The line the guest prints its results on.
 const RESULT_MARK: &str = "UZRAM-BENCH-VM ";
+/// The lines the guest prints on stderr around each fio run of a point.
+const RUN_START_MARK: &str = "UZRAM-BENCH-VM-RUN start";
+const RUN_END_MARK: &str = "UZRAM-BENCH-VM-RUN end";
+
+/// CPU time of all threads of process `pid` (`/proc/PID/task/*/schedstat`, its first field),
+/// nanoseconds; 0 for a process that is gone.
+fn process_cpu_ns(pid: &str) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// The QEMU whose command line names `socket`.
+fn qemu_pid(socket: &Path) -> Option<String> {
+    let want = socket.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid = e.file_name().to_string_lossy().into_owned();
+        pid.parse::<u32>().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        (cmdline.starts_with("qemu-system") && cmdline.contains(&want)).then_some(pid)
+    })
+}
+
+/// CPU nanoseconds of one fio run: QEMU's and the server's (this process's).
+#[derive(Debug, Clone, Copy, Default)]
+struct RunCpu {
+    qemu_ns: u64,
+    server_ns: u64,
+}
 
 /// The VM script of this repository (`scripts/zoned-vm`), found from the working directory
 /// or from where this crate was built.
@@ -141,20 +187,77 @@ pub fn run(opts: &VmBenchOptions) -> Result<serde_json::Value> {
     .arg("--repeats")
     .arg(opts.repeats.to_string());
     eprintln!("bench vm: booting the guest ({:?})", cmd);
-    let out = cmd
-        .output()
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .map_err(|e| Error::io(format!("running scripts/zoned-vm: {e}")))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut child_out = child.stdout.take().expect("piped");
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut child_out, &mut s);
+        s
+    });
+    // The guest's stderr as it comes: at each run mark, the CPU times so far.
+    let me = std::process::id().to_string();
+    let mut qemu: Option<String> = None;
+    let mut at_start: Option<RunCpu> = None;
+    let mut runs_cpu = Vec::new();
+    let mut stderr = String::new();
+    for line in
+        std::io::BufRead::lines(std::io::BufReader::new(child.stderr.take().expect("piped")))
+    {
+        let Ok(line) = line else { break };
+        if line.contains(RUN_START_MARK) || line.contains(RUN_END_MARK) {
+            if qemu.is_none() {
+                qemu = qemu_pid(&vhost_socket);
+            }
+            let now = RunCpu {
+                qemu_ns: qemu.as_deref().map_or(0, process_cpu_ns),
+                server_ns: process_cpu_ns(&me),
+            };
+            if line.contains(RUN_START_MARK) {
+                at_start = Some(now);
+            } else if let Some(start) = at_start.take() {
+                runs_cpu.push(RunCpu {
+                    qemu_ns: now.qemu_ns.saturating_sub(start.qemu_ns),
+                    server_ns: now.server_ns.saturating_sub(start.server_ns),
+                });
+            }
+            continue;
+        }
+        // The guest's progress ("bench vm: run ..."), as it comes.
+        eprintln!("{line}");
+        stderr.push_str(&line);
+        stderr.push('\n');
+    }
+    let status = child
+        .wait()
+        .map_err(|e| Error::io(format!("waiting for scripts/zoned-vm: {e}")))?;
+    let stdout = out_reader.join().unwrap_or_default();
     let Some(line) = stdout.lines().find_map(|l| l.strip_prefix(RESULT_MARK)) else {
         return Err(Error::io(format!(
-            "the guest printed no results ({}):\n{stdout}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
+            "the guest printed no results ({status}):\n{stdout}{stderr}"
         )));
     };
     let guest: serde_json::Value =
         serde_json::from_str(line).map_err(|e| Error::io(format!("the guest's JSON: {e}")))?;
-    report(opts, &guest, accel())
+    // The runs in the guest's order (repeat, point, target), each with its CPU.
+    let order: Vec<(usize, usize)> = (0..opts.repeats)
+        .flat_map(|_| (0..POINTS.len()).flat_map(|p| (0..TARGETS.len()).map(move |t| (p, t))))
+        .collect();
+    if runs_cpu.len() != order.len() {
+        return Err(Error::io(format!(
+            "{} runs measured on the host, {} expected:\n{stderr}",
+            runs_cpu.len(),
+            order.len()
+        )));
+    }
+    let mut cpu = vec![vec![Vec::new(); TARGETS.len()]; POINTS.len()];
+    for ((p, t), c) in order.into_iter().zip(runs_cpu) {
+        cpu[p][t].push(c);
+    }
+    report(opts, &guest, &cpu, accel())
 }
 
 /// How scripts/zoned-vm runs the guest (its kvm_usable): `kvm` when KVM is backed by
@@ -179,9 +282,66 @@ pub(crate) fn accel() -> &'static str {
 fn report(
     opts: &VmBenchOptions,
     guest: &serde_json::Value,
+    cpu: &[Vec<Vec<RunCpu>>],
     accel: &str,
 ) -> Result<serde_json::Value> {
-    let (table, points) = three_way_points(guest, TARGETS, &POINTS, "vhost", "vhost")?;
+    let (table, mut points) = three_way_points(guest, TARGETS, &POINTS, "vhost", "vhost")?;
+    let mut cpu_table = Table::new(&[
+        "rw",
+        "qd",
+        "vhost-user: QEMU",
+        "server",
+        "nbd: QEMU",
+        "server",
+        "guest-zram: QEMU",
+        "nbd/vhost",
+    ])
+    .left_align(&[0]);
+    for (pi, (rw, qd)) in POINTS.into_iter().enumerate() {
+        // Per target: median CPU µs per I/O of QEMU and of the server.
+        let mut qemu_us = Vec::new();
+        let mut server_us = Vec::new();
+        for (ti, t) in TARGETS.into_iter().enumerate() {
+            let samples = guest[t][format!("{rw}-{qd}")]
+                .as_array()
+                .ok_or_else(|| Error::io(format!("no samples for {t} {rw} {qd}")))?;
+            let ios: Vec<f64> = samples.iter().filter_map(|s| s[2].as_f64()).collect();
+            let per_io = |ns: fn(&RunCpu) -> u64| -> Vec<f64> {
+                cpu[pi][ti]
+                    .iter()
+                    .zip(&ios)
+                    .filter(|(_, &n)| n > 0.0)
+                    .map(|(c, &n)| ns(c) as f64 / 1000.0 / n)
+                    .collect()
+            };
+            qemu_us.push(median(&per_io(|c| c.qemu_ns)));
+            server_us.push(median(&per_io(|c| c.server_ns)));
+        }
+        // The whole host CPU of an I/O on each path, NBD's over vhost-user's.
+        let cpu_ratio = (qemu_us[1] + server_us[1]) / (qemu_us[0] + server_us[0]);
+        cpu_table.row(vec![
+            rw.into(),
+            qd.to_string(),
+            f(qemu_us[0]),
+            f(server_us[0]),
+            f(qemu_us[1]),
+            f(server_us[1]),
+            f(qemu_us[2]),
+            format!("{cpu_ratio:.2}"),
+        ]);
+        let point = points[pi]
+            .as_object_mut()
+            .expect("three_way_points makes objects");
+        point.insert(
+            "cpu_us_per_io".into(),
+            json!({
+                "vhost-user": {"qemu": qemu_us[0], "server": server_us[0]},
+                "nbd": {"qemu": qemu_us[1], "server": server_us[1]},
+                "guest-zram": {"qemu": qemu_us[2]},
+            }),
+        );
+        point.insert("cpu_ratio_nbd_over_vhost".into(), json!(cpu_ratio));
+    }
     println!(
         "bench vm: one guest ({accel}, 2 vCPUs, {} MiB), fio 4 KiB libaio O_DIRECT, 1 job, \
          {} s per point, median of {}:",
@@ -189,6 +349,11 @@ fn report(
     );
     print!("{}", table.render());
     println!("targets (issue 12): vhost/nbd >= 2 at qd 1; vhost/guest-zram >= 0.7");
+    println!(
+        "host CPU µs per I/O (median): QEMU's threads (the emulated guest, device models, \
+         QEMU's NBD client) and the server's; nbd/vhost = NBD's total over vhost-user's:"
+    );
+    print!("{}", cpu_table.render());
     Ok(json!({
         "bench": "vm",
         "accel": accel,
@@ -232,7 +397,7 @@ pub(crate) fn fio_point(
     qd: u32,
     runtime_secs: u64,
     size_bytes: u64,
-) -> Result<(f64, f64)> {
+) -> Result<(f64, f64, f64)> {
     let args = vec![
         "--name=uzram-bench-vm".to_string(),
         format!("--filename={}", dev.display()),
@@ -251,7 +416,10 @@ pub(crate) fn fio_point(
         "--unified_rw_reporting=mixed".into(),
         "--output-format=json".into(),
     ];
-    let v = crate::nbd::fio(&args)?;
+    eprintln!("{RUN_START_MARK}");
+    let v = crate::nbd::fio(&args);
+    eprintln!("{RUN_END_MARK}");
+    let v = v?;
     let mixed = &v["jobs"][0]["mixed"];
     let iops = mixed["iops"]
         .as_f64()
@@ -259,7 +427,10 @@ pub(crate) fn fio_point(
     let p50 = mixed["clat_ns"]["percentile"]["50.000000"]
         .as_f64()
         .map_or(f64::NAN, |ns| ns / 1000.0);
-    Ok((iops, p50))
+    let ios = mixed["total_ios"]
+        .as_f64()
+        .ok_or_else(|| Error::io("fio's JSON has no mixed.total_ios"))?;
+    Ok((iops, p50, ios))
 }
 
 /// Inside the guest: fills the targets, runs the points, prints the samples as one JSON line.
@@ -291,7 +462,7 @@ pub fn guest(opts: &VmBenchOptions) -> Result<()> {
     for rep in 0..opts.repeats {
         for (rw, qd) in POINTS {
             for (t, dev) in disks.iter().enumerate() {
-                let (iops, p50) = fio_point(dev, rw, qd, opts.runtime_secs, opts.size_bytes)?;
+                let (iops, p50, ios) = fio_point(dev, rw, qd, opts.runtime_secs, opts.size_bytes)?;
                 eprintln!(
                     "bench vm: run {rep}: {} {rw} qd {qd}: {iops:.0} IOPS, p50 {p50:.1} µs",
                     TARGETS[t]
@@ -301,7 +472,7 @@ pub fn guest(opts: &VmBenchOptions) -> Result<()> {
                     .or_insert_with(|| json!([]))
                     .as_array_mut()
                     .expect("an array")
-                    .push(json!([iops, p50]));
+                    .push(json!([iops, p50, ios]));
             }
         }
     }

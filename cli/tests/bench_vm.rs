@@ -1,6 +1,7 @@
 //! `uzram bench vm` at a tiny size, so the benchmark keeps working: one guest (QEMU, Debian's
 //! 6.12 kernel) runs fio on the vhost-user disk, the NBD disk and its own kernel zram, and the
-//! host writes the table and the JSON. No timing is asserted.
+//! host writes the tables (IOPS, and the host's CPU per I/O) and the JSON. No timing is
+//! asserted.
 
 use std::process::Command;
 
@@ -34,6 +35,7 @@ fn bench_vm_measures_three_disks_and_writes_json() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("vhost/nbd"), "{text}");
+    assert!(text.contains("CPU µs per I/O"), "{text}");
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let points = doc["points"].as_array().unwrap();
@@ -43,6 +45,21 @@ fn bench_vm_measures_three_disks_and_writes_json() {
             assert!(p["iops"][t].as_f64().unwrap() > 0.0, "{t}: {p}");
         }
         assert!(p["ratio_vhost_over_nbd"].as_f64().unwrap() > 0.0, "{p}");
+        // The host's CPU per I/O, from the marks around each run: QEMU's for every target,
+        // the server's for the two on the uzram device.
+        for t in ["vhost-user", "nbd", "guest-zram"] {
+            assert!(
+                p["cpu_us_per_io"][t]["qemu"].as_f64().unwrap() > 0.0,
+                "{t}: {p}"
+            );
+        }
+        for t in ["vhost-user", "nbd"] {
+            assert!(
+                p["cpu_us_per_io"][t]["server"].as_f64().unwrap() > 0.0,
+                "{t}: {p}"
+            );
+        }
+        assert!(p["cpu_ratio_nbd_over_vhost"].as_f64().unwrap() > 0.0, "{p}");
     }
     // --plot: a PNG (its pixels are checked for every chart in bench_smoke.rs).
     let png = std::fs::read(dir.path().join("vm.png")).unwrap();

@@ -5,8 +5,9 @@
 //! runs this same test binary inside, which checks what the guest's virtio_blk driver sees
 //! and drives the disks with the real fio, e2fsprogs and the kernel's swap. Three guests, one
 //! after the other, on one server (`--swap`, two devices): the first makes a filesystem on
-//! zram0, resets the device as a reboot does and finds it intact, and swaps on zram1 with a
-//! memory hog larger than its RAM; the second is killed (-9) with fio writing to zram1; the
+//! zram0, resets the device as a reboot does and finds it intact, reboots (`reboot -f`, the
+//! same QEMU and server) and finds it intact again, and swaps on zram1 with a memory hog
+//! larger than its RAM; the second is killed (-9) with fio writing to zram1; the
 //! third (a new QEMU, new connections) finds the filesystem, is served on zram1, and stays
 //! connected while the server is stopped (in seconds).
 
