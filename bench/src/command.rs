@@ -36,35 +36,13 @@ enum BenchCommand {
     Multipage(MultipageArgs),
     /// A VM guest's disk: vhost-user-blk against QEMU's NBD client and the guest's own kernel
     /// zram, fio inside one guest.
-    Vm(VmArgs),
+    Vm(GuestArgs),
     /// A kernel block device: ublk against the guest kernel's NBD client and its own zram,
     /// uzram and fio inside one guest.
-    Blk(BlkArgs),
+    Blk(GuestArgs),
     /// Draws the PNG of a benchmark's JSON written earlier (what `--plot` draws), e.g. from
     /// bench/results/.
     Plot(PlotArgs),
-}
-
-#[derive(Debug, Args)]
-struct BlkArgs {
-    /// Seconds per point.
-    #[arg(long, default_value_t = 10)]
-    runtime: u64,
-    /// Size of the device and of the guest's zram (K, M, G suffixes).
-    #[arg(long, default_value = "256M")]
-    size: String,
-    /// Runs per point; the median is reported.
-    #[arg(long, default_value_t = 3)]
-    repeats: usize,
-    /// The guest's RAM, MiB.
-    #[arg(long, default_value_t = 1024)]
-    mem_mb: u32,
-    /// Inside the guest (what the host side boots): run the points, print the samples.
-    #[arg(long, hide = true)]
-    guest: bool,
-    /// Where to write the JSON (default: bench/results/blk-UNIXTIME.json).
-    #[arg(long)]
-    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -76,8 +54,9 @@ struct PlotArgs {
     plot: PathBuf,
 }
 
+/// `bench vm` and `bench blk`: one guest, fio at each point on three devices.
 #[derive(Debug, Args)]
-struct VmArgs {
+struct GuestArgs {
     /// Seconds per point.
     #[arg(long, default_value_t = 10)]
     runtime: u64,
@@ -93,7 +72,7 @@ struct VmArgs {
     /// Inside the guest (what the host side boots): run the points, print the samples.
     #[arg(long, hide = true)]
     guest: bool,
-    /// Where to write the JSON (default: bench/results/vm-UNIXTIME.json).
+    /// Where to write the JSON (default: bench/results/vm-UNIXTIME.json or blk-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
     /// Also draw the main comparison into this PNG (bench/README.md shows them).
@@ -435,7 +414,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 return Ok(());
             }
             let doc = crate::blk::run(&opts)?;
-            write_results(a.json.as_deref(), "blk", &doc, None)
+            write_results(a.json.as_deref(), "blk", &doc, a.plot.as_deref())
         }
         BenchCommand::Vm(a) => {
             let opts = crate::vm::VmBenchOptions {

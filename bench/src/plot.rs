@@ -267,31 +267,46 @@ pub fn chart_for(doc: &Value) -> Result<Chart> {
                 )
                 .collect(),
         ),
-        "vm" => (
-            "uzram bench vm: fio in a guest, vhost-user-blk vs QEMU's NBD and the guest's zram"
-                .to_string(),
-            "IOPS (higher is better)",
-            doc.get("points")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .flat_map(|p| {
-                    let point = format!(
-                        "{} QD{}",
-                        p["rw"].as_str().unwrap_or("?"),
-                        p["iodepth"].as_u64().unwrap_or(0)
-                    );
+        "vm" | "blk" => {
+            let (what, ours) = if name == "vm" {
+                (
+                    "vhost-user-blk vs QEMU's NBD and the guest's zram",
                     [
-                        ("vhost-user", "uzram vhost-user", false),
-                        ("nbd", "uzram via QEMU NBD", true),
-                        ("guest-zram", "guest kernel zram", true),
-                    ]
-                    .map(|(key, name, anchor)| {
-                        bar(format!("{name}: {point}"), p["iops"][key].as_f64(), anchor)
+                        ("vhost-user", "uzram vhost-user"),
+                        ("nbd", "uzram via QEMU NBD"),
+                    ],
+                )
+            } else {
+                (
+                    "ublk vs the guest kernel's NBD client and its zram",
+                    [("ublk", "uzram ublk"), ("nbd", "uzram via kernel NBD")],
+                )
+            };
+            (
+                format!("uzram bench {name}: fio in a guest, {what}"),
+                "IOPS (higher is better)",
+                doc.get("points")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .flat_map(|p| {
+                        let point = format!(
+                            "{} QD{}",
+                            p["rw"].as_str().unwrap_or("?"),
+                            p["iodepth"].as_u64().unwrap_or(0)
+                        );
+                        [
+                            (ours[0].0, ours[0].1, false),
+                            (ours[1].0, ours[1].1, true),
+                            ("guest-zram", "guest kernel zram", true),
+                        ]
+                        .map(|(key, label, anchor)| {
+                            bar(format!("{label}: {point}"), p["iops"][key].as_f64(), anchor)
+                        })
                     })
-                })
-                .collect(),
-        ),
+                    .collect(),
+            )
+        }
         other => bail!("no plot for benchmark {other:?}"),
     };
     let bars: Vec<Bar> = bars.into_iter().flatten().collect();
@@ -447,6 +462,9 @@ mod tests {
                  "iops": {"vhost-user": 9000.0, "nbd": 3000.0, "guest-zram": 12000.0}},
                 {"rw": "randwrite", "iodepth": 32,
                  "iops": {"vhost-user": 30000.0, "nbd": 9000.0, "guest-zram": 40000.0}}]}),
+            json!({"bench": "blk", "points": [
+                {"rw": "randread", "iodepth": 1,
+                 "iops": {"ublk": 900.0, "nbd": 200.0, "guest-zram": 6000.0}}]}),
         ]
     }
 
@@ -461,10 +479,16 @@ mod tests {
         // A figure the run did not measure (null: the kernel skipped) is left out, not 0.
         let store = chart_for(&docs()[0]).unwrap();
         assert!(!store.bars.iter().any(|b| b.label.contains("read-back")));
-        let vm = chart_for(docs().last().unwrap()).unwrap();
+        let all = docs();
+        let vm = chart_for(&all[all.len() - 2]).unwrap();
         assert_eq!(vm.bars.len(), 6);
         assert_eq!(vm.bars[0].label, "uzram vhost-user: randread QD1");
         assert!(!vm.bars[0].anchor && vm.bars[1].anchor && vm.bars[2].anchor);
+        let blk = chart_for(all.last().unwrap()).unwrap();
+        assert_eq!(blk.bars.len(), 3);
+        assert_eq!(blk.bars[0].label, "uzram ublk: randread QD1");
+        assert_eq!(blk.bars[0].value, 900.0);
+        assert!(!blk.bars[0].anchor && blk.bars[1].anchor && blk.bars[2].anchor);
         assert!(chart_for(&json!({"benchmark": "nope"})).is_err());
         assert!(chart_for(&json!({"x": 1})).is_err());
         assert!(

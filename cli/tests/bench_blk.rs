@@ -23,6 +23,8 @@ fn bench_blk_measures_three_block_devices_and_writes_json() {
             "512",
             "--json",
             json.to_str().unwrap(),
+            "--plot",
+            dir.path().join("blk.png").to_str().unwrap(),
         ])
         .output()
         .unwrap();
@@ -43,4 +45,7 @@ fn bench_blk_measures_three_block_devices_and_writes_json() {
         }
         assert!(p["ratio_ublk_over_nbd"].as_f64().unwrap() > 0.0, "{p}");
     }
+    // --plot: a PNG (its pixels are checked for every chart in bench_smoke.rs).
+    let png = std::fs::read(dir.path().join("blk.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
 }
