@@ -225,10 +225,16 @@ struct GcArgs {
     /// Mean length in pages of a punched hole and of a kept run (each uniform in 1..2N).
     #[arg(long, default_value_t = 64)]
     hole_pages: u64,
-    /// Make every request take the time this device would: `smr-hdd` or `ssd` (seek,
-    /// rotation, media rate, one request at a time; uzram::backing::DeviceModel).
+    /// Make every request take the time this device would: `smr-hdd` (with its write-back
+    /// cache), `smr-hdd-no-cache` or `ssd` (seek, rotation, media rate, one request at a
+    /// time; uzram::backing::DeviceModel).
     #[arg(long)]
     device_model: Option<String>,
+    /// Override the model's command queue: 1 serves requests in arrival order, N > 1 lets
+    /// the device pick among the first N waiting (shortest positioning first, writes in
+    /// order). Needs --device-model.
+    #[arg(long)]
+    model_queue_depth: Option<usize>,
     /// Where to write the JSON (default: bench/results/gc-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -343,11 +349,28 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 buffer_bytes: uzram::units::parse_size_bytes(&a.buffer_size)? as usize,
                 depth: a.depth,
                 holes: crate::gc::Holes::parse(&a.holes, a.hole_pages)?,
-                device_model: a
-                    .device_model
-                    .as_deref()
-                    .map(uzram::backing::DeviceModel::by_name)
-                    .transpose()?,
+                device_model: match (a.device_model.as_deref(), a.model_queue_depth) {
+                    (None, None) => None,
+                    (None, Some(_)) => {
+                        return Err(uzram::error::Error::invalid(
+                            "--model-queue-depth needs --device-model",
+                        )
+                        .into())
+                    }
+                    (Some(_), Some(0)) => {
+                        return Err(uzram::error::Error::invalid(
+                            "--model-queue-depth must be at least 1",
+                        )
+                        .into())
+                    }
+                    (Some(name), depth) => {
+                        let mut m = uzram::backing::DeviceModel::by_name(name)?;
+                        if let Some(d) = depth {
+                            m.queue_depth = d;
+                        }
+                        Some(m)
+                    }
+                },
                 ..Default::default()
             };
             let doc = crate::gc::run(&corpus, &opts)?;

@@ -230,6 +230,69 @@ fn bench_gc_writes_its_table_and_json() {
     assert!(!backing.exists(), "the backing file is removed");
 }
 
+/// `uzram bench gc --device-model smr-hdd` at a tiny size: the modelled write cache took the
+/// writes and destaged them (the model's counters in the JSON), the table has the modelled
+/// device's busy share, and a command-queue override without a model is refused.
+#[test]
+fn bench_gc_under_the_cached_hdd_model() {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+    let corpus_path = self_corpus(dir.path(), 512);
+    let backing = dir.path().join("gc-model.img");
+    let doc = run_bench(
+        dir.path(),
+        "gc-model",
+        &[
+            "gc",
+            "--zone-size",
+            "2M",
+            "--zones",
+            "5",
+            "--repeats",
+            "1",
+            "--device-model",
+            "smr-hdd",
+        ],
+        &corpus_path,
+        Some(&backing),
+        &[
+            "device model smr-hdd",
+            "modelled device busy",
+            "write cache",
+        ],
+    );
+    let m = &doc["device_model"];
+    assert_eq!(m["name"], "smr-hdd", "{doc}");
+    assert_eq!(m["queue_depth"], 32);
+    for key in [
+        "cached_writes",
+        "destaged_bytes",
+        "destages",
+        "write_cache_bytes",
+    ] {
+        assert!(m[key].as_u64().unwrap_or(0) > 0, "{key}: {m}");
+    }
+    for run in doc["runs"].as_array().unwrap() {
+        let busy = run["device_busy_ms"].as_f64().unwrap();
+        assert!(
+            busy > 0.0 && busy <= run["gc_ms"].as_f64().unwrap() * 1.5,
+            "{run}"
+        );
+    }
+    assert!(!backing.exists(), "the backing file is removed");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
+        .args(["bench", "gc", "--model-queue-depth", "1", "--corpus"])
+        .arg(&corpus_path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--model-queue-depth needs --device-model"),
+        "{stderr}"
+    );
+}
+
 /// `uzram bench recompress` end to end at a tiny size: the command succeeds, prints its table
 /// and writes JSON with the figures, each finite and positive. No figure is asserted
 /// against its target here (this process's memory is not the corpus the targets are for).
