@@ -17,6 +17,7 @@ mod vm_support;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod process_support;
@@ -46,6 +47,23 @@ struct Server {
     dir: tempfile::TempDir,
     /// The vhost-user sockets of zram0 and zram1.
     sockets: [PathBuf; 2],
+    /// The server's standard error so far: a thread reads it as it comes (so a server that
+    /// logs much never blocks on a full pipe), passes each line on as `server: LINE` (shown
+    /// with the test's output when it fails), and keeps it here.
+    stderr: Arc<Mutex<String>>,
+    stderr_reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    /// The server's standard error, complete once it has exited.
+    fn stderr_text(&mut self) -> String {
+        if self.child.try_wait().ok().flatten().is_some() {
+            if let Some(t) = self.stderr_reader.take() {
+                let _ = t.join();
+            }
+        }
+        self.stderr.lock().unwrap().clone()
+    }
 }
 
 impl Drop for Server {
@@ -90,9 +108,30 @@ fn serve() -> Server {
             break;
         }
     }
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let err_pipe = child.stderr.take().unwrap();
+    let stderr2 = Arc::clone(&stderr);
+    let stderr_reader = std::thread::spawn(move || {
+        for line in BufReader::new(err_pipe).lines() {
+            let Ok(line) = line else { break };
+            println!("server: {line}");
+            let mut s = stderr2.lock().unwrap();
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    // Its standard output stays read too: a line printed after "serving" must not meet a
+    // closed pipe.
+    std::thread::spawn(move || {
+        for line in lines.map_while(|l| l.ok()) {
+            println!("server (stdout): {line}");
+        }
+    });
     if sockets.len() != 2 {
-        let mut err = String::new();
-        let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = stderr_reader.join();
+        let err = stderr.lock().unwrap().clone();
         panic!("uzram serve --vhost-user printed no sockets:\n{printed}{err}");
     }
     // Beside the NBD sockets, and the QEMU options that attach them.
@@ -107,6 +146,8 @@ fn serve() -> Server {
         child,
         dir,
         sockets: [sockets[0].clone(), sockets[1].clone()],
+        stderr,
+        stderr_reader: Some(stderr_reader),
     }
 }
 
@@ -232,6 +273,7 @@ fn rebooted(swap: &Path) -> bool {
 /// resets in the same QEMU, the server keeps running, the kernel boots again and runs this
 /// test again), finds the filesystem intact and swaps on zram1.
 fn guest_first(pages: &Path) {
+    let _watchdog = Watchdog::start(WATCHDOG_SECS);
     let swap = disk_with_serial("zram1");
     if rebooted(&swap) {
         // The second boot: the virtio-blk disks were negotiated anew on the same vhost-user
@@ -520,11 +562,115 @@ fn guest_killed() {
 /// The last guest: a new QEMU finds zram0's filesystem and is served on zram1 (whose last
 /// front end was killed); then it stays connected while the server is stopped.
 fn guest_last(pages: &Path) {
+    let watchdog = Watchdog::start(WATCHDOG_SECS);
+    println!("checking zram0's files");
     check_files(&disk_with_serial("zram0"), pages);
+    println!("fio on zram1");
     fio_verify(&disk_with_serial("zram1"), 32);
+    drop(watchdog);
     println!("{CONNECTED_MARK}");
     std::thread::sleep(Duration::from_secs(600));
     panic!("the guest was not stopped");
+}
+
+/// Inside the guest: after [`WATCHDOG_SECS`] (well before the host gives up on a step, at
+/// [`GUEST_MARK_SECS`]) and every [`WATCHDOG_SECS`] after, until dropped, prints on stderr
+/// what the guest's disks and blocked tasks are doing: each virtio disk's requests in flight
+/// (`inflight`, and blk-mq's debugfs: requests the driver holds, `busy`, and those waiting to
+/// be dispatched) and the kernel stack of every task in uninterruptible sleep. So a step that
+/// hangs shows whether the guest waits for the disk (a request the server never completed)
+/// or for something else.
+struct Watchdog {
+    done: Arc<std::sync::atomic::AtomicBool>,
+}
+
+const WATCHDOG_SECS: u64 = 300;
+
+impl Watchdog {
+    fn start(secs: u64) -> Watchdog {
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done2 = Arc::clone(&done);
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut next = secs;
+            while !done2.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_secs(1));
+                if start.elapsed().as_secs() >= next {
+                    next += secs;
+                    eprintln!("{}", guest_state(start.elapsed().as_secs()));
+                }
+            }
+        });
+        Watchdog { done }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Inside the guest: its disks' requests in flight and its tasks in D state (see [`Watchdog`]).
+fn guest_state(secs: u64) -> String {
+    let debugfs = Path::new("/sys/kernel/debug/block");
+    if !debugfs.exists() {
+        let _ = Command::new("mount")
+            .args(["-t", "debugfs", "debugfs", "/sys/kernel/debug"])
+            .status();
+    }
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    let mut out = format!("---- guest watchdog: this step has run {secs} s\n");
+    let mut disks: Vec<_> = std::fs::read_dir("/sys/block")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("vd"))
+        .collect();
+    disks.sort();
+    for d in disks {
+        let serial = read(&Path::new("/sys/block").join(&d).join("serial"));
+        let inflight = read(&Path::new("/sys/block").join(&d).join("inflight"));
+        out += &format!(
+            "{d} ({}): inflight (reads writes) {}\n",
+            serial.trim(),
+            inflight.split_whitespace().collect::<Vec<_>>().join(" ")
+        );
+        for hctx in std::fs::read_dir(debugfs.join(&d))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = hctx.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("hctx") {
+                continue;
+            }
+            for f in ["busy", "dispatch", "state"] {
+                let text = read(&hctx.path().join(f));
+                if !text.trim().is_empty() {
+                    out += &format!("  {name}/{f}:\n{}\n", text.trim_end());
+                }
+            }
+        }
+    }
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.parse::<u32>().is_err() {
+            continue;
+        }
+        let stat = read(&e.path().join("stat"));
+        if stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, r)| r.starts_with('D'))
+        {
+            out += &format!(
+                "task {name} {} in D:\n{}\n",
+                read(&e.path().join("comm")).trim(),
+                read(&e.path().join("stack")).trim_end()
+            );
+        }
+    }
+    out + "---- end of guest watchdog"
 }
 
 const KILL_MARK: &str = "UZRAM-VHOST: fio running";
@@ -569,6 +715,10 @@ fn vm_args(sockets: &[&Path], mem_mb: u32, pages: &Path, reboots: u32) -> Vec<St
 
 /// The QEMU attached to `socket` (its command line names it).
 fn qemu_pid(socket: &Path) -> u32 {
+    find_qemu(socket).unwrap_or_else(|| panic!("no QEMU attached to {}", socket.display()))
+}
+
+fn find_qemu(socket: &Path) -> Option<u32> {
     let want = socket.to_string_lossy().into_owned();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -577,10 +727,10 @@ fn qemu_pid(socket: &Path) -> u32 {
         let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
         let cmdline = String::from_utf8_lossy(&cmdline);
         if cmdline.starts_with("qemu-system") && cmdline.contains(&want) {
-            return pid;
+            return Some(pid);
         }
     }
-    panic!("no QEMU attached to {want}")
+    None
 }
 
 /// A guest running in the background: its output lines, as they come.
@@ -606,18 +756,89 @@ impl Guest {
         Guest { child, lines }
     }
 
-    /// Waits for the guest to print `mark`.
-    fn wait_for(&mut self, mark: &str) {
-        let end = Instant::now() + Duration::from_secs(600);
+    /// Waits for the guest to print `mark`, at most [`GUEST_MARK_SECS`]. When it does not,
+    /// what the server's and QEMU's threads are doing is printed (the test fails; then the
+    /// VM's console tail comes from `scripts/zoned-vm` as the guest is stopped).
+    fn wait_for(&mut self, mark: &str, server: &mut Server, sockets: &[&Path]) {
+        let start = Instant::now();
+        let end = start + Duration::from_secs(GUEST_MARK_SECS);
+        let mut last_line = start;
         loop {
             let left = end.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok(l) if l.contains(mark) => return,
-                Ok(_) => {}
-                Err(e) => panic!("the guest did not print {mark:?}: {e} (its output is above)"),
+                Ok(_) => last_line = Instant::now(),
+                Err(e) => {
+                    println!(
+                        "the guest did not print {mark:?} in {} s ({e}); its last line came \
+                         after {} s",
+                        start.elapsed().as_secs(),
+                        (last_line - start).as_secs()
+                    );
+                    print_threads("the server", server.child.id());
+                    for sock in sockets {
+                        if let Some(pid) = find_qemu(sock) {
+                            print_threads(&format!("QEMU on {}", sock.display()), pid);
+                        }
+                    }
+                    panic!(
+                        "the guest did not print {mark:?} in {GUEST_MARK_SECS} s: {e}; the \
+                         guest's output, the server's (server: ...) and its threads are above, \
+                         the VM's console follows on stderr; the server's stderr:\n{}",
+                        server.stderr_text()
+                    );
+                }
             }
         }
     }
+}
+
+/// How long a guest may take to reach a mark (a boot, the checks and fio of the last step:
+/// about a minute on a quiet machine, 3-4 at a load of 15).
+const GUEST_MARK_SECS: u64 = 600;
+
+/// For a failure: each thread of process `pid` (its name, state, where it sleeps in the kernel
+/// and its kernel stack) and, with gdb installed, every thread's user-space backtrace.
+fn print_threads(what: &str, pid: u32) {
+    println!("---- {what} (pid {pid}): threads");
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        println!("(gone)");
+        return;
+    };
+    for t in tasks.flatten() {
+        let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+        let stat = read("stat");
+        // The state is the field after the parenthesised name.
+        let state = stat.rsplit_once(") ").map_or("?", |(_, r)| &r[..1]);
+        println!(
+            "{} {} {state} wchan={}\n{}",
+            t.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan"),
+            read("stack").trim_end()
+        );
+    }
+    if Path::new("/usr/bin/gdb").exists() {
+        let out = Command::new("timeout")
+            .args([
+                "60",
+                "/usr/bin/gdb",
+                "-p",
+                &pid.to_string(),
+                "-batch",
+                "-nx",
+            ])
+            .args(["-ex", "thread apply all bt"])
+            .output();
+        if let Ok(out) = out {
+            println!(
+                "---- {what}: gdb\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    println!("---- end of {what}");
 }
 
 impl Drop for Guest {
@@ -717,7 +938,7 @@ fn vhost_user_guests() {
             ("UZRAM_VHOST_STEP", "killed"),
         ],
     );
-    g.wait_for(KILL_MARK);
+    g.wait_for(KILL_MARK, &mut s, &[&swap]);
     run(Command::new("kill").args(["-KILL", &qemu_pid(&swap).to_string()]));
     let st = wait_timeout(&mut g.child, Duration::from_secs(60)).expect("the VM script ended");
     assert!(!st.success(), "{st}");
@@ -730,7 +951,7 @@ fn vhost_user_guests() {
         &vm_args(&[&disk, &swap], 512, &pages, 0),
         &[("UZRAM_VHOST_PAGES", pages_s), ("UZRAM_VHOST_STEP", "last")],
     );
-    g.wait_for(CONNECTED_MARK);
+    g.wait_for(CONNECTED_MARK, &mut s, &[&disk, &swap]);
     // --swap: the server's memory is locked, the guest's (mapped, and touched by requests)
     // is not.
     let (vm_lck, guest_rss, guest_locked) = locked_kib(s.child.id());
@@ -758,13 +979,7 @@ fn vhost_user_guests() {
     let st = wait_timeout(&mut s.child, Duration::from_secs(30)).expect("the server stopped");
     let stop_secs = t.elapsed().as_secs_f64();
     drop(g);
-    let mut err = String::new();
-    s.child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = s.stderr_text();
     assert!(st.success(), "{st}: {err}");
     assert!(stop_secs < 10.0, "stopping took {stop_secs:.1} s");
     assert!(!err.contains("dropped"), "{err}");
