@@ -10,18 +10,18 @@
 //! ([`VhostUserConfig::nr_queues`], made for each connection and joined when it ends) serves
 //! that queue's requests synchronously, until its ring is empty or the connection has ended.
 //!
-//! Nothing the guest gives is trusted: every descriptor is resolved through
-//! `vm-memory`'s checked `get_slices` (a buffer outside guest memory fails the request with
-//! `VIRTIO_BLK_S_IOERR`, and one whose chain cannot even hold a status byte is returned
-//! unused); sector ranges are checked against the device size; unknown request types get
-//! `VIRTIO_BLK_S_UNSUPP`. A request's data goes through one bounce buffer per queue of
-//! [`BOUNCE_BYTES`] (allocated when the export starts), a chunk at a time, so a request of
-//! any length costs no allocation.
+//! Nothing the guest gives is trusted: every descriptor is checked to lie in guest memory
+//! (`vm-memory`'s `check_range`) before anything is served (a chain with one outside, or
+//! without a byte for the status, is returned unused); more descriptors than `SEG_MAX` allows
+//! get `VIRTIO_BLK_S_IOERR`; sector ranges are checked against the device size; unknown
+//! request types get `VIRTIO_BLK_S_UNSUPP`. Serving a request allocates nothing: its
+//! descriptors go into two lists of a fixed capacity per queue and its data through one
+//! bounce buffer per queue of [`BOUNCE_BYTES`] (all made when the export starts), a chunk at
+//! a time, copied with `vm-memory`'s checked `read_slice`/`write_slice`.
 
 use crate::error::{Error, Result};
 use crate::BlockDevice;
 use parking_lot::{Mutex, RwLock};
-use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,7 +34,10 @@ use virtio_bindings::virtio_blk as blk;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 use virtio_queue::{DescriptorChain, QueueT};
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryLoadGuard, GuestMemoryMmap};
+use vm_memory::{
+    Bytes, GuestAddress, GuestAddressSpace, GuestMemory, GuestMemoryAtomic, GuestMemoryLoadGuard,
+    GuestMemoryMmap, Permissions,
+};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
@@ -97,8 +100,8 @@ struct BlkBackend {
     /// Guest memory, replaced by each `SET_MEM_TABLE` (`update_memory`).
     mem: RwLock<Option<Mem>>,
     event_idx: AtomicBool,
-    /// One bounce buffer per queue; queue `i`'s is locked only by queue `i`'s thread.
-    bounce: Vec<Mutex<Box<[u8]>>>,
+    /// Each queue's buffers; queue `i`'s are locked only by queue `i`'s thread.
+    queue_buffers: Vec<Mutex<QueueBuffers>>,
     /// The notifiers that stop the current daemon's queue threads, one per thread.
     exits: Mutex<Vec<EventNotifier>>,
     /// Set when a front end's connection ends (`end_connection`), cleared by the connection
@@ -147,10 +150,10 @@ impl BlkBackend {
             return served;
         };
         let mem = atomic.memory();
-        let Some(bounce) = self.bounce.get(thread_id) else {
+        let Some(bufs) = self.queue_buffers.get(thread_id) else {
             return served;
         };
-        let mut bounce = bounce.lock();
+        let mut bufs = bufs.lock();
         // Not past the end of the connection (`conn_ended`): the ring may never run empty.
         while !self.conn_ended.load(Ordering::Acquire) {
             let chain = vring
@@ -160,7 +163,7 @@ impl BlkBackend {
             let Some(chain) = chain else { break };
             served.taken = true;
             let head = chain.head_index();
-            let len = self.serve_chain(&mem, chain, &mut bounce);
+            let len = self.serve_chain(&mem, chain, &mut bufs);
             // A head index past the queue (a broken driver) has no used entry to take: the
             // chain is consumed and dropped, and the requests after it are still served.
             if vring.add_used(head, len).is_ok() {
@@ -175,69 +178,123 @@ impl BlkBackend {
         &self,
         mem: &GuestMemoryLoadGuard<GuestMemoryMmap>,
         chain: DescriptorChain<GuestMemoryLoadGuard<GuestMemoryMmap>>,
-        bounce: &mut [u8],
+        bufs: &mut QueueBuffers,
     ) -> u32 {
-        let (Ok(mut reader), Ok(mut writer)) = (chain.clone().reader(&**mem), chain.writer(&**mem))
-        else {
-            // A descriptor outside guest memory (or lengths that overflow): we cannot even
-            // find the status byte, so the request is returned unused.
-            return 0;
-        };
-        if writer.available_bytes() == 0 {
-            return 0;
+        let QueueBuffers {
+            bounce,
+            readable,
+            writable,
+        } = bufs;
+        readable.clear();
+        writable.clear();
+        // The chain's device-readable and device-writable descriptors, each checked to lie in
+        // guest memory; the last byte of the writable ones is the status.
+        let mut too_long = false;
+        let mut last_writable: Option<Segment> = None;
+        for desc in chain {
+            let seg = Segment {
+                addr: desc.addr().0,
+                len: desc.len(),
+            };
+            let access = if desc.is_write_only() {
+                Permissions::Write
+            } else {
+                Permissions::Read
+            };
+            if !mem.check_range(desc.addr(), desc.len() as usize, access) {
+                // A descriptor outside guest memory: we cannot trust the chain to locate the
+                // status byte, so the request is returned unused.
+                return 0;
+            }
+            let list = if desc.is_write_only() {
+                if seg.len > 0 {
+                    last_writable = Some(seg);
+                }
+                &mut *writable
+            } else {
+                &mut *readable
+            };
+            // Never past the capacity made at start: no allocation per request.
+            if list.len() == list.capacity() {
+                too_long = true;
+            } else {
+                list.push(seg);
+            }
         }
-        let Ok(mut status) = writer.split_at(writer.available_bytes() - 1) else {
+        let Some(last) = last_writable else {
+            // No writable byte: nowhere to put a status.
             return 0;
         };
-        // `writer` now covers the data part; `status` the last byte.
-        let result = self.serve_request(&mut reader, &mut writer, bounce);
-        let data_written = writer.bytes_written() as u32;
+        let status_addr = GuestAddress(last.addr + u64::from(last.len) - 1);
+        // The data part of the writable descriptors: all but the status byte, which is the
+        // last byte of the last non-empty one.
+        if let Some(i) = writable.iter().rposition(|s| s.len > 0) {
+            writable[i].len -= 1;
+            writable.truncate(i + 1);
+        }
+        let mut written = 0u32;
+        let result = if too_long {
+            // More descriptors than `SEG_MAX` allows.
+            Err(blk::VIRTIO_BLK_S_IOERR)
+        } else {
+            let req = Request {
+                mem,
+                readable,
+                writable,
+            };
+            self.serve_request(&req, bounce, &mut written)
+        };
         let code = match result {
             Ok(()) => blk::VIRTIO_BLK_S_OK,
             Err(code) => code,
         } as u8;
-        if status.write_all(&[code]).is_err() {
-            return data_written;
+        if mem.write_slice(&[code], status_addr).is_err() {
+            return written;
         }
-        data_written + 1
+        written + 1
     }
 
+    /// Serves request `req`; `written` counts the data bytes written into guest memory.
     fn serve_request(
         &self,
-        reader: &mut virtio_queue::Reader<'_>,
-        writer: &mut virtio_queue::Writer<'_>,
+        req: &Request<'_>,
         bounce: &mut [u8],
+        written: &mut u32,
     ) -> std::result::Result<(), u32> {
         let ioerr = blk::VIRTIO_BLK_S_IOERR;
         let mut hdr = [0u8; OUTHDR_BYTES];
-        reader.read_exact(&mut hdr).map_err(|_| ioerr)?;
+        req.read(0, &mut hdr).map_err(|_| ioerr)?;
         let kind = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
         let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
+        // The bytes after the header that the device reads (a write's data, a segment).
+        let payload = req.readable_bytes() - OUTHDR_BYTES as u64;
         let dev = &*self.device;
         match kind {
             blk::VIRTIO_BLK_T_IN => {
-                let len = writer.available_bytes() as u64;
+                let len = req.writable_bytes();
                 let mut offset = self.range(sector, len)?;
-                let mut left = len as usize;
-                while left > 0 {
-                    let n = left.min(bounce.len());
+                let mut done = 0u64;
+                while done < len {
+                    let n = (len - done).min(bounce.len() as u64) as usize;
                     dev.read_at(&mut bounce[..n], offset).map_err(|_| ioerr)?;
-                    writer.write_all(&bounce[..n]).map_err(|_| ioerr)?;
+                    req.write(done, &bounce[..n]).map_err(|_| ioerr)?;
+                    *written += n as u32;
                     offset += n as u64;
-                    left -= n;
+                    done += n as u64;
                 }
                 Ok(())
             }
             blk::VIRTIO_BLK_T_OUT => {
-                let len = reader.available_bytes() as u64;
+                let len = payload;
                 let mut offset = self.range(sector, len)?;
-                let mut left = len as usize;
-                while left > 0 {
-                    let n = left.min(bounce.len());
-                    reader.read_exact(&mut bounce[..n]).map_err(|_| ioerr)?;
+                let mut done = 0u64;
+                while done < len {
+                    let n = (len - done).min(bounce.len() as u64) as usize;
+                    req.read(OUTHDR_BYTES as u64 + done, &mut bounce[..n])
+                        .map_err(|_| ioerr)?;
                     dev.write_at(&bounce[..n], offset).map_err(|_| ioerr)?;
                     offset += n as u64;
-                    left -= n;
+                    done += n as u64;
                 }
                 Ok(())
             }
@@ -247,16 +304,18 @@ impl BlkBackend {
                 let name = self.name.as_bytes();
                 let n = name.len().min(id.len());
                 id[..n].copy_from_slice(&name[..n]);
-                let n = id.len().min(writer.available_bytes());
-                writer.write_all(&id[..n]).map_err(|_| ioerr)
+                let n = (id.len() as u64).min(req.writable_bytes()) as usize;
+                req.write(0, &id[..n]).map_err(|_| ioerr)?;
+                *written += n as u32;
+                Ok(())
             }
             blk::VIRTIO_BLK_T_DISCARD | blk::VIRTIO_BLK_T_WRITE_ZEROES => {
                 // We offer one segment per request (max_discard_seg = max_write_zeroes_seg = 1).
-                if reader.available_bytes() != SEGMENT_BYTES {
+                if payload != SEGMENT_BYTES as u64 {
                     return Err(ioerr);
                 }
                 let mut seg = [0u8; SEGMENT_BYTES];
-                reader.read_exact(&mut seg).map_err(|_| ioerr)?;
+                req.read(OUTHDR_BYTES as u64, &mut seg).map_err(|_| ioerr)?;
                 let sector = u64::from_le_bytes(seg[0..8].try_into().unwrap());
                 let sectors = u32::from_le_bytes(seg[8..12].try_into().unwrap());
                 let flags = u32::from_le_bytes(seg[12..16].try_into().unwrap());
@@ -423,6 +482,107 @@ impl VhostUserBackend for BlkBackend {
     }
 }
 
+/// The most descriptors of each direction a request may have: `SEG_MAX` data segments plus
+/// the header (readable) or the status (writable).
+pub const CHAIN_SEGMENTS_MAX: usize = SEG_MAX as usize + 2;
+
+/// One descriptor's buffer in guest memory, checked to lie in it when the chain was read.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    addr: u64,
+    len: u32,
+}
+
+/// A queue's buffers, made when the export starts and reused by every request (nothing is
+/// allocated per request): the bounce buffer and a request's descriptor lists.
+struct QueueBuffers {
+    bounce: Box<[u8]>,
+    /// The device-readable descriptors of the request being served (capacity
+    /// [`CHAIN_SEGMENTS_MAX`], never grown).
+    readable: Vec<Segment>,
+    /// Its device-writable descriptors less the status byte (same capacity).
+    writable: Vec<Segment>,
+}
+
+impl QueueBuffers {
+    fn new() -> QueueBuffers {
+        QueueBuffers {
+            bounce: vec![0u8; BOUNCE_BYTES].into_boxed_slice(),
+            readable: Vec::with_capacity(CHAIN_SEGMENTS_MAX),
+            writable: Vec::with_capacity(CHAIN_SEGMENTS_MAX),
+        }
+    }
+}
+
+/// A request's buffers as one readable and one writable byte stream.
+struct Request<'a> {
+    mem: &'a GuestMemoryMmap,
+    readable: &'a [Segment],
+    writable: &'a [Segment],
+}
+
+impl Request<'_> {
+    fn readable_bytes(&self) -> u64 {
+        self.readable.iter().map(|s| u64::from(s.len)).sum()
+    }
+
+    fn writable_bytes(&self) -> u64 {
+        self.writable.iter().map(|s| u64::from(s.len)).sum()
+    }
+
+    /// Bytes `[at, at + buf.len())` of the readable stream into `buf`; an error when the
+    /// stream is shorter.
+    fn read(&self, at: u64, buf: &mut [u8]) -> std::result::Result<(), ()> {
+        let mut done = 0;
+        for_each_part(self.readable, at, buf.len(), |addr, n| {
+            let r = self.mem.read_slice(&mut buf[done..done + n], addr);
+            done += n;
+            r.map_err(|_| ())
+        })
+    }
+
+    /// `data` into bytes `[at, at + data.len())` of the writable stream; an error when the
+    /// stream is shorter.
+    fn write(&self, at: u64, data: &[u8]) -> std::result::Result<(), ()> {
+        let mut done = 0;
+        for_each_part(self.writable, at, data.len(), |addr, n| {
+            let r = self.mem.write_slice(&data[done..done + n], addr);
+            done += n;
+            r.map_err(|_| ())
+        })
+    }
+}
+
+/// Calls `f(address, length)` for each piece of `segs` that bytes `[at, at + len)` of their
+/// concatenation cover, in order; an error when they end before `at + len`.
+fn for_each_part(
+    segs: &[Segment],
+    mut at: u64,
+    len: usize,
+    mut f: impl FnMut(GuestAddress, usize) -> std::result::Result<(), ()>,
+) -> std::result::Result<(), ()> {
+    let mut left = len;
+    for s in segs {
+        if left == 0 {
+            break;
+        }
+        let seg_len = u64::from(s.len);
+        if at >= seg_len {
+            at -= seg_len;
+            continue;
+        }
+        let n = ((seg_len - at) as usize).min(left);
+        f(GuestAddress(s.addr + at), n)?;
+        left -= n;
+        at = 0;
+    }
+    if left == 0 {
+        Ok(())
+    } else {
+        Err(())
+    }
+}
+
 /// What one pass over a queue did.
 #[derive(Default)]
 struct Served {
@@ -540,8 +700,8 @@ impl VhostUserExport {
             swap: cfg.swap,
             mem: RwLock::new(None),
             event_idx: AtomicBool::new(false),
-            bounce: (0..cfg.nr_queues)
-                .map(|_| Mutex::new(vec![0u8; BOUNCE_BYTES].into_boxed_slice()))
+            queue_buffers: (0..cfg.nr_queues)
+                .map(|_| Mutex::new(QueueBuffers::new()))
                 .collect(),
             exits: Mutex::new(Vec::new()),
             conn_ended: AtomicBool::new(false),
