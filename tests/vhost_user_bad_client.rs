@@ -953,6 +953,26 @@ fn requests_allocate_nothing() {
     );
 }
 
+/// A guest whose call eventfd cannot take a kick (its counter at the maximum: the server's
+/// write fails, EAGAIN) is still served: the queue thread reports it and goes on (a handler
+/// error would end vhost-user-backend's queue thread for good, silently).
+#[test]
+fn a_guest_that_cannot_be_kicked_is_still_served() {
+    let _shared = shared();
+    let s = serve("zram0");
+    let mut g = Guest::connect(&s.socket);
+    // The first used entry of a queue is signalled (used_event is 0 in this guest's memory).
+    g.calls[0].write(u64::MAX - 1).unwrap();
+    for seed in 0..4 {
+        let data = pattern(4096, seed);
+        assert_eq!(g.write(0, 8, &data), S_OK);
+        let (st, back) = g.read(0, 8, data.len());
+        assert!(st == S_OK && back == data, "request {seed}");
+    }
+    g.calls[0].read().unwrap();
+    g.assert_served(11);
+}
+
 #[test]
 fn a_front_end_that_vanishes_mid_request_leaves_the_socket_serving() {
     let _shared = shared();

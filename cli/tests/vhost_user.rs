@@ -782,9 +782,10 @@ impl Guest {
                         }
                     }
                     panic!(
-                        "the guest did not print {mark:?} in {GUEST_MARK_SECS} s: {e}; the \
+                        "the guest did not print {mark:?} in {} s: {e}; the \
                          guest's output, the server's (server: ...) and its threads are above, \
                          the VM's console follows on stderr; the server's stderr:\n{}",
+                        start.elapsed().as_secs(),
                         server.stderr_text()
                     );
                 }

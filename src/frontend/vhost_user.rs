@@ -441,13 +441,15 @@ impl VhostUserBackend for BlkBackend {
         vrings: &[VringRwLock],
         thread_id: usize,
     ) -> std::io::Result<()> {
-        if evset != EventSet::IN {
-            return Err(std::io::Error::other("unexpected event set"));
-        }
+        // Nothing here returns an error: vhost-user-backend's queue thread stops at the first
+        // one for good, and the guest's requests on that queue would then wait forever (the
+        // connection goes on). A kick's event set is IN (an eventfd has no other); anything
+        // else only means the ring is looked at once more.
+        let _ = evset;
         // `vrings` are this thread's (one: `queues_per_thread`), and `device_event` indexes
         // them; the thread's index is the queue's, and picks its bounce buffer.
         let Some(vring) = vrings.get(usize::from(device_event)) else {
-            return Err(std::io::Error::other("event for no queue"));
+            return Ok(());
         };
         if self.mem.read().is_none() {
             // No guest memory we accepted (none yet, or a table refused by `update_memory`):
@@ -464,7 +466,7 @@ impl VhostUserBackend for BlkBackend {
                 let _ = vring.disable_notification();
                 let served = self.process_queue(thread_id, vring);
                 if served.used && vring.needs_notification().unwrap_or(true) {
-                    vring.signal_used_queue()?;
+                    signal(vring);
                 }
                 if !served.taken {
                     let _ = vring.enable_notification();
@@ -476,9 +478,20 @@ impl VhostUserBackend for BlkBackend {
                 }
             }
         } else if self.process_queue(thread_id, vring).used {
-            vring.signal_used_queue()?;
+            signal(vring);
         }
         Ok(())
+    }
+}
+
+/// Kicks the guest (its call eventfd). A failure (the front end's eventfd gone or full) is
+/// not the queue thread's end: the next used entry signals again. Reported once per process.
+fn signal(vring: &VringRwLock) {
+    static REPORTED: AtomicBool = AtomicBool::new(false);
+    if let Err(e) = vring.signal_used_queue() {
+        if !REPORTED.swap(true, Ordering::Relaxed) {
+            eprintln!("uzram: vhost-user: signalling the guest: {e} (reported once)");
+        }
     }
 }
 
