@@ -476,6 +476,10 @@ pub fn guest(opts: &VmBenchOptions) -> Result<()> {
             }
         }
     }
+    // The host reads QEMU's CPU time when the last run's end mark reaches it (zoned-vm
+    // passes stderr on every 50 ms): the guest stays up a moment, or QEMU may already have
+    // exited after printing the results, and that run's CPU read as 0.
+    std::thread::sleep(std::time::Duration::from_secs(2));
     let doc: serde_json::Map<String, serde_json::Value> = TARGETS
         .iter()
         .zip(samples)
