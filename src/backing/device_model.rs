@@ -1,7 +1,7 @@
 //! [`ModelBacking`]: wraps any [`Backing`] and makes each request take the time a modelled
 //! device would: seek time from the distance between requests, rotational latency, a media
 //! transfer rate, one request at a time per actuator. For benchmarks of I/O patterns whose
-//! cost depends on the device (`uzram bench gc --device-model smr-hdd|ssd`): the zoned GC's
+//! cost depends on the device (`uzram bench gc --device-model smr-hdd|smr-hdd-no-cache|ssd`): the zoned GC's
 //! scratch ring pays where the scratch is smaller than the device's bandwidth-delay product,
 //! which the host's virtual SSD never shows (bench/README.md, "bench gc").
 //!
