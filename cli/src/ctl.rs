@@ -20,7 +20,8 @@ pub struct CtlArgs {
     pub dir: Option<PathBuf>,
     /// The attribute, with zram's name (`mm_stat`, `disksize`, `compact`, `writeback`, ...);
     /// `metrics`: every device's statistics in Prometheus's text format; `hot_add` (prints the
-    /// new device's id) and `hot_remove ID`: the server's, as zram's /sys/class/zram-control.
+    /// new device's id) and `hot_remove ID` (or the device's name when it is not `zramN`): the
+    /// server's, as zram's /sys/class/zram-control.
     pub attr: String,
     /// Print a long operation's progress lines on stderr (`uzram: LINE`) when stderr is not a
     /// terminal (on a terminal a progress bar is drawn; elsewhere nothing, by default).

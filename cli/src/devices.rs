@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use uzram::device::Device;
 use uzram::error::{Error, ErrorKind};
-use uzram::frontend::control::{self, Attachments, ControlServer, HotPlug};
+use uzram::frontend::control::{self, Attachments, ControlServer, HotPlug, RemoveTarget};
 use uzram::frontend::metrics::{self, DeviceSamples};
 use uzram::frontend::nbd::{Export, Server};
 use uzram::frontend::ublk::{UblkConfig, UblkExport};
@@ -141,7 +141,8 @@ impl Attachments for DeviceAttachments {
 pub struct Served {
     /// The device's (and export's) name.
     pub name: String,
-    /// `zramN`'s N (what `hot_remove` takes); `None` for a configured name of another form.
+    /// `zramN`'s N (what `hot_remove` takes); `None` for a configured name of another form
+    /// (`hot_remove` takes that device's name instead).
     pub id: Option<u32>,
     pub device: Arc<Device>,
     /// The control socket.
@@ -369,13 +370,18 @@ impl HotPlug for Devices {
         Ok(id)
     }
 
-    fn hot_remove(&self, id: u32) -> uzram::Result<()> {
+    fn hot_remove(&self, target: RemoveTarget<'_>) -> uzram::Result<()> {
         let mut list = lock(&self.list);
-        let Some(i) = list.iter().position(|s| s.id == Some(id)) else {
-            return Err(Error::new(
-                ErrorKind::NoDevice,
-                format!("no device zram{id}"),
-            ));
+        let found = list.iter().position(|s| match target {
+            RemoveTarget::Id(id) => s.id == Some(id),
+            RemoveTarget::Name(name) => s.name == name,
+        });
+        let Some(i) = found else {
+            let what = match target {
+                RemoveTarget::Id(id) => format!("zram{id}"),
+                RemoveTarget::Name(name) => format!("{name:?}"),
+            };
+            return Err(Error::new(ErrorKind::NoDevice, format!("no device {what}")));
         };
         let served = Arc::clone(&list[i]);
         let name = &served.name;

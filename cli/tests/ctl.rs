@@ -694,3 +694,44 @@ fn hot_add_and_hot_remove_as_zram_control() {
     assert_eq!(added, 32, "MAX_DEVICES");
     r.stop();
 }
+
+/// A device named otherwise than `zramN` has no id: `hot_remove` takes its name (uzram's
+/// extension), still `EBUSY` while it is open; a word that names no device stays `EINVAL`.
+#[test]
+fn hot_remove_by_name() {
+    let r = serve(&[
+        "--name",
+        "swap",
+        "--disksize",
+        "16M",
+        "--socket",
+        "{dir}/swap.sock",
+    ]);
+    assert_eq!(
+        r.ctl(&["hot_remove", "0"]).status.code(),
+        Some(libc::ENODEV)
+    );
+    assert_eq!(
+        r.ctl(&["hot_remove", "swap0"]).status.code(),
+        Some(libc::EINVAL)
+    );
+    let (client, size) =
+        nbd_support::RawClient::handshake_export(&r.dir().join("swap.sock"), "swap", false);
+    assert_eq!(size, 16 << 20);
+    let o = r.ctl(&["hot_remove", "swap"]);
+    assert_eq!(o.status.code(), Some(libc::EBUSY), "{o:?}");
+    assert!(r.dir().join("swap.sock").exists());
+    drop(client);
+    wait_nbd_connections(&r, "swap", 0);
+    let o = r.ctl(&["hot_remove", "swap"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(!r.dir().join("swap.sock").exists() && !r.dir().join("swap.ctl").exists());
+    assert!(r.log().contains("hot_remove: swap removed"), "{}", r.log());
+    assert_eq!(
+        r.ctl(&["hot_remove", "swap"]).status.code(),
+        Some(libc::EINVAL)
+    );
+    // hot_add still starts at zram0.
+    assert_eq!(stdout(&r.ctl(&["hot_add"])), "0\n");
+    r.stop();
+}

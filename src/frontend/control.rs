@@ -396,9 +396,19 @@ impl Attachments for FixedBlockDev {
 pub trait HotPlug: Send + Sync {
     /// Adds an uninitialised device with every frontend the server runs; its id (`zramN`'s N).
     fn hot_add(&self) -> Result<u32>;
-    /// Removes device `id`: `EBUSY` while it is open (an NBD connection, a mounted or
-    /// swapped-on block device, a connected VM), `ENODEV` if there is no such device.
-    fn hot_remove(&self, id: u32) -> Result<()>;
+    /// Removes the device `target` names: `EBUSY` while it is open (an NBD connection, a
+    /// mounted or swapped-on block device, a connected VM), `ENODEV` if there is no such
+    /// device.
+    fn hot_remove(&self, target: RemoveTarget<'_>) -> Result<()>;
+}
+
+/// The device `hot_remove` is to remove.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoveTarget<'a> {
+    /// zram's id: `zramN`'s N.
+    Id(u32),
+    /// A device's name, for devices not named `zramN` (which have no id): uzram's extension.
+    Name(&'a str),
 }
 
 /// The server's control socket, as zram's class directory `/sys/class/zram-control/`
@@ -417,6 +427,8 @@ pub const CLASS_ATTRS: &[&str] = &["hot_add", "hot_remove"];
 /// One request on the class socket, with zram's errnos: `hot_add` is read-only and
 /// `hot_remove` write-only (`EACCES` otherwise, as opening the sysfs file the wrong way
 /// fails); `hot_remove` takes an `int` (`kstrtoint`: `EINVAL`, `ERANGE`), negative is
+/// `EINVAL`, or (uzram's extension, since a device named otherwise than `zramN` has no id) a
+/// device's name, where a value that is neither a number nor a device's name is kstrtoint's
 /// `EINVAL`; an unknown attribute is `ENOENT`.
 fn handle_class(hotplug: &dyn HotPlug, req: Request) -> Result<String> {
     let denied = |what: &str| Err(Error::new(ErrorKind::PermissionDenied, what.to_string()));
@@ -429,10 +441,22 @@ fn handle_class(hotplug: &dyn HotPlug, req: Request) -> Result<String> {
             denied("hot_remove is write-only: write a device id to it")
         }
         Request::Store { attr, value, .. } if attr == "hot_remove" => {
-            let id = kstrtoint(&value, 10)?;
+            let id = match kstrtoint(&value, 10) {
+                Ok(id) => id,
+                Err(not_int) => {
+                    // A device's name; any other word stays kstrtoint's EINVAL.
+                    let name = value.trim_end_matches('\n');
+                    return match hotplug.hot_remove(RemoveTarget::Name(name)) {
+                        Err(e) if e.kind() == ErrorKind::NoDevice => Err(not_int),
+                        r => r.map(|()| String::new()),
+                    };
+                }
+            };
             let id = u32::try_from(id)
                 .map_err(|_| Error::invalid(format!("not a device id: {value:?}")))?;
-            hotplug.hot_remove(id).map(|()| String::new())
+            hotplug
+                .hot_remove(RemoveTarget::Id(id))
+                .map(|()| String::new())
         }
         Request::Show { attr } | Request::Store { attr, .. } => Err(Error::new(
             ErrorKind::NotFound,
