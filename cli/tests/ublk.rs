@@ -42,6 +42,7 @@ fn vm_args(mem_mb: u32) -> Vec<String> {
         host_program("mkfs.ext4"),
         host_program("e2fsck"),
         host_program("fio"),
+        host_program("nbd-client"),
         "/etc/mke2fs.conf".to_string(),
     ] {
         a.push("--include".into());
@@ -592,14 +593,17 @@ fn swap_hog(dev: &Path) {
 }
 
 /// Swap on /dev/ublkb0 (`serve --swap`, docs/ublk.md "Swap on ublk"): [`swap_hog`], and reset
-/// is EBUSY while swapped on. With `UZRAM_SWAP_CONTROL` set, the same hog runs first on the
+/// is EBUSY while swapped on; then the same over the guest kernel's NBD client
+/// ([`nbd_client_swap`]). With `UZRAM_SWAP_CONTROL` set, the same hog runs first on the
 /// guest's own kernel zram (lz4, same size): the control used to tell the hog's faults from
 /// uzram's (not in CI: it doubles the run).
 #[test]
 fn ublk_swap_in_vm() {
     let mut args = vm_args(512);
-    // Two rounds of a hog larger than RAM under emulation: about 3 minutes each.
-    args.extend(["--timeout-s".to_string(), "1200".to_string()]);
+    // Two rounds of a hog larger than RAM under emulation on ublk (3 minutes each on the
+    // loaded 2-core machine), then on the kernel's NBD client, where the hog's cgroup makes it
+    // swap more (11 minutes for both rounds).
+    args.extend(["--timeout-s".to_string(), "2400".to_string()]);
     if !vm_support::in_vm_or_boot("ublk_swap_in_vm", &args) {
         return;
     }
@@ -634,6 +638,90 @@ fn ublk_swap_in_vm() {
         .arg("mm_stat"));
     println!("uzram mm_stat after the hog: {mm}");
     stop(s);
+    nbd_client_swap();
+}
+
+/// This process in a memory cgroup of its own (cgroup v2, mounted here if need be) whose
+/// `memory.max` is `max_bytes`, until dropped: its memory is reclaimed (swapped out) within
+/// the cgroup, while the rest of the machine (the server) keeps free memory.
+struct HogCgroup {
+    path: PathBuf,
+}
+
+impl HogCgroup {
+    fn new(max_bytes: u64) -> HogCgroup {
+        let root = Path::new("/sys/fs/cgroup");
+        if !root.join("cgroup.controllers").exists() {
+            run(Command::new("mount")
+                .args(["-t", "cgroup2", "none"])
+                .arg(root));
+        }
+        std::fs::write(root.join("cgroup.subtree_control"), "+memory").unwrap();
+        let path = root.join("uzram-hog");
+        let _ = std::fs::create_dir(&path);
+        std::fs::write(path.join("memory.max"), max_bytes.to_string()).unwrap();
+        std::fs::write(path.join("cgroup.procs"), std::process::id().to_string()).unwrap();
+        HogCgroup { path }
+    }
+}
+
+impl Drop for HogCgroup {
+    fn drop(&mut self) {
+        let root = Path::new("/sys/fs/cgroup");
+        let _ = std::fs::write(root.join("cgroup.procs"), std::process::id().to_string());
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}
+
+/// The same hog over the guest kernel's own NBD client: `nbd-client` connects `/dev/nbd0` to
+/// a `uzram serve --swap` (NBD only) on its unix socket, and the guest swaps on it.
+fn nbd_client_swap() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("zram0.sock");
+    let mut child = Command::new(UZRAM)
+        .args(["serve", "--disksize", "1G", "--swap", "--socket"])
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("uzram serve starts");
+    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines {
+        let line = line.unwrap();
+        println!("uzram serve: {line}");
+        if line.starts_with("serving") {
+            break;
+        }
+    }
+    let dev = Path::new("/dev/nbd0");
+    // Netlink (the default): the kernel holds the socket, nbd-client exits once connected.
+    run(Command::new("nbd-client")
+        .args(["-N", "zram0", "-b", "4096", "-swap", "-unix"])
+        .arg(&socket)
+        .arg(dev));
+    assert_eq!(sysfs(dev, "size"), (1u64 << 30 >> 9).to_string());
+    // The hog in a cgroup whose memory.max is a quarter of the guest's RAM (docs/nbd.md,
+    // "Swap over the kernel's NBD client"): the server's reply to a swap-in or swap-out is a
+    // unix-socket send, which allocates kernel memory (an skb) that no userspace server can
+    // reserve ahead; without free memory it waits in direct reclaim for the swap-outs it
+    // serves. Seen here with the hog at half the RAM (the server's locked memory being most
+    // of the rest): the connection thread in `try_to_free_pages` under `alloc_skb_with_frags`
+    // from `unix_stream_sendmsg`, MemFree 6 MiB, for minutes.
+    let cgroup = HogCgroup::new(mem_total_bytes() / 4);
+    swap_hog(dev);
+    println!(
+        "hog cgroup memory.events: {}",
+        std::fs::read_to_string(cgroup.path.join("memory.events"))
+            .unwrap_or_default()
+            .replace('\n', ", ")
+    );
+    drop(cgroup);
+    run(Command::new("nbd-client").arg("-d").arg(dev));
+    run(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .stdout(Stdio::null()));
+    let st = wait_timeout(&mut child, Duration::from_secs(30)).expect("the server stopped");
+    assert!(st.success(), "{st}");
 }
 
 /// fio's verifying writers at depth 32 on the device, then a server killed with I/O in
