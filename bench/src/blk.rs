@@ -20,6 +20,7 @@
 //! hardware for uzram and the guest's zram alike; the table says which was used.
 
 use crate::vm::{accel, fio_point, guest_zram, program, three_way_points, vm_script};
+use crate::{f, median, Table};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -54,6 +55,9 @@ const POINTS: [(&str, u32); 6] = [
     ("randwrite", 32),
     ("randrw", 32),
 ];
+/// The guest's samples of the ublk queue threads' own timing, per point: `[µs serving a
+/// request, requests per wake-up]` (`UblkStats`).
+const SERVER_KEY: &str = "ublk-server";
 /// The line the guest prints its results on.
 const RESULT_MARK: &str = "UZRAM-BENCH-BLK ";
 /// The guest kernel's NBD device the benchmark attaches.
@@ -117,6 +121,16 @@ fn report(
         "targets (issue 11): ublk/guest-zram >= 0.5 at qd 1, >= 0.8 at qd 32; ublk/nbd >= 3 at \
          qd 1"
     );
+    let (server_table, server) = server_points(guest, &points)?;
+    println!(
+        "ublk's queue threads (medians): time serving a request (the device's work) against \
+         fio's p50, and requests per wake-up of a queue thread (one io_uring_enter each):"
+    );
+    print!("{}", server_table.render());
+    let mut points = points;
+    for (p, s) in points.iter_mut().zip(server) {
+        p["ublk_server"] = s;
+    }
     Ok(json!({
         "bench": "blk",
         "accel": accel,
@@ -127,6 +141,53 @@ fn report(
         "fio": "bs=4k ioengine=libaio direct=1 numjobs=1 buffer_compress_percentage=60 refill_buffers",
         "points": points,
     }))
+}
+
+/// The table and JSON of the ublk queue threads' timing ([`SERVER_KEY`]) beside fio's p50
+/// from `points` (as [`three_way_points`] made them, in [`POINTS`]' order).
+fn server_points(
+    guest: &serde_json::Value,
+    points: &[serde_json::Value],
+) -> Result<(Table, Vec<serde_json::Value>)> {
+    let mut table = Table::new(&[
+        "rw",
+        "qd",
+        "fio p50 µs",
+        "serve µs/req",
+        "serve/p50",
+        "reqs/wake",
+    ])
+    .left_align(&[0]);
+    let mut out = Vec::new();
+    for (&(rw, qd), point) in POINTS.iter().zip(points) {
+        let samples = guest[SERVER_KEY][format!("{rw}-{qd}")]
+            .as_array()
+            .ok_or_else(|| Error::io(format!("no ublk server samples for {rw} {qd}")))?;
+        let col = |k: usize| -> f64 {
+            median(
+                &samples
+                    .iter()
+                    .filter_map(|s| s[k].as_f64())
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let (serve_us, per_wake) = (col(0), col(1));
+        let p50 = point["p50_us"]["ublk"].as_f64().unwrap_or(f64::NAN);
+        table.row(vec![
+            rw.into(),
+            qd.to_string(),
+            f(p50),
+            format!("{serve_us:.1}"),
+            format!("{:.2}", serve_us / p50),
+            format!("{per_wake:.2}"),
+        ]);
+        out.push(json!({
+            "serve_us_per_request": serve_us,
+            "requests_per_wake": per_wake,
+            "runs": samples,
+        }));
+    }
+    Ok((table, out))
 }
 
 /// The guest kernel's NBD client on `socket`, as `NBD_DEV`; disconnected when dropped.
@@ -203,14 +264,33 @@ pub fn guest(opts: &BlkBenchOptions) -> Result<()> {
     }
     let mut samples: Vec<serde_json::Map<String, serde_json::Value>> =
         vec![serde_json::Map::new(); TARGETS.len()];
+    let mut queue_samples = serde_json::Map::new();
     for rep in 0..opts.repeats {
         for (rw, qd) in POINTS {
             for (t, dev) in disks.iter().enumerate() {
-                let (iops, p50, _ios) = fio_point(dev, rw, qd, opts.runtime_secs, opts.size_bytes)?;
+                let before = ublk.stats();
+                let (iops, p50, _ios) =
+                    fio_point(dev, rw, qd, opts.runtime_secs, opts.size_bytes)?;
                 eprintln!(
                     "bench blk: run {rep}: {} {rw} qd {qd}: {iops:.0} IOPS, p50 {p50:.1} µs",
                     TARGETS[t]
                 );
+                if t == 0 {
+                    let d = ublk.stats().since(&before);
+                    let serve_us = d.serve_ns as f64 / 1000.0 / d.requests.max(1) as f64;
+                    let per_wake = d.requests as f64 / d.wakes.max(1) as f64;
+                    eprintln!(
+                        "bench blk: run {rep}: ublk {rw} qd {qd}: {} requests, {} wake-ups, \
+                         {serve_us:.1} µs serving each",
+                        d.requests, d.wakes
+                    );
+                    queue_samples
+                        .entry(format!("{rw}-{qd}"))
+                        .or_insert_with(|| json!([]))
+                        .as_array_mut()
+                        .expect("an array")
+                        .push(json!([serve_us, per_wake]));
+                }
                 samples[t]
                     .entry(format!("{rw}-{qd}"))
                     .or_insert_with(|| json!([]))
@@ -224,11 +304,12 @@ pub fn guest(opts: &BlkBenchOptions) -> Result<()> {
     ublk.stop();
     server.stop();
     let _ = std::fs::write("/sys/block/zram0/reset", "1");
-    let doc: serde_json::Map<String, serde_json::Value> = TARGETS
+    let mut doc: serde_json::Map<String, serde_json::Value> = TARGETS
         .iter()
         .zip(samples)
         .map(|(t, s)| (t.to_string(), serde_json::Value::Object(s)))
         .collect();
+    doc.insert(SERVER_KEY.into(), serde_json::Value::Object(queue_samples));
     println!("{RESULT_MARK}{}", serde_json::Value::Object(doc));
     Ok(())
 }

@@ -44,7 +44,16 @@ fn bench_blk_measures_three_block_devices_and_writes_json() {
             assert!(p["iops"][t].as_f64().unwrap() > 0.0, "{t}: {p}");
         }
         assert!(p["ratio_ublk_over_nbd"].as_f64().unwrap() > 0.0, "{p}");
+        // The queue threads' own timing: some time serving each request, at least one
+        // request per wake-up.
+        let server = &p["ublk_server"];
+        assert!(
+            server["serve_us_per_request"].as_f64().unwrap() > 0.0,
+            "{p}"
+        );
+        assert!(server["requests_per_wake"].as_f64().unwrap() >= 1.0, "{p}");
     }
+    assert!(text.contains("reqs/wake"), "{text}");
     // --plot: a PNG (its pixels are checked for every chart in bench_smoke.rs).
     let png = std::fs::read(dir.path().join("blk.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");

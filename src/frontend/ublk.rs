@@ -30,9 +30,10 @@ use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::io::{BufDescList, UblkDev, UblkIOCtx, UblkQueue};
 use libublk::{sys, BufDesc, UblkError, UblkFlags, UblkIORes};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The ublk control device; it exists when `ublk_drv` is loaded.
 pub const CONTROL_PATH: &str = "/dev/ublk-control";
@@ -131,10 +132,46 @@ pub fn delete_device(dev_id: u32) -> Result<()> {
         .map_err(|e| ublk_error(&format!("deleting device {dev_id}"), e))
 }
 
+/// What a device's queue threads did since it started, all queues summed
+/// ([`UblkExport::stats`]): the server's share of a request's latency, for profiling
+/// (`uzram bench blk` prints it beside fio's latency).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UblkStats {
+    /// Requests served.
+    pub requests: u64,
+    /// Wake-ups of a queue thread with work: each is one return from `io_uring_enter` (which
+    /// also committed the previous batch's results) with one or more requests.
+    pub wakes: u64,
+    /// Time spent serving requests (from the request's descriptor to its result, the
+    /// device's work), nanoseconds.
+    pub serve_ns: u64,
+}
+
+impl UblkStats {
+    /// The counts from `earlier` to `self`.
+    pub fn since(&self, earlier: &UblkStats) -> UblkStats {
+        UblkStats {
+            requests: self.requests - earlier.requests,
+            wakes: self.wakes - earlier.wakes,
+            serve_ns: self.serve_ns - earlier.serve_ns,
+        }
+    }
+}
+
+/// The counters behind [`UblkStats`], shared by a device's queue threads. Plain counts: each
+/// is added to with `Relaxed` and read without ordering against the others.
+#[derive(Debug, Default)]
+struct QueueCounters {
+    requests: AtomicU64,
+    wakes: AtomicU64,
+    serve_ns: AtomicU64,
+}
+
 /// A device served as `/dev/ublkbN`. Dropping it stops it, as [`UblkExport::stop`] does.
 pub struct UblkExport {
     ctrl: Arc<UblkCtrl>,
     dev_id: u32,
+    counters: Arc<QueueCounters>,
     /// Runs libublk's `run_target`: it started the queue threads and returns once they end.
     thread: Option<JoinHandle<()>>,
 }
@@ -181,6 +218,8 @@ impl UblkExport {
             flags |= UblkFlags::UBLK_DEV_F_MLOCK_IO_BUFFER;
         }
         let (nr_queues, depth) = (cfg.nr_queues, cfg.queue_depth);
+        let counters = Arc::new(QueueCounters::default());
+        let queue_counters = Arc::clone(&counters);
         let (tx, rx) = mpsc::channel::<Result<Arc<UblkCtrl>>>();
         let name2 = name.to_string();
         // libublk's control commands go through a per-thread io_uring: the device is added
@@ -220,7 +259,8 @@ impl UblkExport {
                     p.discard.max_discard_segments = 1;
                     Ok(())
                 };
-                let queue = move |qid: u16, dev: &UblkDev| serve_queue(qid, dev, &*device);
+                let queue =
+                    move |qid: u16, dev: &UblkDev| serve_queue(qid, dev, &*device, &queue_counters);
                 let started = {
                     let ctrl = Arc::clone(&ctrl);
                     let tx = tx.clone();
@@ -237,6 +277,7 @@ impl UblkExport {
             Ok(Ok(ctrl)) => Ok(UblkExport {
                 dev_id: ctrl.dev_info().dev_id,
                 ctrl,
+                counters,
                 thread: Some(thread),
             }),
             Ok(Err(e)) => {
@@ -253,6 +294,16 @@ impl UblkExport {
     /// The device's number: `/dev/ublkbN`'s N.
     pub fn dev_id(&self) -> u32 {
         self.dev_id
+    }
+
+    /// What the queue threads did so far.
+    pub fn stats(&self) -> UblkStats {
+        let c = &self.counters;
+        UblkStats {
+            requests: c.requests.load(Ordering::Relaxed),
+            wakes: c.wakes.load(Ordering::Relaxed),
+            serve_ns: c.serve_ns.load(Ordering::Relaxed),
+        }
     }
 
     /// `/dev/ublkbN`.
@@ -283,8 +334,8 @@ impl Drop for UblkExport {
 }
 
 /// A queue thread: fetches requests for queue `qid` and serves each with `device` until the
-/// queue is stopped.
-fn serve_queue(qid: u16, dev: &UblkDev, device: &dyn BlockDevice) {
+/// queue is stopped, counting in `counters`.
+fn serve_queue(qid: u16, dev: &UblkDev, device: &dyn BlockDevice, counters: &QueueCounters) {
     // One buffer per tag, allocated (and locked under UBLK_DEV_F_MLOCK_IO_BUFFER) here, before
     // any request; the kernel addresses them by tag.
     let mut bufs = dev.alloc_queue_io_bufs();
@@ -297,9 +348,16 @@ fn serve_queue(qid: u16, dev: &UblkDev, device: &dyn BlockDevice) {
             return;
         }
     };
-    queue.wait_and_handle_io(move |q: &UblkQueue, tag: u16, _io: &UblkIOCtx| {
+    queue.wait_and_handle_io(move |q: &UblkQueue, tag: u16, io: &UblkIOCtx| {
+        if io.is_first_cqe() {
+            counters.wakes.fetch_add(1, Ordering::Relaxed);
+        }
         let buf = bufs[tag as usize].as_mut_slice();
+        let started = Instant::now();
         let res = serve_request(device, q.get_iod(tag), buf);
+        let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        counters.serve_ns.fetch_add(ns, Ordering::Relaxed);
+        counters.requests.fetch_add(1, Ordering::Relaxed);
         q.complete_io_cmd_unified(
             tag,
             BufDesc::Slice(bufs[tag as usize].as_slice()),
