@@ -124,7 +124,8 @@ fn report(
     let (server_table, server) = server_points(guest, &points)?;
     println!(
         "ublk's queue threads (medians): time serving a request (the device's work) against \
-         fio's p50, and requests per wake-up of a queue thread (one io_uring_enter each):"
+         fio's latency (mean = iodepth / IOPS), and requests per wake-up of a queue thread (one \
+         io_uring_enter each):"
     );
     print!("{}", server_table.render());
     let mut points = points;
@@ -143,8 +144,10 @@ fn report(
     }))
 }
 
-/// The table and JSON of the ublk queue threads' timing ([`SERVER_KEY`]) beside fio's p50
-/// from `points` (as [`three_way_points`] made them, in [`POINTS`]' order).
+/// The table and JSON of the ublk queue threads' timing ([`SERVER_KEY`]) beside fio's
+/// latencies from `points` (as [`three_way_points`] made them, in [`POINTS`]' order): the p50
+/// and the mean (Little's law: iodepth / IOPS, what the IOPS ratio follows) of ublk, and the
+/// guest zram's mean, whose whole request is the device's work.
 fn server_points(
     guest: &serde_json::Value,
     points: &[serde_json::Value],
@@ -152,9 +155,11 @@ fn server_points(
     let mut table = Table::new(&[
         "rw",
         "qd",
-        "fio p50 µs",
+        "ublk p50 µs",
+        "ublk mean µs",
+        "zram mean µs",
         "serve µs/req",
-        "serve/p50",
+        "serve/mean",
         "reqs/wake",
     ])
     .left_align(&[0]);
@@ -173,17 +178,23 @@ fn server_points(
         };
         let (serve_us, per_wake) = (col(0), col(1));
         let p50 = point["p50_us"]["ublk"].as_f64().unwrap_or(f64::NAN);
+        let mean = |t: &str| f64::from(qd) * 1e6 / point["iops"][t].as_f64().unwrap_or(f64::NAN);
+        let (ublk_mean, zram_mean) = (mean("ublk"), mean("guest-zram"));
         table.row(vec![
             rw.into(),
             qd.to_string(),
             f(p50),
+            f(ublk_mean),
+            f(zram_mean),
             format!("{serve_us:.1}"),
-            format!("{:.2}", serve_us / p50),
+            format!("{:.2}", serve_us / ublk_mean),
             format!("{per_wake:.2}"),
         ]);
         out.push(json!({
             "serve_us_per_request": serve_us,
             "requests_per_wake": per_wake,
+            "ublk_mean_us": ublk_mean,
+            "guest_zram_mean_us": zram_mean,
             "runs": samples,
         }));
     }
