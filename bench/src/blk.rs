@@ -280,8 +280,7 @@ pub fn guest(opts: &BlkBenchOptions) -> Result<()> {
         for (rw, qd) in POINTS {
             for (t, dev) in disks.iter().enumerate() {
                 let before = ublk.stats();
-                let (iops, p50, _ios) =
-                    fio_point(dev, rw, qd, opts.runtime_secs, opts.size_bytes)?;
+                let (iops, p50, _ios) = fio_point(dev, rw, qd, opts.runtime_secs, opts.size_bytes)?;
                 eprintln!(
                     "bench blk: run {rep}: {} {rw} qd {qd}: {iops:.0} IOPS, p50 {p50:.1} µs",
                     TARGETS[t]
