@@ -19,7 +19,9 @@
 //! here, unlike `bench vm`'s host-side server), so compression costs far more than on real
 //! hardware for uzram and the guest's zram alike; the table says which was used.
 
-use crate::vm::{accel, fio_point, guest_zram, program, three_way_points, vm_script};
+use crate::vm::{
+    accel, fio_point, guest_zram, program, three_way_points, vm_script, GuestBenchOptions,
+};
 use crate::{f, median, Table};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -30,19 +32,6 @@ use uzram::error::{Error, Result};
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
 use uzram::frontend::ublk::{UblkConfig, UblkExport};
 use uzram::BlockDevice;
-
-/// What to run.
-#[derive(Debug, Clone)]
-pub struct BlkBenchOptions {
-    /// Seconds per point.
-    pub runtime_secs: u64,
-    /// Size of the device (and of the guest's kernel zram), bytes.
-    pub size_bytes: u64,
-    /// Runs per point; the median is reported.
-    pub repeats: usize,
-    /// The guest's RAM, MiB.
-    pub mem_mb: u32,
-}
 
 /// The targets, in the order they run and appear.
 const TARGETS: [&str; 3] = ["ublk", "nbd", "guest-zram"];
@@ -64,7 +53,7 @@ const RESULT_MARK: &str = "UZRAM-BENCH-BLK ";
 const NBD_DEV: &str = "/dev/nbd0";
 
 /// On the host: boots the guest and reports.
-pub fn run(opts: &BlkBenchOptions) -> Result<serde_json::Value> {
+pub fn run(opts: &GuestBenchOptions) -> Result<serde_json::Value> {
     let fio = program("fio")?;
     let nbd_client = program("nbd-client")?;
     let exe = std::env::current_exe()?;
@@ -106,7 +95,7 @@ pub fn run(opts: &BlkBenchOptions) -> Result<serde_json::Value> {
 
 /// The medians, the table and the JSON document from the guest's samples.
 fn report(
-    opts: &BlkBenchOptions,
+    opts: &GuestBenchOptions,
     guest: &serde_json::Value,
     accel: &str,
 ) -> Result<serde_json::Value> {
@@ -231,7 +220,7 @@ impl Drop for NbdClient {
 
 /// Inside the guest: serves a device as ublk and NBD, fills the targets, runs the points,
 /// prints the samples as one JSON line.
-pub fn guest(opts: &BlkBenchOptions) -> Result<()> {
+pub fn guest(opts: &GuestBenchOptions) -> Result<()> {
     let device: Arc<dyn BlockDevice> = Arc::new(Device::new(DeviceConfig {
         disksize_bytes: opts.size_bytes,
         ..Default::default()

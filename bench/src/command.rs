@@ -424,36 +424,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             let doc = crate::multipage::run(&corpus, &opts)?;
             write_results(a.json.as_deref(), "multipage", &doc, a.plot.as_deref())
         }
-        BenchCommand::Blk(a) => {
-            let opts = crate::blk::BlkBenchOptions {
-                runtime_secs: a.runtime.max(1),
-                size_bytes: uzram::units::parse_size_bytes(&a.size)
-                    .with_context(|| format!("--size {}", a.size))?,
-                repeats: a.repeats.max(1),
-                mem_mb: a.mem_mb,
-            };
-            if a.guest {
-                crate::blk::guest(&opts)?;
-                return Ok(());
-            }
-            let doc = crate::blk::run(&opts)?;
-            write_results(a.json.as_deref(), "blk", &doc, a.plot.as_deref())
-        }
-        BenchCommand::Vm(a) => {
-            let opts = crate::vm::VmBenchOptions {
-                runtime_secs: a.runtime.max(1),
-                size_bytes: uzram::units::parse_size_bytes(&a.size)
-                    .with_context(|| format!("--size {}", a.size))?,
-                repeats: a.repeats.max(1),
-                mem_mb: a.mem_mb,
-            };
-            if a.guest {
-                crate::vm::guest(&opts)?;
-                return Ok(());
-            }
-            let doc = crate::vm::run(&opts)?;
-            write_results(a.json.as_deref(), "vm", &doc, a.plot.as_deref())
-        }
+        BenchCommand::Blk(a) => run_guest_bench(&a, "blk", crate::blk::guest, crate::blk::run),
+        BenchCommand::Vm(a) => run_guest_bench(&a, "vm", crate::vm::guest, crate::vm::run),
         BenchCommand::Plot(a) => {
             let bytes =
                 std::fs::read(&a.json).with_context(|| format!("reading {}", a.json.display()))?;
@@ -555,6 +527,29 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             write_results(a.json.as_deref(), name, &doc, a.plot.as_deref())
         }
     }
+}
+
+/// `bench vm` and `bench blk`: inside the guest (`--guest`), run the points; on the host, boot
+/// the guest and report.
+fn run_guest_bench(
+    a: &GuestArgs,
+    name: &str,
+    guest: fn(&crate::vm::GuestBenchOptions) -> uzram::Result<()>,
+    run: fn(&crate::vm::GuestBenchOptions) -> uzram::Result<serde_json::Value>,
+) -> anyhow::Result<()> {
+    let opts = crate::vm::GuestBenchOptions {
+        runtime_secs: a.runtime.max(1),
+        size_bytes: uzram::units::parse_size_bytes(&a.size)
+            .with_context(|| format!("--size {}", a.size))?,
+        repeats: a.repeats.max(1),
+        mem_mb: a.mem_mb,
+    };
+    if a.guest {
+        guest(&opts)?;
+        return Ok(());
+    }
+    let doc = run(&opts)?;
+    write_results(a.json.as_deref(), name, &doc, a.plot.as_deref())
 }
 
 /// `--plot FILE`: draws the benchmark's main comparison (see [`crate::plot`]).

@@ -41,9 +41,9 @@ use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
 use uzram::frontend::vhost_user::{VhostUserConfig, VhostUserExport};
 use uzram::BlockDevice;
 
-/// What to run.
+/// What to run (`bench vm` and `bench blk`: one guest, fio at each point on three devices).
 #[derive(Debug, Clone)]
-pub struct VmBenchOptions {
+pub struct GuestBenchOptions {
     /// Seconds per point.
     pub runtime_secs: u64,
     /// Size of the device (and of the guest's kernel zram), bytes.
@@ -127,7 +127,7 @@ pub(crate) fn program(name: &str) -> Result<String> {
 }
 
 /// On the host: serves the device, boots the guest, and reports.
-pub fn run(opts: &VmBenchOptions) -> Result<serde_json::Value> {
+pub fn run(opts: &GuestBenchOptions) -> Result<serde_json::Value> {
     let fio = program("fio")?;
     let dir = crate::nbd::tempfile_dir()?;
     let device: Arc<dyn BlockDevice> = Arc::new(Device::new(DeviceConfig {
@@ -280,7 +280,7 @@ pub(crate) fn accel() -> &'static str {
 
 /// The medians, the table and the JSON document from the guest's samples.
 fn report(
-    opts: &VmBenchOptions,
+    opts: &GuestBenchOptions,
     guest: &serde_json::Value,
     cpu: &[Vec<Vec<RunCpu>>],
     accel: &str,
@@ -434,7 +434,7 @@ pub(crate) fn fio_point(
 }
 
 /// Inside the guest: fills the targets, runs the points, prints the samples as one JSON line.
-pub fn guest(opts: &VmBenchOptions) -> Result<()> {
+pub fn guest(opts: &GuestBenchOptions) -> Result<()> {
     let disks = [
         disk_with_serial("zram0")?,
         disk_with_serial("nbd")?,
