@@ -11,18 +11,14 @@ use uzram::backing::{FileBacking, FileOptions};
 use uzram::device::Device;
 use uzram::writeback::{BackingLayout, WritebackReport, WritebackSpec};
 use uzram::ErrorKind;
-
-mod fault_support;
-mod nbd_support;
-mod page_support;
-
-use fault_support::{NbdBacking, NbdFaults, SmallTmpfs};
-use page_support::{bd, check_all, fill, page, PAGE};
+use uzram_testkit::device::bd;
+use uzram_testkit::faults::{NbdBacking, NbdFaults, SmallTmpfs};
+use uzram_testkit::pages::{check_all, fill, identical_or_eio, page, PAGE};
 
 const MIB: u64 = 1 << 20;
 const LIMIT: u64 = 1_000_000;
 
-/// Pages of `page_support::page` that writeback takes (all but the same-filled quarter).
+/// Pages of `page` that writeback takes (all but the same-filled quarter).
 fn stored(n: u64) -> u64 {
     n - n / 4
 }
@@ -46,22 +42,6 @@ fn device(layout: BackingLayout, path: &str, pages: u64) -> Device {
 fn writeback_all(dev: &Device, n: u64) -> WritebackReport {
     dev.writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
         .unwrap()
-}
-
-/// Reads every page: identical to `version`, or `EIO`. Returns how many failed.
-fn identical_or_eio(dev: &Device, n: u64, version: u64) -> u64 {
-    let mut failed = 0;
-    let mut buf = vec![0u8; PAGE];
-    for i in 0..n {
-        match dev.read_at(&mut buf, i * PAGE as u64) {
-            Ok(()) => assert!(buf == page(i, version), "page {i} read back as other data"),
-            Err(e) => {
-                assert_eq!(e.errno(), libc::EIO, "page {i}: {e}");
-                failed += 1;
-            }
-        }
-    }
-    failed
 }
 
 /// `zone_stat`'s `writeback_bytes` (0 without a zoned store).
@@ -126,7 +106,7 @@ fn nbdkit_every_write_failing_then_reads_failing_loses_nothing() {
         // mismatch), the rest read from RAM; nothing changes.
         let before = dev.stats();
         nbd.fail_reads(true);
-        let failed = identical_or_eio(&dev, n, 1);
+        let failed = identical_or_eio(&dev, n, 1).len() as u64;
         assert_eq!(failed, stored(n), "{what}");
         if layout == BackingLayout::Zoned {
             // GC cannot read its victims: EIO, nothing moves, no zone is reset.
@@ -147,11 +127,11 @@ fn nbdkit_every_write_failing_then_reads_failing_loses_nothing() {
             0
         };
         for i in first..n {
-            page_support::check(&dev, i, 1);
+            uzram_testkit::pages::check(&dev, i, 1);
         }
         dev.attr_store("gc", "1").ok();
         for i in first..n {
-            page_support::check(&dev, i, 1);
+            uzram_testkit::pages::check(&dev, i, 1);
         }
         dev.debug_check_zones();
     }
@@ -248,7 +228,7 @@ fn enospc_from_a_small_tmpfs_stops_and_loses_nothing() {
             dev.attr_store("gc", "1").ok();
         }
         for i in n / 2..n {
-            page_support::check(&dev, i, 1);
+            uzram_testkit::pages::check(&dev, i, 1);
         }
         dev.debug_check_zones();
     }
@@ -277,7 +257,7 @@ fn flipped_bytes_in_a_zoned_backing_file_are_eio_never_other_data() {
         flipped += 1;
     }
     file.sync_all().unwrap();
-    let failed = identical_or_eio(&dev, n, 1);
+    let failed = identical_or_eio(&dev, n, 1).len() as u64;
     assert!(failed > 0 && failed <= flipped, "{failed} of {flipped}");
     let s = dev.stats();
     assert_eq!(s.bd_checksum_errors, failed);

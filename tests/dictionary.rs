@@ -6,24 +6,8 @@
 
 use uzram::compress::{new_codec, CodecParams, Dictionary, MAX_DICT_BYTES};
 use uzram::device::{Device, RecompressSpec};
-
-mod page_support;
-
-use page_support::PAGE;
-
-/// Pages of real program bytes (this test binary), stamped with their index.
-fn program_pages(n: usize) -> Vec<Vec<u8>> {
-    let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
-    let usable = exe.len() / PAGE;
-    (0..n)
-        .map(|i| {
-            let k = (i * 7) % usable;
-            let mut p = exe[k * PAGE..(k + 1) * PAGE].to_vec();
-            p[..8].copy_from_slice(&(i as u64).to_le_bytes());
-            p
-        })
-        .collect()
-}
+use uzram_testkit::device::errno;
+use uzram_testkit::pages::{check_pages, program_pages, write_pages, Program, PAGE};
 
 /// A raw-content dictionary: 64 KiB of the pages the device will hold (what zstd uses raw
 /// content for: matches against typical data).
@@ -37,28 +21,10 @@ fn raw_dict(pages: &[Vec<u8>]) -> Vec<u8> {
         .collect()
 }
 
-fn write_all(dev: &Device, pages: &[Vec<u8>]) {
-    for (i, p) in pages.iter().enumerate() {
-        dev.write_at(p, (i * PAGE) as u64).unwrap();
-    }
-}
-
-fn check_all(dev: &Device, pages: &[Vec<u8>]) {
-    let mut buf = vec![0u8; PAGE];
-    for (i, p) in pages.iter().enumerate() {
-        dev.read_at(&mut buf, (i * PAGE) as u64).unwrap();
-        assert!(buf == *p, "page {i} differs");
-    }
-}
-
-fn errno(r: uzram::Result<()>) -> i32 {
-    r.expect_err("should fail").errno()
-}
-
 #[test]
 fn zstd_dictionary_on_primary_and_secondary_shrinks_and_reads_back() {
     let dir = tempfile::tempdir().unwrap();
-    let pages = program_pages(256);
+    let pages = program_pages(256, 0, Program::Any);
     let path = dir.path().join("pages.dict");
     std::fs::write(&path, raw_dict(&pages)).unwrap();
     let compr = |dev: &Device| dev.stats().compr_data_size_bytes;
@@ -67,7 +33,7 @@ fn zstd_dictionary_on_primary_and_secondary_shrinks_and_reads_back() {
     let plain = Device::new_uninit(PAGE).unwrap();
     plain.attr_store("comp_algorithm", "zstd").unwrap();
     plain.attr_store("disksize", "1M").unwrap();
-    write_all(&plain, &pages);
+    write_pages(&plain, 0, &pages);
     let with = Device::new_uninit(PAGE).unwrap();
     with.attr_store("comp_algorithm", "zstd").unwrap();
     with.attr_store(
@@ -76,14 +42,14 @@ fn zstd_dictionary_on_primary_and_secondary_shrinks_and_reads_back() {
     )
     .unwrap();
     with.attr_store("disksize", "1M").unwrap();
-    write_all(&with, &pages);
+    write_pages(&with, 0, &pages);
     assert!(
         compr(&with) < compr(&plain),
         "dictionary {} >= plain {}",
         compr(&with),
         compr(&plain)
     );
-    check_all(&with, &pages);
+    check_pages(&with, 0, &pages);
 
     // lz4 primary, recompressed with zstd + dictionary at priority 1.
     let dev = Device::new_uninit(PAGE).unwrap();
@@ -94,17 +60,17 @@ fn zstd_dictionary_on_primary_and_secondary_shrinks_and_reads_back() {
     )
     .unwrap();
     dev.attr_store("disksize", "1M").unwrap();
-    write_all(&dev, &pages);
+    write_pages(&dev, 0, &pages);
     let r = dev.recompress(&RecompressSpec::default()).unwrap();
     assert!(r.recompressed > 0, "{r:?}");
-    check_all(&dev, &pages);
+    check_pages(&dev, 0, &pages);
     assert!(compr(&dev) <= compr(&with) + compr(&with) / 4);
 }
 
 #[test]
 fn bad_dictionaries_are_refused_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let pages = program_pages(32);
+    let pages = program_pages(32, 0, Program::Any);
     let good = dir.path().join("good.dict");
     std::fs::write(&good, raw_dict(&pages)).unwrap();
     let empty = dir.path().join("empty.dict");
@@ -154,22 +120,22 @@ fn bad_dictionaries_are_refused_and_change_nothing() {
     );
     assert_eq!(dev.algorithm_params(1), Some(CodecParams::default()));
     dev.attr_store("disksize", "1M").unwrap();
-    write_all(&dev, &pages);
-    check_all(&dev, &pages);
+    write_pages(&dev, 0, &pages);
+    check_pages(&dev, 0, &pages);
     // Once initialised, a dictionary is taken as the kernel takes it (read, kept until the
     // reset that must come before the next disksize, which clears it) and changes nothing:
     // the pages written with the first one read back.
     dev.attr_store("algorithm_params", &format!("dict={}", p(&good)))
         .unwrap();
-    check_all(&dev, &pages);
+    check_pages(&dev, 0, &pages);
     dev.attr_store("reset", "1").unwrap();
     assert_eq!(dev.algorithm_params(0), Some(CodecParams::default()));
 }
 
 #[test]
 fn dictionary_is_shared_not_copied() {
-    let pages = program_pages(8);
-    let dict = Dictionary::from_bytes(raw_dict(&program_pages(128))).unwrap();
+    let pages = program_pages(8, 0, Program::Any);
+    let dict = Dictionary::from_bytes(raw_dict(&program_pages(128, 0, Program::Any))).unwrap();
     let params = CodecParams {
         level: Some(3),
         dict: Some(dict.clone()),
@@ -205,14 +171,14 @@ fn dictionary_is_shared_not_copied() {
 
 #[test]
 fn lz4_level_is_acceleration() {
-    let pages = program_pages(64);
+    let pages = program_pages(64, 0, Program::Any);
     let compr = |level: &str| {
         let dev = Device::new_uninit(PAGE).unwrap();
         dev.attr_store("algorithm_params", &format!("level={level}"))
             .unwrap();
         dev.attr_store("disksize", "1M").unwrap();
-        write_all(&dev, &pages);
-        check_all(&dev, &pages);
+        write_pages(&dev, 0, &pages);
+        check_pages(&dev, 0, &pages);
         dev.stats().compr_data_size_bytes
     };
     let (one, fast) = (compr("1"), compr("64"));

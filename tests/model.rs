@@ -53,9 +53,6 @@ use uzram::device::{Device, IdleCutoff};
 use uzram::policy::{DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource};
 use uzram::ErrorKind;
 
-mod nbdkit_support;
-mod vm_support;
-
 /// Where the model's device writes back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum WbBacking {
@@ -64,7 +61,7 @@ enum WbBacking {
     /// In memory (synchronous queue).
     Mem,
     /// The real zoned block device `UZRAM_ZONED_DEV` names (inside the VM of
-    /// `tests/vm_support`), through io_uring: its own zones, reset and finished on it.
+    /// `uzram_testkit::vm`), through io_uring: its own zones, reset and finished on it.
     ZonedDevice,
     /// nbdkit's `memory` plugin over a unix socket, through the NBD client (multi-conn pool,
     /// requests in flight, flushes before completion).
@@ -188,7 +185,7 @@ struct Harness {
     dict_path: Option<std::path::PathBuf>,
     _dict_dir: Option<tempfile::TempDir>,
     /// The NBD server of [`WbBacking::Nbd`] (killed when the harness drops).
-    _server: Option<nbdkit_support::NbdServer>,
+    _server: Option<uzram_testkit::nbd_servers::NbdServer>,
 }
 
 /// The fault injector over either backing.
@@ -304,7 +301,7 @@ impl Harness {
         let (backing, dir): (Arc<dyn FaultControl>, _) = match cfg.backing {
             WbBacking::Nbd => {
                 let size = format!("size={backing_bytes}");
-                let s = nbdkit_support::NbdServer::nbdkit(&["memory", &size]);
+                let s = uzram_testkit::nbd_servers::NbdServer::nbdkit(&["memory", &size]);
                 let nbd = NbdBacking::open(&s.uri(), &NbdOptions::default())
                     .expect("connecting to nbdkit");
                 server = Some(s);
@@ -1320,11 +1317,11 @@ fn model_4k_zstd_zoned_uring() {
 /// it). Fewer operations: the VM may run under emulation.
 #[test]
 fn model_4k_lz4_zoned_blkdev() {
-    if vm_support::zoned_device_or_boot(
+    if uzram_testkit::vm::zoned_device_or_boot(
         "model_4k_lz4_zoned_blkdev",
         &[
             &["--zone-size-mb", "1", "--zones", "4", "--block-size", "512"],
-            vm_support::REORDERING_DEVICE,
+            uzram_testkit::vm::REORDERING_DEVICE,
         ]
         .concat(),
     )

@@ -9,13 +9,9 @@ use uzram::backing::{AlignedBuf, Backing, IoOp, NbdBacking, NbdOptions};
 use uzram::device::{Device, IdleCutoff};
 use uzram::writeback::{WritebackMode, WritebackSpec};
 use uzram::ErrorKind;
-
-mod nbdkit_support;
-mod page_support;
-mod tls_support;
-
-use nbdkit_support::NbdServer;
-use page_support::{bd, check_all, fill, PAGE};
+use uzram_testkit::device::bd;
+use uzram_testkit::nbd_servers::NbdServer;
+use uzram_testkit::pages::{check_all, fill, identical_or_eio, PAGE};
 
 fn open(uri: &str) -> NbdBacking {
     NbdBacking::open(uri, &NbdOptions::default()).unwrap()
@@ -327,22 +323,6 @@ fn raw_file(dir: &tempfile::TempDir, bytes: u64) -> std::path::PathBuf {
     file
 }
 
-/// Reads every page: each reads back identical or fails with `EIO`; returns the failures.
-fn read_all_or_eio(dev: &Device, pages: u64) -> u64 {
-    let mut eio = 0;
-    for i in 0..pages {
-        let mut buf = vec![0u8; PAGE];
-        match dev.read_at(&mut buf, i * PAGE as u64) {
-            Ok(()) => assert!(buf == page_support::page(i, 1), "page {i} differs"),
-            Err(e) => {
-                assert_eq!(e.errno(), libc::EIO, "page {i}: {e}");
-                eio += 1;
-            }
-        }
-    }
-    eio
-}
-
 /// nbdkit's error filter fails writes, then reads, on demand (while a trigger file exists):
 /// failed writes keep their pages in RAM and refund the limit; failed reads are EIO and change
 /// nothing; both work again once the errors stop, on the same connections.
@@ -399,7 +379,7 @@ fn server_errors_keep_pages_in_ram_and_writeback_resumes() {
     assert_eq!(dev.writeback_limit(), 10_000 - written);
 
     std::fs::write(&rerr, b"").unwrap();
-    assert_eq!(read_all_or_eio(&dev, n), written);
+    assert_eq!(identical_or_eio(&dev, n, 1).len() as u64, written);
     assert_eq!(bd(&dev), [written, 0, written]);
     std::fs::remove_file(&rerr).unwrap();
     check_all(&dev, n, 1);
@@ -447,8 +427,8 @@ fn server_killed_mid_writeback_then_back() {
     assert_eq!(dev.writeback_limit(), 100_000 - r.written);
 
     // Gone: RAM pages read and write; written-back pages are EIO; writeback fails at once.
-    assert_eq!(read_all_or_eio(&dev, n), r.written);
-    dev.write_at(&page_support::page(3, 1), 3 * PAGE as u64)
+    assert_eq!(identical_or_eio(&dev, n, 1).len() as u64, r.written);
+    dev.write_at(&uzram_testkit::pages::page(3, 1), 3 * PAGE as u64)
         .unwrap();
     let start = std::time::Instant::now();
     dev.mark_idle(IdleCutoff::All);
@@ -461,7 +441,7 @@ fn server_killed_mid_writeback_then_back() {
     let back = NbdServer::nbdkit_in(sockdir, &["file", &f]);
     assert_eq!(back.uri(), uri);
     let start = std::time::Instant::now();
-    while read_all_or_eio(&dev, n) != 0 {
+    while !identical_or_eio(&dev, n, 1).is_empty() {
         assert!(
             start.elapsed() < std::time::Duration::from_secs(30),
             "no reconnection"
@@ -576,7 +556,7 @@ fn zoned_gc_trims_reset_zones_on_the_server() {
     let version = |i: u64| if i % 3 == 0 { 1 } else { 5 };
     for v in 2..=5 {
         for i in (0..n).filter(|i| i % 3 != 0) {
-            dev.write_at(&page_support::page(i, v), i * PAGE as u64)
+            dev.write_at(&uzram_testkit::pages::page(i, v), i * PAGE as u64)
                 .unwrap();
         }
         let _ = dev.writeback(&WritebackSpec::pages(0, n - 1));
@@ -616,7 +596,7 @@ fn zoned_gc_trims_reset_zones_on_the_server() {
         );
     }
     for i in 0..n {
-        page_support::check(&dev, i, version(i));
+        uzram_testkit::pages::check(&dev, i, version(i));
     }
 }
 
@@ -678,7 +658,7 @@ fn a_reconnection_blocks_no_other_call() {
 /// directory that does not exist (EINVAL), TLS-PSK (EOPNOTSUPP).
 #[test]
 fn tls_to_nbdkit_with_certificates() {
-    let creds = tls_support::make_creds();
+    let creds = uzram_testkit::tls::make_creds();
     let certs = format!("--tls-certificates={}", creds.server().display());
     let tls_args = ["--tls=require", &certs, "--tls-verify-peer"];
     let server = NbdServer::nbdkit(&[&tls_args[..], &["memory", "size=8M"]].concat());
@@ -712,7 +692,7 @@ fn tls_to_nbdkit_with_certificates() {
     let dev = Device::new_uninit(PAGE).unwrap();
     let errno = |v: &str| dev.attr_store("backing_dev", v).unwrap_err().errno();
     assert_eq!(errno(&unix(&creds.anonymous())), libc::EIO);
-    let other = tls_support::make_creds();
+    let other = uzram_testkit::tls::make_creds();
     assert_eq!(errno(&unix(&other.client())), libc::EIO);
     assert_eq!(errno(&server.uri()), libc::EOPNOTSUPP);
     assert_eq!(

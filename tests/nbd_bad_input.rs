@@ -1,12 +1,12 @@
 //! Bad input at the NBD server, byte by byte: each gets the protocol's error or a clean close
 //! of that connection only; other clients go on; no acknowledged write is lost; no panic.
 
-mod nbd_support;
-
-use nbd_support::*;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use uzram::frontend::nbd::protocol::*;
+use uzram::BlockDevice;
+use uzram_testkit::nbd::{RawClient, Served};
+use uzram_testkit::pages::pattern;
 
 const MIB: u64 = 1 << 20;
 

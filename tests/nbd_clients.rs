@@ -4,11 +4,11 @@
 //! Every client must be installed (scripts/debian-packages.txt): a missing one fails the test
 //! with the package to install; nothing is skipped.
 
-mod nbd_support;
-
-use nbd_support::*;
 use std::path::Path;
 use std::process::Command;
+use uzram_testkit::nbd::{NbdLoop, Served};
+use uzram_testkit::pages::pattern;
+use uzram_testkit::process::{require, run};
 
 const MIB: u64 = 1 << 20;
 

@@ -3,15 +3,14 @@
 //! and a connection idle between requests is legitimate and stays. The server runs in this
 //! process with short deadlines (1 s) so the tests take seconds.
 
-mod nbd_support;
-
-use nbd_support::*;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 use uzram::frontend::limits::Limits;
 use uzram::frontend::nbd::protocol::*;
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram_testkit::nbd::{new_device, RawClient, Served};
+use uzram_testkit::pages::pattern;
 
 const DEADLINE: Duration = Duration::from_secs(1);
 

@@ -8,10 +8,6 @@
 //! The seeds are fixed so a failure replays; set `UZRAM_FUZZ_ITERS` to run longer
 //! (`scripts/fuzz-nbd` does).
 
-mod nbd_support;
-mod page_support;
-
-use nbd_support::new_device;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::io::{Cursor, Read};
@@ -22,6 +18,7 @@ use uzram::frontend::nbd::handshake::{negotiate, PlainIo};
 use uzram::frontend::nbd::protocol::*;
 use uzram::frontend::nbd::transmission::{transmission, Channel, Context};
 use uzram::frontend::nbd::Export;
+use uzram_testkit::nbd::new_device;
 
 fn iterations() -> usize {
     std::env::var("UZRAM_FUZZ_ITERS")
@@ -428,7 +425,7 @@ fn fuzz_a_running_server_and_its_control_socket() {
         })
         .unwrap(),
     );
-    let pages: Vec<Vec<u8>> = (0..16).map(|i| page_support::page(i, 1)).collect();
+    let pages: Vec<Vec<u8>> = (0..16).map(|i| uzram_testkit::pages::page(i, 1)).collect();
     for (i, p) in pages.iter().enumerate() {
         reference.write_at(p, i as u64 * 4096).unwrap();
     }
@@ -486,13 +483,13 @@ fn fuzz_a_running_server_and_its_control_socket() {
         };
         assert_eq!(cc.call(&store, &mut |_| {}).unwrap(), Ok(String::new()));
     }
-    let (mut c, _) = nbd_support::RawClient::handshake(&socket, true);
-    let data = nbd_support::pattern(8192, 5);
+    let (mut c, _) = uzram_testkit::nbd::RawClient::handshake(&socket, true);
+    let data = uzram_testkit::pages::pattern(8192, 5);
     assert_eq!(c.write(1, 0, &data), 0);
     assert_eq!(c.read(2, 0, 8192).data, data);
     drop(c);
     // The reference pages, through the server, intact.
-    let (mut r, _) = nbd_support::RawClient::handshake_export(&socket, "reference", true);
+    let (mut r, _) = uzram_testkit::nbd::RawClient::handshake_export(&socket, "reference", true);
     for (i, p) in pages.iter().enumerate() {
         assert_eq!(
             &r.read(10 + i as u64, i as u64 * 4096, 4096).data,

@@ -12,10 +12,7 @@ use uzram::device::Device;
 use uzram::policy::{
     self, DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource, ProcPressure,
 };
-
-mod page_support;
-
-use page_support::{check_all, fill, PAGE};
+use uzram_testkit::pages::{check_all, fill, PAGE};
 
 const PAGES: u64 = 256;
 
@@ -83,7 +80,7 @@ impl Rig {
     }
 }
 
-/// Pages of `page_support` that hold data in RAM (every fourth is same-filled).
+/// Pages of `uzram_testkit::pages::page` that hold data in RAM (every fourth is same-filled).
 fn data_pages(n: u64) -> u64 {
     (0..n).filter(|i| i % 4 != 3).count() as u64
 }

@@ -8,32 +8,8 @@
 use std::sync::Arc;
 use uzram::backing::MemBacking;
 use uzram::device::{Device, RecompressSpec};
-
-mod page_support;
-
-use page_support::PAGE;
-
-/// Pages of real program bytes: this test binary's own file, page by page (code and data
-/// compress as program memory does), each stamped with its index so a misplaced page is caught.
-fn program_pages(n: usize) -> Vec<Vec<u8>> {
-    let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
-    // Only pages lz4 halves at least, so no page of the binary is HUGE whatever the build:
-    // the tests count the HUGE pages they make themselves.
-    let lz4 = uzram::compress::new_codec("lz4", Default::default()).unwrap();
-    let mut dst = vec![0u8; uzram::compress::compress_bound(PAGE)];
-    let usable: Vec<&[u8]> = exe
-        .chunks_exact(PAGE)
-        .filter(|p| lz4.compress(p, &mut dst).unwrap() < PAGE / 2)
-        .collect();
-    assert!(usable.len() >= 16, "test binary too small");
-    (0..n)
-        .map(|i| {
-            let mut p = usable[i % usable.len()].to_vec();
-            p[..8].copy_from_slice(&(i as u64).to_le_bytes());
-            p
-        })
-        .collect()
-}
+use uzram_testkit::device::errno;
+use uzram_testkit::pages::{check_pages, program_pages, write_pages, Program, PAGE};
 
 /// Incompressible pages (xorshift), stamped.
 fn random_page(i: u64) -> Vec<u8> {
@@ -63,29 +39,11 @@ fn device(pages: u64, recomp: &[&str]) -> Device {
     dev
 }
 
-fn write_all(dev: &Device, pages: &[Vec<u8>]) {
-    for (i, p) in pages.iter().enumerate() {
-        dev.write_at(p, (i * PAGE) as u64).unwrap();
-    }
-}
-
-fn check_all(dev: &Device, pages: &[Vec<u8>]) {
-    let mut buf = vec![0u8; PAGE];
-    for (i, p) in pages.iter().enumerate() {
-        dev.read_at(&mut buf, (i * PAGE) as u64).unwrap();
-        assert!(buf == *p, "page {i} differs");
-    }
-}
-
 /// `recomp_stat` as numbers: tried, recompressed, incompressible.
 fn recomp_stat(dev: &Device) -> [u64; 3] {
     let s = dev.attr_show("recomp_stat").unwrap();
     let v: Vec<u64> = s.split_whitespace().map(|x| x.parse().unwrap()).collect();
     [v[0], v[1], v[2]]
-}
-
-fn errno(r: uzram::Result<impl std::fmt::Debug>) -> i32 {
-    r.expect_err("should fail").errno()
 }
 
 #[test]
@@ -210,9 +168,9 @@ fn recomp_algorithm_syntax_show_and_errnos() {
 
 #[test]
 fn recompress_idle_shrinks_and_reads_back() {
-    let pages = program_pages(256);
+    let pages = program_pages(256, 0, Program::Lz4Halves);
     let dev = device(256, &["zstd"]);
-    write_all(&dev, &pages);
+    write_pages(&dev, 0, &pages);
     let before = dev.stats();
     dev.attr_store("idle", "all").unwrap();
     let report = dev
@@ -235,7 +193,7 @@ fn recompress_idle_shrinks_and_reads_back() {
         recomp_stat(&dev),
         [report.tried, report.recompressed, report.incompressible]
     );
-    check_all(&dev, &pages);
+    check_pages(&dev, 0, &pages);
     // Recompressed pages lost IDLE: a second type=idle run finds nothing.
     dev.attr_store("recompress", "type=idle").unwrap();
     assert_eq!(recomp_stat(&dev)[0], report.tried);
@@ -246,7 +204,7 @@ fn recompress_idle_shrinks_and_reads_back() {
         .recompress(&RecompressSpec::parse("type=idle").unwrap())
         .unwrap();
     assert_eq!(again.tried, 0, "{again:?}");
-    check_all(&dev, &pages);
+    check_pages(&dev, 0, &pages);
     // Overwriting a recompressed page stores it with the primary codec again.
     dev.write_at(&pages[1], 0).unwrap();
     let mut buf = vec![0u8; PAGE];
@@ -274,7 +232,7 @@ fn incompressible_pages_are_marked_skipped_and_written_back() {
     for i in (0..32).step_by(4) {
         pages[i] = random_page(i as u64);
     }
-    write_all(&dev, &pages);
+    write_pages(&dev, 0, &pages);
     let huge = dev.stats().huge_pages;
     assert_eq!(huge, 8);
     // Only HUGE pages: none shrinks, all become INCOMPRESSIBLE.
@@ -291,7 +249,7 @@ fn incompressible_pages_are_marked_skipped_and_written_back() {
     // `writeback incompressible` takes exactly them.
     dev.attr_store("writeback", "incompressible").unwrap();
     assert_eq!(dev.stats().bd_count, 8);
-    check_all(&dev, &pages);
+    check_pages(&dev, 0, &pages);
 }
 
 #[test]
@@ -314,9 +272,9 @@ fn only_the_last_priority_marks_incompressible() {
 
 #[test]
 fn max_pages_threshold_algo_and_priority() {
-    let pages = program_pages(64);
+    let pages = program_pages(64, 0, Program::Lz4Halves);
     let dev = device(64, &["lz4hc", "zstd"]);
-    write_all(&dev, &pages);
+    write_pages(&dev, 0, &pages);
     // max_pages bounds the pages tried; the largest objects go first.
     let r = dev
         .recompress(&RecompressSpec::parse("max_pages=5").unwrap())
@@ -348,7 +306,7 @@ fn max_pages_threshold_algo_and_priority() {
         .unwrap();
     // Pages zstd could not shrink are INCOMPRESSIBLE now; the others are at priority 2.
     assert_eq!((r1.tried, r2.tried), (0, 0), "{r1:?} {r2:?}");
-    check_all(&dev, &pages);
+    check_pages(&dev, 0, &pages);
 }
 
 #[test]
@@ -368,8 +326,8 @@ fn recompressed_pages_read_back_after_writeback() {
             .unwrap();
         dev.attr_store("disksize", &(64 * PAGE).to_string())
             .unwrap();
-        let pages = program_pages(64);
-        write_all(&dev, &pages);
+        let pages = program_pages(64, 0, Program::Lz4Halves);
+        write_pages(&dev, 0, &pages);
         // Half the pages at priority 1, the rest at priority 2.
         dev.attr_store("recompress", "algo=deflate max_pages=32")
             .unwrap();
@@ -377,7 +335,7 @@ fn recompressed_pages_read_back_after_writeback() {
         dev.attr_store("idle", "all").unwrap();
         dev.attr_store("writeback", "idle").unwrap();
         assert!(dev.stats().bd_count > 0, "{layout} {compressed}");
-        check_all(&dev, &pages);
+        check_pages(&dev, 0, &pages);
     }
 }
 
@@ -394,9 +352,9 @@ fn bad_input_changes_nothing() {
     let plain = device(4, &[]);
     assert_eq!(errno(plain.attr_store("recompress", "")), libc::EINVAL);
 
-    let pages = program_pages(32);
+    let pages = program_pages(32, 0, Program::Lz4Halves);
     let dev = device(32, &["zstd"]);
-    write_all(&dev, &pages);
+    write_pages(&dev, 0, &pages);
     dev.attr_store("idle", "all").unwrap();
     let mm = dev.attr_show("mm_stat").unwrap();
     for (value, want) in [
@@ -430,5 +388,5 @@ fn bad_input_changes_nothing() {
     dev.attr_store("recompress", "type=idle colour=blue priority=0")
         .unwrap();
     assert!(recomp_stat(&dev)[1] > 0);
-    check_all(&dev, &pages);
+    check_pages(&dev, 0, &pages);
 }

@@ -5,39 +5,7 @@
 //! other path (`tests/model.rs`).
 
 use uzram::device::{Device, GenStat, RecompressSpec, TrainSpec};
-
-mod page_support;
-
-use page_support::PAGE;
-
-/// Pages of real program bytes (this test binary), version `v`: the same program bytes with a
-/// different stamp, so a stale page is caught. Only pages that zstd stores in at most 3/4 of
-/// lz4's bytes (and lz4 in under half a page), so that recompression replaces every page
-/// whatever the build made of the binary: the tests count the generations those pages hold.
-fn program_pages(n: usize, v: u64) -> Vec<Vec<u8>> {
-    let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
-    let lz4 = uzram::compress::new_codec("lz4", Default::default()).unwrap();
-    let zstd = uzram::compress::new_codec("zstd", Default::default()).unwrap();
-    let mut dst = vec![0u8; uzram::compress::compress_bound(PAGE)];
-    let usable: Vec<&[u8]> = exe
-        .chunks_exact(PAGE)
-        .filter(|p| {
-            let l = lz4.compress(p, &mut dst).unwrap();
-            let z = zstd.compress(p, &mut dst).unwrap();
-            l < PAGE / 2 && z * 4 <= l * 3
-        })
-        .collect();
-    assert!(usable.len() >= 64, "test binary too small");
-    (0..n)
-        .map(|i| {
-            let k = (i * 5 + v as usize * 3) % usable.len();
-            let mut p = usable[k].to_vec();
-            p[..8].copy_from_slice(&(i as u64).to_le_bytes());
-            p[8..16].copy_from_slice(&v.to_le_bytes());
-            p
-        })
-        .collect()
-}
+use uzram_testkit::pages::{check_pages, program_pages, write_pages, Program, PAGE};
 
 fn device(pages: usize) -> Device {
     let dev = Device::new_uninit(PAGE).unwrap();
@@ -45,20 +13,6 @@ fn device(pages: usize) -> Device {
     dev.attr_store("disksize", &(pages * PAGE).to_string())
         .unwrap();
     dev
-}
-
-fn write(dev: &Device, first: usize, pages: &[Vec<u8>]) {
-    for (i, p) in pages.iter().enumerate() {
-        dev.write_at(p, ((first + i) * PAGE) as u64).unwrap();
-    }
-}
-
-fn check(dev: &Device, first: usize, pages: &[Vec<u8>]) {
-    let mut buf = vec![0u8; PAGE];
-    for (i, p) in pages.iter().enumerate() {
-        dev.read_at(&mut buf, ((first + i) * PAGE) as u64).unwrap();
-        assert!(buf == *p, "page {} differs", first + i);
-    }
 }
 
 fn gens(dev: &Device) -> GenStat {
@@ -74,8 +28,8 @@ fn retraining_twice_keeps_every_page_readable_and_frees_old_generations() {
     let dir = tempfile::tempdir().unwrap();
     let dev = device(384);
     // Generation 0 (no dictionary): 128 pages recompressed with it.
-    let a = program_pages(128, 1);
-    write(&dev, 0, &a);
+    let a = program_pages(128, 1, Program::ZstdBeatsLz4);
+    write_pages(&dev, 0, &a);
     dev.recompress(&RecompressSpec::default()).unwrap();
     let g = gens(&dev);
     assert_eq!(g.current, 0);
@@ -91,8 +45,8 @@ fn retraining_twice_keeps_every_page_readable_and_frees_old_generations() {
     let saved = std::fs::read(&path).unwrap();
     assert!(!saved.is_empty() && saved.len() <= 16 << 10);
     assert_eq!(&saved[..4], &[0x37, 0xa4, 0x30, 0xec], "a zstd dictionary");
-    let b = program_pages(128, 2);
-    write(&dev, 128, &b);
+    let b = program_pages(128, 2, Program::ZstdBeatsLz4);
+    write_pages(&dev, 128, &b);
     dev.recompress(&RecompressSpec::default()).unwrap();
     let g = gens(&dev);
     assert_eq!(g.current, 1);
@@ -106,16 +60,16 @@ fn retraining_twice_keeps_every_page_readable_and_frees_old_generations() {
 
     // Generation 2: the next 128 pages. Every page of every generation reads back.
     train(&dev, "priority=1 dict_size=8K samples=256 level=5");
-    let c = program_pages(128, 3);
-    write(&dev, 256, &c);
+    let c = program_pages(128, 3, Program::ZstdBeatsLz4);
+    write_pages(&dev, 256, &c);
     dev.recompress(&RecompressSpec::default()).unwrap();
     assert_eq!(gens(&dev).held.len(), 3, "{:?}", gens(&dev));
-    check(&dev, 0, &a);
-    check(&dev, 128, &b);
-    check(&dev, 256, &c);
+    check_pages(&dev, 0, &a);
+    check_pages(&dev, 128, &b);
+    check_pages(&dev, 256, &c);
 
     // Overwriting the pages of generations 0 and 1 frees them; generation 2 stays current.
-    write(&dev, 0, &program_pages(256, 4));
+    write_pages(&dev, 0, &program_pages(256, 4, Program::ZstdBeatsLz4));
     let g = gens(&dev);
     assert_eq!(g.current, 2);
     assert_eq!(
@@ -123,8 +77,8 @@ fn retraining_twice_keeps_every_page_readable_and_frees_old_generations() {
         vec![2],
         "{g:?}"
     );
-    check(&dev, 0, &program_pages(256, 4));
-    check(&dev, 256, &c);
+    check_pages(&dev, 0, &program_pages(256, 4, Program::ZstdBeatsLz4));
+    check_pages(&dev, 256, &c);
     assert!(dev
         .attr_show("dict_stat")
         .unwrap()
@@ -134,12 +88,12 @@ fn retraining_twice_keeps_every_page_readable_and_frees_old_generations() {
 #[test]
 fn every_generation_held_is_ebusy() {
     let dev = device(64);
-    let pages = program_pages(64, 1);
-    write(&dev, 0, &pages[..8]);
+    let pages = program_pages(64, 1, Program::ZstdBeatsLz4);
+    write_pages(&dev, 0, &pages[..8]);
     // Each generation keeps a page: 8 generations, then the 9th training is EBUSY.
     for gen in 0..8 {
         let i = 8 + gen * 4;
-        write(&dev, i, &pages[i..i + 4]);
+        write_pages(&dev, i, &pages[i..i + 4]);
         dev.recompress(&RecompressSpec::default()).unwrap();
         assert_eq!(gens(&dev).held.len(), gen + 1, "{:?}", gens(&dev));
         let r = dev.attr_store("train_dict", "dict_size=4K samples=64");
@@ -149,7 +103,7 @@ fn every_generation_held_is_ebusy() {
             assert_eq!(r.unwrap_err().errno(), libc::EBUSY);
         }
     }
-    check(&dev, 0, &pages[..40]);
+    check_pages(&dev, 0, &pages[..40]);
     // The failed training installed nothing.
     assert_eq!(gens(&dev).current, 7);
 }
@@ -177,8 +131,8 @@ fn bad_input_changes_nothing() {
     );
 
     let dev = device(64);
-    let pages = program_pages(64, 1);
-    write(&dev, 0, &pages);
+    let pages = program_pages(64, 1, Program::ZstdBeatsLz4);
+    write_pages(&dev, 0, &pages);
     let before = gens(&dev);
     for (value, want) in [
         ("dict_size=100", libc::EINVAL),
@@ -208,7 +162,7 @@ fn bad_input_changes_nothing() {
         .unwrap_err();
     assert_eq!(e.errno(), libc::ENOENT, "{e}");
     assert_eq!(gens(&dev), before);
-    check(&dev, 0, &pages);
+    check_pages(&dev, 0, &pages);
     // Write-only.
     assert_eq!(
         dev.attr_show("train_dict").unwrap_err().errno(),

@@ -4,35 +4,16 @@
 //! batch, ENOSPC from a full bitmap and from the device, torn and short writes, failed reads, a
 //! queue that cannot be waited on).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use uzram::backing::{
-    Backing, Engine, FaultKind, FaultPlan, FaultyBacking, FileBacking, FileOptions, IoOp, IoQueue,
-    MemBacking, SubmitResult, SyncQueue,
+    Backing, Engine, FaultKind, FaultPlan, FaultyBacking, FileBacking, FileOptions, MemBacking,
 };
 use uzram::device::{Device, DeviceConfig, IdleCutoff};
 use uzram::writeback::{WritebackMode, WritebackSpec};
 use uzram::ErrorKind;
-
-mod page_support;
-
-use page_support::{bd, check_all, fill, page, PAGE};
-
-fn new_device(pages: u64, backing: Arc<dyn Backing>, compressed: bool) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.set_backing(backing).unwrap();
-    dev.set_compressed_writeback(compressed).unwrap();
-    dev.attr_store("disksize", &(pages * PAGE as u64).to_string())
-        .unwrap();
-    dev
-}
-
-fn mem(blocks: u64) -> Arc<MemBacking> {
-    Arc::new(MemBacking::new(blocks * PAGE as u64).unwrap())
-}
-
-fn tmpdir() -> tempfile::TempDir {
-    tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap())
-}
+use uzram_testkit::device::{bd, device_over, mem_backing, real_tmpdir, DeviceBuilder};
+use uzram_testkit::hook_backing::HookBacking;
+use uzram_testkit::pages::{check_all, fill, identical_or_eio, page, PAGE};
 
 fn file_backing(dir: &tempfile::TempDir, blocks: u64, engine: Engine) -> FileBacking {
     FileBacking::create(
@@ -82,7 +63,7 @@ fn attributes_syntax_and_errnos() {
         .attr_store("backing_dev", "/nonexistent/backing\n")
         .unwrap_err();
     assert_eq!(e.errno(), libc::ENOENT);
-    let dir = tmpdir();
+    let dir = real_tmpdir();
     let path = dir.path().join("bd");
     FileBacking::create(&path, 64 * PAGE as u64, &FileOptions::default()).unwrap();
     dev.attr_store("backing_dev", &format!("{}\n", path.display()))
@@ -130,7 +111,10 @@ fn attributes_syntax_and_errnos() {
 
 fn writeback_reads_back(backing: Arc<dyn Backing>, compressed: bool) {
     let n = 200;
-    let dev = new_device(n, backing, compressed);
+    let dev = DeviceBuilder::pages(n)
+        .backing(backing)
+        .compressed_writeback(compressed)
+        .build();
     fill(&dev, n, 1);
     let before = dev.stats();
     dev.mark_idle(IdleCutoff::All);
@@ -169,20 +153,20 @@ fn writeback_reads_back(backing: Arc<dyn Backing>, compressed: bool) {
 
 #[test]
 fn writeback_idle_reads_back_from_memory_backing() {
-    writeback_reads_back(mem(1024), false);
+    writeback_reads_back(mem_backing(1024), false);
 }
 
 #[test]
 fn compressed_writeback_reads_back() {
-    writeback_reads_back(mem(1024), true);
+    writeback_reads_back(mem_backing(1024), true);
 }
 
 #[test]
 fn writeback_reads_back_from_file_with_uring_and_sync() {
     for engine in [Engine::Uring, Engine::Sync] {
-        let dir = tmpdir();
+        let dir = real_tmpdir();
         writeback_reads_back(Arc::new(file_backing(&dir, 1024, engine)), false);
-        let dir = tmpdir();
+        let dir = real_tmpdir();
         writeback_reads_back(Arc::new(file_backing(&dir, 1024, engine)), true);
     }
 }
@@ -190,7 +174,7 @@ fn writeback_reads_back_from_file_with_uring_and_sync() {
 #[test]
 fn modes_and_ranges_select_what_they_say() {
     let n = 64;
-    let dev = new_device(n, mem(256), false);
+    let dev = device_over(n, mem_backing(256));
     fill(&dev, n, 1);
     // huge: only the random pages (i % 4 == 2).
     dev.attr_store("writeback", "huge").unwrap();
@@ -222,7 +206,7 @@ fn modes_and_ranges_select_what_they_say() {
 #[test]
 fn largest_objects_go_first() {
     // With a limit of one page, the one written must be the HUGE page (the largest object).
-    let dev = new_device(4, mem(16), false);
+    let dev = device_over(4, mem_backing(16));
     for i in 0..4 {
         dev.write_at(&page(i, 1), i * PAGE as u64).unwrap();
     }
@@ -260,7 +244,7 @@ fn largest_objects_go_first() {
 #[test]
 fn limit_is_charged_per_page_and_stops_with_eio() {
     let n = 100;
-    let dev = new_device(n, mem(256), false);
+    let dev = device_over(n, mem_backing(256));
     fill(&dev, n, 1);
     dev.set_writeback_limit_enable(true);
     dev.set_writeback_limit(10);
@@ -271,79 +255,10 @@ fn limit_is_charged_per_page_and_stops_with_eio() {
     check_all(&dev, n, 1);
 }
 
-/// A backing whose queue runs a hook before each submit (on the writeback task), so a test can
-/// change a slot while its write is "in flight" deterministically.
-type Hook = Box<dyn FnMut(u64) + Send>;
-
-struct HookBacking {
-    inner: MemBacking,
-    hook: Mutex<Option<Hook>>,
-}
-
-impl std::fmt::Debug for HookBacking {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("HookBacking")
-    }
-}
-
-impl Backing for HookBacking {
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> uzram::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-    fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> uzram::Result<()> {
-        self.inner.writev_at(bufs, offset)
-    }
-    fn flush(&self) -> uzram::Result<()> {
-        Ok(())
-    }
-    fn describe(&self) -> String {
-        "hook".into()
-    }
-    fn new_queue(&self, depth: usize) -> uzram::Result<Box<dyn IoQueue + '_>> {
-        Ok(Box::new(HookQueue {
-            backing: self,
-            inner: SyncQueue::new(&self.inner, depth)?,
-        }))
-    }
-}
-
-#[derive(Debug)]
-struct HookQueue<'a> {
-    backing: &'a HookBacking,
-    inner: SyncQueue<'a>,
-}
-
-impl IoQueue for HookQueue<'_> {
-    fn depth(&self) -> usize {
-        self.inner.depth()
-    }
-    fn submit(&mut self, op: IoOp) -> SubmitResult {
-        let offset = op.offset;
-        let r = self.inner.submit(op);
-        // The write is done, its completion not yet reaped: the slot changes now.
-        if let Some(h) = self.backing.hook.lock().unwrap().as_mut() {
-            h(offset);
-        }
-        r
-    }
-    fn wait(&mut self, min: usize) -> uzram::Result<Vec<uzram::backing::IoCompletion>> {
-        self.inner.wait(min)
-    }
-    fn in_flight(&self) -> usize {
-        self.inner.in_flight()
-    }
-}
-
 /// A device of 8 pages (version 1 written) over a [`HookBacking`] of 64 blocks.
 fn hooked_device() -> (Arc<HookBacking>, Arc<Device>) {
-    let backing = Arc::new(HookBacking {
-        inner: MemBacking::new(64 * PAGE as u64).unwrap(),
-        hook: Mutex::new(None),
-    });
-    let dev = Arc::new(new_device(8, backing.clone(), false));
+    let backing = Arc::new(HookBacking::new(64 * PAGE as u64));
+    let dev = Arc::new(device_over(8, backing.clone()));
     fill(&dev, 8, 1);
     (backing, dev)
 }
@@ -357,7 +272,7 @@ fn slot_changed_while_in_flight_keeps_new_data_and_releases_the_block() {
     // While page 0's write is in flight, overwrite page 0 (once).
     let weak = Arc::downgrade(&dev);
     let mut fired = false;
-    *backing.hook.lock().unwrap() = Some(Box::new(move |_| {
+    backing.on_submit(Some(Box::new(move |_| {
         if !fired {
             fired = true;
             let d = weak.upgrade().unwrap();
@@ -366,7 +281,7 @@ fn slot_changed_while_in_flight_keeps_new_data_and_releases_the_block() {
             let e = d.attr_store("writeback", "huge").unwrap_err();
             assert_eq!(e.errno(), libc::EAGAIN);
         }
-    }));
+    })));
     let r = dev.writeback(&WritebackSpec::pages(0, 0)).unwrap();
     assert_eq!((r.written, r.changed), (0, 1));
     // The block went back, the charge stayed, the I/O counted.
@@ -375,7 +290,7 @@ fn slot_changed_while_in_flight_keeps_new_data_and_releases_the_block() {
     let mut buf = vec![0u8; PAGE];
     dev.read_at(&mut buf, 0).unwrap();
     assert!(buf == page(0, 2));
-    *backing.hook.lock().unwrap() = None;
+    backing.on_submit(None);
 }
 
 fn faulty_file(dir: &tempfile::TempDir, blocks: u64) -> Arc<FaultyBacking<FileBacking>> {
@@ -384,10 +299,10 @@ fn faulty_file(dir: &tempfile::TempDir, blocks: u64) -> Arc<FaultyBacking<FileBa
 
 #[test]
 fn eio_in_the_middle_of_a_batch_keeps_pages_in_ram_and_refunds_the_limit() {
-    let dir = tmpdir();
+    let dir = real_tmpdir();
     let backing = faulty_file(&dir, 512);
     let n = 256;
-    let dev = new_device(n, backing.clone(), false);
+    let dev = device_over(n, backing.clone());
     fill(&dev, n, 1);
     dev.set_writeback_limit_enable(true);
     dev.set_writeback_limit(10_000);
@@ -420,10 +335,10 @@ fn eio_in_the_middle_of_a_batch_keeps_pages_in_ram_and_refunds_the_limit() {
 #[test]
 fn torn_and_short_writes_are_never_success() {
     for kind in [FaultKind::Torn, FaultKind::Short] {
-        let dir = tmpdir();
+        let dir = real_tmpdir();
         let backing = faulty_file(&dir, 512);
         let n = 64;
-        let dev = new_device(n, backing.clone(), false);
+        let dev = device_over(n, backing.clone());
         fill(&dev, n, 1);
         // Every write fails this way: nothing may become WB.
         backing.set_plan(FaultPlan::new().fail_writes_randomly(1, kind, 7));
@@ -448,7 +363,7 @@ fn torn_and_short_writes_are_never_success() {
 #[test]
 fn enospc_from_a_full_bitmap_stops_and_loses_nothing() {
     let n = 100;
-    let dev = new_device(n, mem(20), false);
+    let dev = device_over(n, mem_backing(20));
     fill(&dev, n, 1);
     let e = dev
         .attr_store("writeback", "page_indexes=0-99")
@@ -469,10 +384,10 @@ fn enospc_from_a_full_bitmap_stops_and_loses_nothing() {
 
 #[test]
 fn enospc_from_the_device_stops_and_loses_nothing() {
-    let dir = tmpdir();
+    let dir = real_tmpdir();
     let backing = faulty_file(&dir, 512);
     let n = 128;
-    let dev = new_device(n, backing.clone(), false);
+    let dev = device_over(n, backing.clone());
     fill(&dev, n, 1);
     backing.set_plan(FaultPlan::new().no_space_after_bytes(40 * PAGE as u64));
     let e = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap_err();
@@ -488,7 +403,7 @@ fn failed_read_back_is_eio_and_changes_nothing() {
     let backing = Arc::new(FaultyBacking::new(
         MemBacking::new(64 * PAGE as u64).unwrap(),
     ));
-    let dev = new_device(8, backing.clone(), false);
+    let dev = device_over(8, backing.clone());
     fill(&dev, 8, 1);
     dev.writeback(&WritebackSpec::pages(0, 7)).unwrap();
     let before = dev.stats();
@@ -525,15 +440,18 @@ fn backing_must_hold_a_page_and_be_set_before_init() {
         ..Default::default()
     })
     .unwrap();
-    assert_eq!(d.set_backing(mem(4)).unwrap_err().errno(), libc::EBUSY);
+    assert_eq!(
+        d.set_backing(mem_backing(4)).unwrap_err().errno(),
+        libc::EBUSY
+    );
 }
 
 #[test]
 fn sixteen_k_pages_write_back_and_count_in_4k_units() {
-    let dev = Device::new_uninit(16384).unwrap();
-    dev.set_backing(Arc::new(MemBacking::new(64 * 16384).unwrap()))
-        .unwrap();
-    dev.attr_store("disksize", "256K").unwrap();
+    let dev = DeviceBuilder::pages(16)
+        .page_size(16384)
+        .backing(mem_backing(4 * 64))
+        .build();
     let mut expect = Vec::new();
     for i in 0..16u64 {
         let p: Vec<u8> = (0..4).flat_map(|k| page(i * 4 + k, 3)).collect();
@@ -565,86 +483,24 @@ fn block_reserved_for_a_skipped_candidate_is_released_at_the_end() {
     // had already reserved for it must go back when the loop ends.
     let weak = Arc::downgrade(&dev);
     let mut fired = false;
-    *backing.hook.lock().unwrap() = Some(Box::new(move |_| {
+    backing.on_submit(Some(Box::new(move |_| {
         if !fired {
             fired = true;
             let d = weak.upgrade().unwrap();
             d.write_at(&page(6, 2), 6 * PAGE as u64).unwrap();
         }
-    }));
+    })));
     let r = dev
         .writeback(&WritebackSpec::pages(2, 2).and(None, 6, 6))
         .unwrap();
     assert_eq!((r.candidates, r.written, r.skipped), (2, 1, 1), "{r:?}");
     assert_eq!(bd(&dev), [1, 0, 1]);
-    *backing.hook.lock().unwrap() = None;
+    backing.on_submit(None);
     let mut buf = vec![0u8; PAGE];
     dev.read_at(&mut buf, 6 * PAGE as u64).unwrap();
     assert!(buf == page(6, 2));
     dev.read_at(&mut buf, 2 * PAGE as u64).unwrap();
     assert!(buf == page(2, 1));
-}
-
-/// A memory backing whose queues fail their next `fail_waits` waits, as a queue the kernel
-/// cannot be waited on does (the writes themselves were done, synchronously).
-#[derive(Debug)]
-struct WaitFailsBacking {
-    inner: MemBacking,
-    fail_waits: std::sync::atomic::AtomicU32,
-}
-
-impl Backing for WaitFailsBacking {
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> uzram::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-    fn writev_at(&self, bufs: &[&[u8]], offset: u64) -> uzram::Result<()> {
-        self.inner.writev_at(bufs, offset)
-    }
-    fn flush(&self) -> uzram::Result<()> {
-        Ok(())
-    }
-    fn describe(&self) -> String {
-        "wait-fails".into()
-    }
-    fn new_queue(&self, depth: usize) -> uzram::Result<Box<dyn IoQueue + '_>> {
-        Ok(Box::new(WaitFailsQueue {
-            backing: self,
-            inner: SyncQueue::new(&self.inner, depth)?,
-        }))
-    }
-}
-
-#[derive(Debug)]
-struct WaitFailsQueue<'a> {
-    backing: &'a WaitFailsBacking,
-    inner: SyncQueue<'a>,
-}
-
-impl IoQueue for WaitFailsQueue<'_> {
-    fn depth(&self) -> usize {
-        self.inner.depth()
-    }
-    fn submit(&mut self, op: IoOp) -> SubmitResult {
-        self.inner.submit(op)
-    }
-    fn wait(&mut self, min: usize) -> uzram::Result<Vec<uzram::backing::IoCompletion>> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let fail = self
-            .backing
-            .fail_waits
-            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
-            .is_ok();
-        if fail {
-            return Err(uzram::Error::io("the queue cannot be waited on"));
-        }
-        self.inner.wait(min)
-    }
-    fn in_flight(&self) -> usize {
-        self.inner.in_flight()
-    }
 }
 
 /// A queue that cannot be waited on stops the writeback: what was in flight counts as failed and
@@ -653,18 +509,13 @@ impl IoQueue for WaitFailsQueue<'_> {
 #[test]
 fn a_queue_that_cannot_be_waited_on_stops_the_writeback_and_loses_nothing() {
     for zoned in [false, true] {
-        let backing = Arc::new(WaitFailsBacking {
-            inner: MemBacking::new(4 << 20).unwrap(),
-            fail_waits: std::sync::atomic::AtomicU32::new(1),
-        });
-        let dev = Device::new_uninit(PAGE).unwrap();
-        dev.set_backing(backing.clone()).unwrap();
+        let backing = Arc::new(HookBacking::new(4 << 20));
+        backing.fail_next_waits(1);
+        let mut dev = DeviceBuilder::pages(64).backing(backing.clone());
         if zoned {
-            dev.attr_store("backing_layout", "zoned").unwrap();
-            dev.attr_store("zone_size", "1M").unwrap();
+            dev = dev.zoned("1M");
         }
-        dev.attr_store("disksize", &(64 * PAGE).to_string())
-            .unwrap();
+        let dev = dev.build();
         fill(&dev, 64, 1);
         dev.set_writeback_batch_size(4).unwrap();
         let spec = WritebackSpec::pages(0, 63);
@@ -690,23 +541,6 @@ fn a_queue_that_cannot_be_waited_on_stops_the_writeback_and_loses_nothing() {
     }
 }
 
-/// Reads every page of `0..pages`: each must read back as `version` or fail with `EIO`, never
-/// as other data. Returns the pages that failed.
-fn identical_or_eio(dev: &Device, pages: u64, version: u64) -> Vec<u64> {
-    let mut failed = Vec::new();
-    let mut buf = vec![0u8; PAGE];
-    for i in 0..pages {
-        match dev.read_at(&mut buf, i * PAGE as u64) {
-            Ok(()) => assert!(buf == page(i, version), "page {i} read back as other data"),
-            Err(e) => {
-                assert_eq!(e.errno(), libc::EIO, "page {i}: {e}");
-                failed.push(i);
-            }
-        }
-    }
-    failed
-}
-
 /// The two cases on a file backing, plain and compressed writeback: flip a byte in
 /// every 7th written block, then truncate the file below every written block and extend it
 /// again. Every page reads back identical or `EIO` (exactly the changed ones), each `EIO`
@@ -716,13 +550,16 @@ fn identical_or_eio(dev: &Device, pages: u64, version: u64) -> Vec<u64> {
 fn a_changed_backing_file_reads_as_eio_never_other_data_and_heals() {
     use std::os::unix::fs::FileExt;
     for compressed in [false, true] {
-        let dir = tmpdir();
+        let dir = real_tmpdir();
         let path = dir.path().join("backing");
         let blocks = 512;
         let backing =
             FileBacking::create(&path, blocks * PAGE as u64, &FileOptions::default()).unwrap();
         let n = 280;
-        let dev = new_device(n, Arc::new(backing), compressed);
+        let dev = DeviceBuilder::pages(n)
+            .backing(Arc::new(backing))
+            .compressed_writeback(compressed)
+            .build();
         assert_eq!(dev.attr_show("bd_checksum_errors").unwrap(), "0\n");
         fill(&dev, n, 1);
         dev.attr_store("writeback", &format!("page_indexes=0-{}", n - 1))
@@ -800,10 +637,10 @@ fn sixteen_k_pages_are_checked_whole() {
     let backing = Arc::new(FaultyBacking::new(
         MemBacking::new(64 * page16 as u64).unwrap(),
     ));
-    let dev = Device::new_uninit(page16).unwrap();
-    dev.set_backing(backing.clone()).unwrap();
-    dev.attr_store("disksize", &(8 * page16).to_string())
-        .unwrap();
+    let dev = DeviceBuilder::pages(8)
+        .page_size(page16)
+        .backing(backing.clone())
+        .build();
     let data: Vec<u8> = (0..8 * page16).map(|i| (i * 7 % 253) as u8).collect();
     dev.write_at(&data, 0).unwrap();
     dev.attr_store("writeback", "page_indexes=0-7").unwrap();

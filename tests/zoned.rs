@@ -12,26 +12,14 @@ use uzram::backing::{
 use uzram::device::Device;
 use uzram::writeback::{BackingLayout, WritebackSpec};
 use uzram::ErrorKind;
-
-mod page_support;
-
-use page_support::{bd, check, check_all, fill, page, PAGE};
+use uzram_testkit::device::{bd, zoned_device, DeviceBuilder};
+use uzram_testkit::pages::{check, check_all, fill, page, PAGE};
 
 const ZONE: u64 = 1 << 20;
 
 /// Pages of `page` that are not same-filled (the ones writeback takes).
 fn stored(n: u64) -> u64 {
     n - n / 4
-}
-
-fn zoned_device(pages: u64, backing: Arc<dyn Backing>) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.set_backing(backing).unwrap();
-    dev.attr_store("backing_layout", "zoned\n").unwrap();
-    dev.attr_store("zone_size", "1M").unwrap();
-    dev.attr_store("disksize", &(pages * PAGE as u64).to_string())
-        .unwrap();
-    dev
 }
 
 /// `zone_stat` as numbers: empty open full live_bytes writeback_bytes gc_runs
@@ -69,7 +57,8 @@ fn attributes_syntax_and_errnos() {
     assert_eq!(e(dev.attr_store("zone_size", "2M")), libc::EINVAL);
     dev.attr_store("zone_size", "1M\n").unwrap();
     assert_eq!(dev.attr_show("zone_size").unwrap(), "1048576\n");
-    dev.attr_store("backing_layout", "zoned").unwrap();
+    // With the newline `echo` adds.
+    dev.attr_store("backing_layout", "zoned\n").unwrap();
     assert_eq!(dev.attr_show("backing_layout").unwrap(), "zoned\n");
     assert_eq!(
         dev.attr_show("zone_stat").unwrap(),
@@ -106,7 +95,7 @@ fn attributes_syntax_and_errnos() {
 
 fn writes_back_and_reads_back(backing: Arc<dyn Backing>) {
     let n = 512;
-    let dev = zoned_device(n, backing);
+    let dev = zoned_device(n, backing, "1M");
     fill(&dev, n, 1);
     let before = dev.stats();
     let r = dev
@@ -199,7 +188,7 @@ fn expected(i: u64, rounds: u64) -> u64 {
 fn gc_reclaims_zones_while_readers_run_and_keeps_every_page() {
     let n = 400;
     let rounds = 4;
-    let dev = Arc::new(zoned_device(n, mem_zones(6)));
+    let dev = Arc::new(zoned_device(n, mem_zones(6), "1M"));
     fill(&dev, n, 1);
     dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
     churn(&dev, n, rounds);
@@ -259,7 +248,7 @@ fn gc_reclaims_zones_while_readers_run_and_keeps_every_page() {
 fn writeback_triggers_gc_when_zones_run_low() {
     let n = 400;
     let rounds = 6;
-    let dev = zoned_device(n, mem_zones(5));
+    let dev = zoned_device(n, mem_zones(5), "1M");
     fill(&dev, n, 1);
     dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
     churn(&dev, n, rounds);
@@ -274,7 +263,7 @@ fn writeback_triggers_gc_when_zones_run_low() {
 #[test]
 fn a_corrupted_record_reads_as_eio_through_the_device() {
     let mem = mem_zones(4);
-    let dev = zoned_device(8, mem.clone());
+    let dev = zoned_device(8, mem.clone(), "1M");
     fill(&dev, 8, 1);
     dev.writeback(&WritebackSpec::pages(0, 7)).unwrap();
     // Page 2 is random, stored raw: find its record's payload by its stamp.
@@ -310,7 +299,7 @@ fn write_errors_keep_pages_in_ram_and_refund_the_limit() {
     for kind in [FaultKind::Eio, FaultKind::Torn, FaultKind::Short] {
         let backing = Arc::new(FaultyBacking::new(MemBacking::new(8 * ZONE).unwrap()));
         let n = 600;
-        let dev = zoned_device(n, backing.clone());
+        let dev = zoned_device(n, backing.clone(), "1M");
         fill(&dev, n, 1);
         dev.set_writeback_limit_enable(true);
         dev.set_writeback_limit(10_000);
@@ -340,7 +329,7 @@ fn write_errors_keep_pages_in_ram_and_refund_the_limit() {
 fn enospc_stops_and_loses_nothing() {
     // Three zones: the writer may use two (one is kept for GC); 2000 pages do not fit.
     let n = 2000;
-    let dev = zoned_device(n, mem_zones(3));
+    let dev = zoned_device(n, mem_zones(3), "1M");
     fill(&dev, n, 1);
     let e = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
@@ -373,7 +362,7 @@ fn eio_in_the_middle_of_gc_loses_nothing_and_resets_no_zone() {
         let backing = Arc::new(FaultyBacking::new(MemBacking::new(8 * ZONE).unwrap()));
         let n = 400;
         let rounds = 4;
-        let dev = zoned_device(n, backing.clone());
+        let dev = zoned_device(n, backing.clone(), "1M");
         fill(&dev, n, 1);
         dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
         churn(&dev, n, rounds);
@@ -404,13 +393,12 @@ fn eio_in_the_middle_of_gc_loses_nothing_and_resets_no_zone() {
 #[test]
 fn large_pages_write_back_and_read_back() {
     for ps in [16384usize, 65536] {
-        let dev = Device::new_uninit(ps).unwrap();
-        dev.set_backing(mem_zones(4)).unwrap();
-        dev.attr_store("backing_layout", "zoned").unwrap();
-        dev.attr_store("zone_size", "1M").unwrap();
         let n = 24u64;
-        dev.attr_store("disksize", &(n * ps as u64).to_string())
-            .unwrap();
+        let dev = DeviceBuilder::pages(n)
+            .page_size(ps)
+            .backing(mem_zones(4))
+            .zoned("1M")
+            .build();
         // Random (stored raw: the largest records) and text-like pages, stamped.
         let pages: Vec<Vec<u8>> = (0..n)
             .map(|i| {
@@ -459,7 +447,7 @@ fn enospc_from_the_device_counts_only_completed_writes() {
     for batch in [1, 16] {
         let backing = Arc::new(FaultyBacking::new(MemBacking::new(8 * ZONE).unwrap()));
         let n = 1200;
-        let dev = zoned_device(n, backing.clone());
+        let dev = zoned_device(n, backing.clone(), "1M");
         fill(&dev, n, 1);
         dev.attr_store("writeback_batch_size", &batch.to_string())
             .unwrap();
@@ -507,7 +495,7 @@ fn enospc_from_the_device_counts_only_completed_writes() {
 fn gc_verifies_what_it_moves_and_never_destroys_the_only_copy() {
     let n = 600;
     let mem = mem_zones(6);
-    let dev = zoned_device(n, mem.clone());
+    let dev = zoned_device(n, mem.clone(), "1M");
     fill(&dev, n, 1);
     dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
     assert!(
@@ -582,7 +570,7 @@ fn gc_rereads_a_record_corrupted_in_transit() {
     let mut caught_in = None;
     for k in 0..16u64 {
         let backing = Arc::new(FaultyBacking::new(MemBacking::new(6 * ZONE).unwrap()));
-        let dev = zoned_device(n, backing.clone());
+        let dev = zoned_device(n, backing.clone(), "1M");
         fill(&dev, n, 1);
         dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
         for i in (0..n).filter(|&i| !kept(i)) {

@@ -1,5 +1,5 @@
 //! Zoned writeback on a real kernel zoned block device: a host-managed zoned `null_blk` in a
-//! VM (see `tests/vm_support`). The device's own zones are used: the layout and zone size
+//! VM (see `uzram_testkit::vm`). The device's own zones are used: the layout and zone size
 //! follow from the device, zones left dirty by an earlier user are reset at setup, writes
 //! reach each zone in write-pointer order (the device refuses anything else), GC resets the
 //! zones it empties and finishes the ones it stops writing, and every page reads back
@@ -9,17 +9,13 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use uzram_testkit::pages::{check, fill, page, PAGE};
+use uzram_testkit::vm::zoned_device_or_boot;
 
 use uzram::backing::{Backing, Engine, FileBacking, FileOptions, ZoneKind};
 use uzram::device::Device;
 use uzram::writeback::WritebackSpec;
 use uzram::ErrorKind;
-
-mod page_support;
-mod vm_support;
-
-use page_support::{check, fill, page, PAGE};
-use vm_support::zoned_device_or_boot;
 
 fn open(path: &Path) -> Arc<FileBacking> {
     Arc::new(FileBacking::open(path, &FileOptions::with_engine(Engine::Uring)).unwrap())
@@ -197,7 +193,7 @@ fn zoned_null_blk_small_zones() {
         "zoned_null_blk_small_zones",
         &[
             &["--zone-size-mb", "1", "--zones", "8", "--block-size", "512"],
-            vm_support::REORDERING_DEVICE,
+            uzram_testkit::vm::REORDERING_DEVICE,
         ]
         .concat(),
     ) {

@@ -2,11 +2,8 @@
 //! uzram's server and nbdkit's two memory allocators and writes its JSON. No timing is
 //! asserted; the kernel anchor is left out (it would reset a zram0 someone may be using).
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-
-use nbd_support::*;
 use std::process::Command;
+use uzram_testkit::process::{require, run};
 
 #[test]
 fn bench_nbd_measures_uzram_and_nbdkit_and_writes_json() {

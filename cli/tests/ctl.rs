@@ -1,129 +1,13 @@
 //! `uzram ctl`, `uzram status`, `uzram serve --config` and `--swap` as a user runs them: the
 //! built binary, a real NBD client (qemu-img, qemu-io), exit codes and messages.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-mod serve_support;
-
-use nbd_support::*;
-use serve_support::{ctl_in, uri_in, wait_serving};
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
-
-struct Running {
-    child: Child,
-    dir: tempfile::TempDir,
-}
-
-impl Running {
-    fn dir(&self) -> &Path {
-        self.dir.path()
-    }
-    fn uri(&self, name: &str) -> String {
-        uri_in(self.dir(), name)
-    }
-    /// `uzram ctl --dir DIR ARGS...`.
-    fn ctl(&self, args: &[&str]) -> Output {
-        ctl_in(self.dir(), args)
-    }
-    fn status(&self, args: &[&str]) -> String {
-        let out = Command::new(BIN)
-            .arg("status")
-            .arg("--dir")
-            .arg(self.dir())
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    }
-    /// What the server wrote to stderr so far.
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir().join("stderr")).unwrap_or_default()
-    }
-    fn sockets(&self) -> Vec<PathBuf> {
-        std::fs::read_dir(self.dir())
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|x| x == "sock" || x == "ctl"))
-            .collect()
-    }
-    /// SIGTERM; the server exits 0 and removes its export and control sockets.
-    fn stop(mut self) {
-        assert!(!self.sockets().is_empty());
-        run(Command::new("kill").args(["-TERM", &self.child.id().to_string()]));
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                assert!(s.success(), "{s:?}: {}", self.log());
-                break;
-            }
-            assert!(Instant::now() < deadline, "uzram serve did not stop");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert_eq!(self.sockets(), Vec::<PathBuf>::new(), "sockets left behind");
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `uzram serve ARGS` (`{dir}` in an argument becomes the temporary directory, which the
-/// sockets default to through `--socket`); waits until it is serving.
-fn serve_in(dir: tempfile::TempDir, args: &[&str], prefix: &[&str]) -> Running {
-    let d = dir.path().to_str().unwrap().to_string();
-    let mut cmd = Command::new(prefix.first().copied().unwrap_or(BIN));
-    if !prefix.is_empty() {
-        // The prefix may drop privileges: run a copy in the (world-readable) temporary
-        // directory, since the build directory may be private to root.
-        let copy = dir.path().join("uzram");
-        std::fs::copy(BIN, &copy).unwrap();
-        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
-        cmd.args(&prefix[1..]).arg(copy);
-    }
-    cmd.arg("serve")
-        .args(args.iter().map(|a| a.replace("{dir}", &d)))
-        .stdout(Stdio::piped());
-    // A copy just written can be busy for exec (ETXTBSY) while another test thread's child,
-    // forked while the copy's file was open for writing, has not exec'd yet and still holds
-    // that descriptor: the prefix's exec then fails. A few tries, a moment apart.
-    let mut tries = 0;
-    loop {
-        tries += 1;
-        let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
-        let mut child = cmd.stderr(stderr).spawn().unwrap();
-        let (_, serving) = wait_serving(child.stdout.take().unwrap());
-        let log = std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default();
-        if !serving && log.contains("Text file busy") && tries < 5 {
-            let _ = child.kill();
-            let _ = child.wait();
-            std::thread::sleep(std::time::Duration::from_millis(200));
-            continue;
-        }
-        let r = Running { child, dir };
-        assert!(serving, "uzram serve did not start: {}", r.log());
-        return r;
-    }
-}
-
-fn serve(args: &[&str]) -> Running {
-    serve_in(tempfile::tempdir().unwrap(), args, &[])
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use uzram_testkit::nbd::RawClient;
+use uzram_testkit::process::{is_root, proc_field, require, run};
+use uzram_testkit::serve::{stderr, stdout, uzram_bin, Running, Serve};
+use uzram_testkit::vm::mem_total_bytes;
 
 fn mm_stat(r: &Running, dev: &str) -> Vec<u64> {
     let o = r.ctl(&["--dev", dev, "mm_stat"]);
@@ -146,7 +30,7 @@ fn qemu_img_size(uri: &str) -> u64 {
 fn ctl_shows_and_stores_attributes_with_zrams_errnos() {
     require("qemu-io");
     require("qemu-img");
-    let r = serve(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]);
+    let r = Serve::args(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]).start();
     let ctl_sock = r.dir().join("zram0.ctl");
     let mode = std::fs::metadata(&ctl_sock).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "control socket mode {mode:o}");
@@ -271,7 +155,9 @@ socket = "{d}/zram1.sock"
         ),
     )
     .unwrap();
-    let r = serve_in(dir, &["--config", cfg.to_str().unwrap()], &[]);
+    let r = Serve::args(&["--config", cfg.to_str().unwrap()])
+        .in_dir(dir)
+        .start();
     assert_eq!(qemu_img_size(&r.uri("zram0")), 64 << 20);
     assert_eq!(qemu_img_size(&r.uri("zram1")), 16 << 20);
     assert_eq!(mm_stat(&r, "zram0")[3], 32 << 20, "mem_limit from the file");
@@ -377,7 +263,7 @@ socket = "{d}/zram1.sock"
     );
     // zramctl's errors and exit status 1.
     let status = |args: &[&str]| {
-        Command::new(BIN)
+        Command::new(uzram_bin())
             .arg("status")
             .arg("--dir")
             .arg(r.dir())
@@ -408,7 +294,7 @@ fn a_config_with_an_unknown_attribute_is_refused_by_name() {
         ),
     )
     .unwrap();
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args(["serve", "--config", cfg.to_str().unwrap()])
         .output()
         .unwrap();
@@ -420,7 +306,7 @@ fn a_config_with_an_unknown_attribute_is_refused_by_name() {
     );
     assert!(!dir.path().join("zram0.sock").exists());
     // Device flags and a file do not mix.
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args([
             "serve",
             "--config",
@@ -436,24 +322,14 @@ fn a_config_with_an_unknown_attribute_is_refused_by_name() {
 #[test]
 fn the_embedded_default_is_min_half_ram_4g_lz4() {
     require("qemu-img");
-    let r = serve(&["--socket", "{dir}/zram0.sock"]);
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
-    let kib: u64 = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    let want = (kib * 1024 / 2).min(4 << 30).div_ceil(4096) * 4096;
+    let r = Serve::args(&["--socket", "{dir}/zram0.sock"]).start();
+    let want = (mem_total_bytes() / 2).min(4 << 30).div_ceil(4096) * 4096;
     assert_eq!(qemu_img_size(&r.uri("zram0")), want);
     assert_eq!(
         stdout(&r.ctl(&["comp_algorithm"])),
         "[lz4] lz4hc zstd deflate \n"
     );
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args(["serve", "--print-default-config"])
         .output()
         .unwrap();
@@ -462,16 +338,7 @@ fn the_embedded_default_is_min_half_ram_4g_lz4() {
 }
 
 fn vm_lck_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmLck:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap()
+    proc_field(&format!("/proc/{pid}/status"), "VmLck")
 }
 
 /// Whether this process's effective capabilities include `cap` (CAP_SYS_RESOURCE is 24).
@@ -484,22 +351,18 @@ fn has_capability(cap: u32) -> bool {
     u64::from_str_radix(hex.trim(), 16).unwrap() & (1 << cap) != 0
 }
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 #[test]
 fn swap_locks_memory_and_marks_an_io_flusher_as_root() {
     assert!(is_root(), "this test needs root (CI runs as root)");
     require("qemu-io");
-    let r = serve(&[
+    let r = Serve::args(&[
         "--swap",
         "--disksize",
         "64M",
         "--socket",
         "{dir}/zram0.sock",
-    ]);
+    ])
+    .start();
     let log = r.log();
     assert!(log.contains("--swap: memory locked"), "{log}");
     // PR_SET_IO_FLUSHER needs CAP_SYS_RESOURCE, which some containers withhold even from
@@ -543,25 +406,24 @@ fn swap_without_privileges_says_what_it_could_not_do_and_serves() {
     // Writable by the unprivileged user, and sticky so that no other user could replace its
     // socket (the server refuses a socket directory others can write without the sticky bit).
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
-    let r = serve_in(
-        dir,
-        &[
-            "--swap",
-            "--disksize",
-            "16M",
-            "--socket",
-            "{dir}/zram0.sock",
-        ],
-        &[
-            "prlimit",
-            "--memlock=65536:65536",
-            "setpriv",
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--inh-caps=-all",
-        ],
-    );
+    let r = Serve::args(&[
+        "--swap",
+        "--disksize",
+        "16M",
+        "--socket",
+        "{dir}/zram0.sock",
+    ])
+    .in_dir(dir)
+    .prefix(&[
+        "prlimit",
+        "--memlock=65536:65536",
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all",
+    ])
+    .start();
     let log = r.log();
     assert!(
         log.contains("memory NOT locked: RLIMIT_MEMLOCK is 65536 bytes"),
@@ -591,7 +453,7 @@ fn wait_nbd_connections(r: &Running, dev: &str, n: usize) {
 fn hot_add_and_hot_remove_as_zram_control() {
     require("qemu-io");
     require("qemu-img");
-    let r = serve(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]);
+    let r = Serve::args(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]).start();
     let class = r.dir().join("zram-control");
     let mode = std::fs::metadata(&class).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "class socket mode {mode:o}");
@@ -634,8 +496,7 @@ fn hot_add_and_hot_remove_as_zram_control() {
     assert!(row.contains("zstd") && row.contains("32M"), "{s}");
 
     // EBUSY while an NBD client has it open; nothing changes.
-    let (client, size) =
-        nbd_support::RawClient::handshake_export(&r.dir().join("zram1.sock"), "zram1", false);
+    let (client, size) = RawClient::handshake_export(&r.dir().join("zram1.sock"), "zram1", false);
     assert_eq!(size, 32 << 20);
     let o = r.ctl(&["hot_remove", "1"]);
     assert_eq!(o.status.code(), Some(libc::EBUSY), "{o:?}");
@@ -699,14 +560,15 @@ fn hot_add_and_hot_remove_as_zram_control() {
 /// extension), still `EBUSY` while it is open; a word that names no device stays `EINVAL`.
 #[test]
 fn hot_remove_by_name() {
-    let r = serve(&[
+    let r = Serve::args(&[
         "--name",
         "swap",
         "--disksize",
         "16M",
         "--socket",
         "{dir}/swap.sock",
-    ]);
+    ])
+    .start();
     assert_eq!(
         r.ctl(&["hot_remove", "0"]).status.code(),
         Some(libc::ENODEV)
@@ -715,8 +577,7 @@ fn hot_remove_by_name() {
         r.ctl(&["hot_remove", "swap0"]).status.code(),
         Some(libc::EINVAL)
     );
-    let (client, size) =
-        nbd_support::RawClient::handshake_export(&r.dir().join("swap.sock"), "swap", false);
+    let (client, size) = RawClient::handshake_export(&r.dir().join("swap.sock"), "swap", false);
     assert_eq!(size, 16 << 20);
     let o = r.ctl(&["hot_remove", "swap"]);
     assert_eq!(o.status.code(), Some(libc::EBUSY), "{o:?}");

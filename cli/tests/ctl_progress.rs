@@ -3,22 +3,19 @@
 //! server counting the work; off a terminal nothing, or with `-v` the server's `uzram: LINE`
 //! lines on stderr; nothing on stdout either way.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-mod serve_support;
-
-use nbd_support::{require, run};
-use serve_support::{serve_config, BIN};
 use std::process::Command;
+use uzram_testkit::process::{require, run};
+use uzram_testkit::serve::{uzram_bin, Serve};
 
 #[test]
 fn long_operations_show_a_bar_on_a_terminal_and_nothing_elsewhere() {
     require("qemu-io");
     require("nbdcopy");
     require("script");
+    let bin = uzram_bin().display().to_string();
     let backing = tempfile::NamedTempFile::new().unwrap();
     backing.as_file().set_len(64 << 20).unwrap();
-    let s = serve_config(&format!(
+    let s = Serve::config(&format!(
         r#"
 [[device]]
 name = "zram0"
@@ -27,16 +24,21 @@ backing_dev = "{}"
 socket = "{{dir}}/zram0.sock"
 "#,
         backing.path().display()
-    ));
+    ))
+    .start();
     // Real pages: the first 8 MiB of the uzram executable (2048 pages), through nbdcopy; and
     // a same-filled MiB after them.
-    let exe = std::fs::read(BIN).unwrap();
-    assert!(exe.len() >= 8 << 20, "{BIN} is {} bytes", exe.len());
+    let exe = std::fs::read(&bin).unwrap();
+    assert!(exe.len() >= 8 << 20, "{bin} is {} bytes", exe.len());
     let img = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(img.path(), &exe[..8 << 20]).unwrap();
-    run(Command::new("nbdcopy").args(["--no-extents", img.path().to_str().unwrap(), &s.uri()]));
-    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x33 8M 1M", &s.uri()]));
-    let dir = s.dir.path().display().to_string();
+    run(Command::new("nbdcopy").args([
+        "--no-extents",
+        img.path().to_str().unwrap(),
+        &s.uri("zram0"),
+    ]));
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x33 8M 1M", &s.uri("zram0")]));
+    let dir = s.dir().display().to_string();
 
     // Not a terminal: nothing on stdout or stderr.
     let o = s.ctl(&["compact", "1"]);
@@ -59,8 +61,8 @@ socket = "{{dir}}/zram0.sock"
     // same-filled pages are not candidates: the total is the pages stored as objects.
     let o = s.ctl(&["idle", "all"]);
     assert!(o.status.success(), "{o:?}");
-    let mm = s.show("mm_stat");
-    let cmd = format!("{BIN} ctl --dir {dir} writeback idle");
+    let mm = s.show("zram0", "mm_stat");
+    let cmd = format!("{bin} ctl --dir {dir} writeback idle");
     let o = Command::new("script")
         .args(["-qec", &cmd, "/dev/null"])
         .output()
@@ -68,7 +70,7 @@ socket = "{{dir}}/zram0.sock"
     assert!(o.status.success(), "{o:?}");
     let tty = String::from_utf8_lossy(&o.stdout).into_owned();
     let bd_writes: u64 = s
-        .show("bd_stat")
+        .show("zram0", "bd_stat")
         .split_whitespace()
         .nth(2)
         .unwrap()
@@ -86,7 +88,7 @@ socket = "{{dir}}/zram0.sock"
     assert!(!tty.contains("uzram: writeback"), "{tty:?}");
     // Every page reads back identical (from the backing device now).
     let back = tempfile::NamedTempFile::new().unwrap();
-    run(Command::new("nbdcopy").args([&s.uri(), back.path().to_str().unwrap()]));
+    run(Command::new("nbdcopy").args([&s.uri("zram0"), back.path().to_str().unwrap()]));
     let got = std::fs::read(back.path()).unwrap();
     assert!(
         got[..8 << 20] == exe[..8 << 20],
@@ -97,8 +99,8 @@ socket = "{{dir}}/zram0.sock"
     // compact on a terminal: a bar of pages freed of what compaction estimated (discard most
     // of the pool first so there is something to free), or a cleared spinner when there is
     // nothing; either way the exit status and no `uzram: ` lines.
-    run(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 4M", &s.uri()]));
-    let cmd = format!("{BIN} ctl --dir {dir} compact 1");
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 4M", &s.uri("zram0")]));
+    let cmd = format!("{bin} ctl --dir {dir} compact 1");
     let o = Command::new("script")
         .args(["-qec", &cmd, "/dev/null"])
         .output()
@@ -108,7 +110,7 @@ socket = "{{dir}}/zram0.sock"
     assert!(!tty.contains("uzram: compact: started"), "{tty:?}");
 
     // A short attribute on a terminal: no bar, its text as always.
-    let cmd = format!("{BIN} ctl --dir {dir} disksize");
+    let cmd = format!("{bin} ctl --dir {dir} disksize");
     let o = Command::new("script")
         .args(["-qec", &cmd, "/dev/null"])
         .output()
@@ -120,7 +122,7 @@ socket = "{{dir}}/zram0.sock"
     );
     // A failure on a terminal: the errno, the message, no bar left behind (gc needs a
     // zoned store).
-    let cmd = format!("{BIN} ctl --dir {dir} gc 1");
+    let cmd = format!("{bin} ctl --dir {dir} gc 1");
     let o = Command::new("script")
         .args(["-qec", &cmd, "/dev/null"])
         .output()

@@ -3,105 +3,13 @@
 //! `promtool check metrics`, fetched over HTTP by curl, and compared with the attributes
 //! `uzram ctl` shows.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-mod serve_support;
-
-use nbd_support::*;
-use serve_support::{ctl_in, uri_in, wait_serving};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
-
-struct Running {
-    child: Child,
-    dir: tempfile::TempDir,
-    /// What `uzram serve` printed before "serving".
-    banner: Vec<String>,
-}
-
-impl Running {
-    fn dir(&self) -> &Path {
-        self.dir.path()
-    }
-    fn uri(&self, name: &str) -> String {
-        uri_in(self.dir(), name)
-    }
-    fn ctl(&self, args: &[&str]) -> Output {
-        ctl_in(self.dir(), args)
-    }
-    fn show(&self, dev: &str, attr: &str) -> String {
-        let out = self.ctl(&["--dev", dev, attr]);
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    }
-    /// The metrics URL `serve` printed.
-    fn metrics_url(&self) -> String {
-        self.banner
-            .iter()
-            .find_map(|l| l.strip_prefix("metrics: "))
-            .expect("a metrics line")
-            .to_string()
-    }
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir().join("stderr")).unwrap_or_default()
-    }
-    /// SIGTERM; exits 0 within `within`.
-    fn stop_within(mut self, within: Duration) {
-        run(Command::new("kill").args(["-TERM", &self.child.id().to_string()]));
-        let t = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                assert!(s.success(), "{s:?}: {}", self.log());
-                return;
-            }
-            assert!(
-                t.elapsed() < within,
-                "uzram serve did not stop in {within:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// `uzram serve ARGS` (`{dir}` becomes the temporary directory), until it prints "serving";
-/// `Err` with its stderr if it exits first.
-fn try_serve(args: &[&str]) -> Result<Running, String> {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().to_str().unwrap().to_string();
-    // A --config file's `{dir}` too.
-    if let Some(i) = args.iter().position(|a| *a == "--config") {
-        let path = args[i + 1];
-        let text = std::fs::read_to_string(path).unwrap().replace("{dir}", &d);
-        std::fs::write(path, text).unwrap();
-    }
-    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
-    let mut child = Command::new(BIN)
-        .arg("serve")
-        .args(args.iter().map(|a| a.replace("{dir}", &d)))
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let (banner, serving) = wait_serving(child.stdout.take().unwrap());
-    let r = Running { child, dir, banner };
-    if serving {
-        Ok(r)
-    } else {
-        Err(r.log())
-    }
-}
+use uzram_testkit::nbd::RawClient;
+use uzram_testkit::process::{require, run};
+use uzram_testkit::serve::{uzram_bin, Serve};
 
 /// `promtool check metrics` on `text`: it must pass without a single lint problem.
 fn promtool_check(text: &str) {
@@ -167,10 +75,8 @@ fn curl(args: &[&str]) -> Output {
 #[test]
 fn ctl_and_http_metrics_pass_promtool_and_equal_the_attributes() {
     // A file with two devices whose sockets are in the server's temporary directory
-    // (`{dir}`, replaced by try_serve).
-    let config = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(
-        config.path(),
+    // (`{dir}`, replaced by the harness).
+    let r = Serve::config(
         "[server]\nmetrics_listen = \"127.0.0.1:0\"\n\
          [[device]]\nname = \"zram0\"\ndisksize = \"64M\"\ncomp_algorithm = \"zstd\"\n\
          socket = \"{dir}/zram0.sock\"\n\
@@ -178,8 +84,7 @@ fn ctl_and_http_metrics_pass_promtool_and_equal_the_attributes() {
          [[device]]\nname = \"zram1\"\ndisksize = \"32M\"\npage_size = 16384\n\
          socket = \"{dir}/zram1.sock\"\n",
     )
-    .unwrap();
-    let r = try_serve(&["--config", config.path().to_str().unwrap()]).unwrap();
+    .start();
 
     // Real pages (this test's own executable) through nbdcopy, and a same-filled MiB.
     require("nbdcopy");
@@ -370,7 +275,7 @@ fn ctl_and_http_metrics_pass_promtool_and_equal_the_attributes() {
 
 #[test]
 fn metrics_stay_on_loopback_unless_allowed() {
-    let e = try_serve(&[
+    let e = Serve::args(&[
         "--socket",
         "{dir}/zram0.sock",
         "--disksize",
@@ -378,10 +283,11 @@ fn metrics_stay_on_loopback_unless_allowed() {
         "--metrics-listen",
         "0.0.0.0:0",
     ])
-    .err()
-    .expect("refused");
+    .try_start()
+    .expect_err("refused")
+    .stderr;
     assert!(e.contains("not a loopback address"), "{e}");
-    let r = try_serve(&[
+    let r = Serve::args(&[
         "--socket",
         "{dir}/zram0.sock",
         "--disksize",
@@ -390,7 +296,7 @@ fn metrics_stay_on_loopback_unless_allowed() {
         "0.0.0.0:0",
         "--metrics-allow-remote",
     ])
-    .unwrap();
+    .start();
     let url = r.metrics_url();
     let port = url.rsplit(':').next().unwrap().trim_end_matches("/metrics");
     let out = curl(&[&format!("http://127.0.0.1:{port}/metrics")]);
@@ -399,7 +305,7 @@ fn metrics_stay_on_loopback_unless_allowed() {
     assert_eq!(sample(&body, "uzram_disksize_bytes", "zram0"), 1 << 20);
     // `uzram ctl metrics` with no server: an empty exposition (no device), exit 0.
     let empty = tempfile::tempdir().unwrap();
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args(["ctl", "--dir", empty.path().to_str().unwrap(), "metrics"])
         .output()
         .unwrap();
@@ -426,7 +332,7 @@ fn metrics_stay_on_loopback_unless_allowed() {
 #[test]
 fn a_prometheus_server_scrapes_the_endpoint() {
     require("prometheus");
-    let r = try_serve(&[
+    let r = Serve::args(&[
         "--socket",
         "{dir}/zram0.sock",
         "--disksize",
@@ -434,7 +340,7 @@ fn a_prometheus_server_scrapes_the_endpoint() {
         "--metrics-listen",
         "127.0.0.1:0",
     ])
-    .unwrap();
+    .start();
     let url = r.metrics_url();
     let target = url
         .trim_start_matches("http://")

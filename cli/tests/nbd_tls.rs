@@ -3,78 +3,29 @@
 //! in the test with `openssl` (a CA, a server certificate for 127.0.0.1, a client certificate),
 //! in the file names qemu and libnbd look for.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-#[path = "../../tests/tls_support/mod.rs"]
-mod tls_support;
-
-use nbd_support::*;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use tls_support::{make_creds, Creds};
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::Command;
 use uzram::frontend::nbd::protocol::*;
+use uzram_testkit::nbd::RawClient;
+use uzram_testkit::pages::pattern;
+use uzram_testkit::process::{require, run};
+use uzram_testkit::serve::{uzram_bin, Running, Serve};
+use uzram_testkit::tls::{make_creds, Creds};
 
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
-
-struct Running {
-    child: Child,
-    _dir: tempfile::TempDir,
-    socket: PathBuf,
-    lines: Vec<String>,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Running {
-    /// The TCP port from the printed URIs.
-    fn port(&self) -> u16 {
-        self.lines
-            .iter()
-            .find_map(|l| l.trim().split("127.0.0.1:").nth(1))
-            .and_then(|r| r.split('/').next()?.parse().ok())
-            .expect("a TCP URI")
-    }
-}
-
+/// `uzram serve` of a 64 MiB device on a unix socket and TCP with TLS `tls` and the server's
+/// certificate (and the CA to verify clients with, if `client_ca`).
 fn serve(creds: &Creds, tls: &str, client_ca: bool) -> Running {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("zram0.sock");
     let s = creds.server();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["serve", "--disksize", "64M", "--listen", "127.0.0.1:0"])
-        .arg("--socket")
-        .arg(&socket)
-        .arg(format!("--tls={tls}"))
-        .arg("--tls-cert")
-        .arg(s.join("server-cert.pem"))
-        .arg("--tls-key")
-        .arg(s.join("server-key.pem"));
+    let file = |f: &str| s.join(f).to_str().unwrap().to_string();
+    let mut serve = Serve::args(&["--disksize", "64M", "--listen", "127.0.0.1:0"])
+        .arg(&["--socket", "{dir}/zram0.sock", &format!("--tls={tls}")])
+        .arg(&["--tls-cert", &file("server-cert.pem")])
+        .arg(&["--tls-key", &file("server-key.pem")]);
     if client_ca {
-        cmd.arg("--tls-client-ca").arg(s.join("ca-cert.pem"));
+        serve = serve.arg(&["--tls-client-ca", &file("ca-cert.pem")]);
     }
-    let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
-    let mut lines = Vec::new();
-    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-        let line = line.unwrap();
-        let done = line.starts_with("serving");
-        lines.push(line);
-        if done {
-            break;
-        }
-    }
-    assert!(lines.iter().any(|l| l.starts_with("serving")), "{lines:?}");
-    Running {
-        child,
-        _dir: dir,
-        socket,
-        lines,
-    }
+    serve.start()
 }
 
 fn nbds(port: u16, creds_dir: &Path) -> String {
@@ -110,13 +61,13 @@ fn required_tls_serves_libnbd_and_qemu_clients_and_refuses_plain_ones() {
     require("qemu-img");
     let creds = make_creds();
     let r = serve(&creds, "require", false);
-    let port = r.port();
+    let port = r.tcp_port();
     assert!(
-        r.lines
+        r.lines()
             .iter()
             .any(|l| l.contains(&format!("nbds://127.0.0.1:{port}/zram0"))),
         "the printed URI says TLS: {:?}",
-        r.lines
+        r.lines()
     );
     let uri = nbds(port, &creds.anonymous());
     let out = run(Command::new("nbdinfo").args(["--json", &uri]));
@@ -184,7 +135,7 @@ fn required_tls_serves_libnbd_and_qemu_clients_and_refuses_plain_ones() {
         s.read_exact(&mut d).unwrap();
     }
     // The unix socket (owner-only) stays plain.
-    let (mut c, _) = RawClient::handshake(&r.socket, true);
+    let (mut c, _) = RawClient::handshake(&r.socket("zram0"), true);
     assert_eq!(c.read(1, 0, 4096).data, &b[..4096]);
 }
 
@@ -194,7 +145,7 @@ fn client_certificates_are_verified_when_asked() {
     require("qemu-img");
     let creds = make_creds();
     let r = serve(&creds, "require", true);
-    let port = r.port();
+    let port = r.tcp_port();
     run(Command::new("nbdinfo").arg(nbds(port, &creds.client())));
     run(&mut qemu_img_tls(&["info"], port, &creds.client(), &[]));
     let out = Command::new("nbdinfo")
@@ -209,14 +160,14 @@ fn optional_tls_lets_clients_choose() {
     require("nbdinfo");
     let creds = make_creds();
     let r = serve(&creds, "on", false);
-    let port = r.port();
+    let port = r.tcp_port();
     run(Command::new("nbdinfo").arg(nbds(port, &creds.anonymous())));
     run(Command::new("nbdinfo").arg(format!("nbd://127.0.0.1:{port}/zram0")));
 }
 
 #[test]
 fn tls_needs_its_files_and_tcp() {
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args([
             "serve",
             "--disksize",
@@ -232,7 +183,7 @@ fn tls_needs_its_files_and_tcp() {
     let t = tempfile::tempdir().unwrap();
     let bogus = t.path().join("bogus.pem");
     std::fs::write(&bogus, "not a certificate\n").unwrap();
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args([
             "serve",
             "--disksize",

@@ -12,6 +12,7 @@
 mod corpus_support;
 
 use corpus_support::corpus_64k_path;
+
 use uzram::device::{Device, DeviceConfig};
 use uzram_bench::corpus::Corpus;
 

@@ -5,15 +5,11 @@
 //! discard of real program pages, packing back to at most 1.05 with no manual step.
 
 mod corpus_support;
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-mod serve_support;
 
 use corpus_support::corpus_64k_path;
-use nbd_support::{require, run};
+
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use serve_support::{serve_config, Server, BIN};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -22,10 +18,12 @@ use uzram::clock::SystemClock;
 use uzram::device::{Device, DeviceConfig};
 use uzram::policy::{DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource};
 use uzram_bench::corpus::Corpus;
+use uzram_testkit::process::{require, run};
+use uzram_testkit::serve::{Running, Serve};
 
 /// The `policy_stat` line of `policy` as (runs, pages, errors).
-fn stat(s: &Server, policy: &str) -> (u64, u64, u64) {
-    let text = s.show("policy_stat");
+fn stat(s: &Running, policy: &str) -> (u64, u64, u64) {
+    let text = s.show("zram0", "policy_stat");
     let line = text
         .lines()
         .find(|l| l.split_whitespace().next() == Some(policy))
@@ -40,13 +38,13 @@ fn stat(s: &Server, policy: &str) -> (u64, u64, u64) {
 }
 
 /// Waits (at most a minute) until `done`.
-fn wait_for(s: &Server, what: &str, mut done: impl FnMut() -> bool) {
+fn wait_for(s: &Running, what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !done() {
         assert!(
             Instant::now() < deadline,
             "{what}: not within 60 s; policy_stat:\n{}",
-            s.show("policy_stat")
+            s.show("zram0", "policy_stat")
         );
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -77,7 +75,7 @@ fn serve_runs_policies_on_the_real_clock_and_ctl_shows_them() {
     require("qemu-img");
     let backing = tempfile::NamedTempFile::new_in("/var/tmp").unwrap();
     backing.as_file().set_len(16 << 20).unwrap();
-    let s = serve_config(&format!(
+    let s = Serve::config(&format!(
         r#"
 [[device]]
 name = "zram0"
@@ -87,21 +85,22 @@ backing_dev = "{}"
 policy = {{ period_s = 1, idle_age_s = 1, writeback_age_s = 3 }}
 "#,
         backing.path().display()
-    ));
-    let policy = s.show("policy");
+    ))
+    .start();
+    let policy = s.show("zram0", "policy");
     assert!(policy.contains("idle_age_s=1\n") && policy.contains("writeback_age_s=3\n"));
     assert!(policy.contains("compact_ratio=off\n"), "{policy}");
 
     // Real pages through a real client; the policies age them and write them back.
-    let pages = real_pages_file(s.dir.path(), 512);
+    let pages = real_pages_file(s.dir(), 512);
     run(Command::new("qemu-img")
         .args(["convert", "-n", "-f", "raw", "-O", "raw"])
         .arg(&pages)
-        .arg(s.uri()));
+        .arg(s.uri("zram0")));
     wait_for(&s, "idle aging", || stat(&s, "idle").1 > 0);
     wait_for(&s, "writeback", || stat(&s, "writeback").1 >= 512);
     let bd: Vec<u64> = s
-        .show("bd_stat")
+        .show("zram0", "bd_stat")
         .split_whitespace()
         .map(|x| x.parse().unwrap())
         .collect();
@@ -112,21 +111,21 @@ policy = {{ period_s = 1, idle_age_s = 1, writeback_age_s = 3 }}
         run(Command::new("qemu-img")
             .args(["compare", "-f", "raw", "-F", "raw"])
             .arg(&pages)
-            .arg(s.uri()));
+            .arg(s.uri("zram0")));
     };
     compare();
 
     // Settings change on the running server: writeback off, compaction on.
     let o = s.ctl(&["policy", "writeback_age_s=off", "compact_ratio=1.05"]);
     assert!(o.status.success(), "{o:?}");
-    assert!(s.show("policy").contains("writeback_age_s=off\n"));
+    assert!(s.show("zram0", "policy").contains("writeback_age_s=off\n"));
     // A bad value: EINVAL as the exit status, nothing changed.
-    let before = s.show("policy");
+    let before = s.show("zram0", "policy");
     let o = s.ctl(&["policy", "compact_ratio=0.5"]);
     assert_eq!(o.status.code(), Some(libc::EINVAL), "{o:?}");
     let o = s.ctl(&["policy", "no_such_key=1"]);
     assert_eq!(o.status.code(), Some(libc::EINVAL), "{o:?}");
-    assert_eq!(s.show("policy"), before);
+    assert_eq!(s.show("zram0", "policy"), before);
     let o = s.ctl(&["policy_stat", "1"]);
     assert_eq!(o.status.code(), Some(libc::EACCES), "{o:?}");
 
@@ -135,29 +134,23 @@ policy = {{ period_s = 1, idle_age_s = 1, writeback_age_s = 3 }}
     run(Command::new("qemu-img")
         .args(["convert", "-n", "-f", "raw", "-O", "raw"])
         .arg(&pages)
-        .arg(s.uri()));
+        .arg(s.uri("zram0")));
     let mut discard = Command::new("qemu-io");
     discard.args(["-f", "raw"]);
     for i in (0..512).step_by(2) {
         discard.args(["-c", &format!("discard {} 4k", i * 4096)]);
     }
-    run(discard.arg(s.uri()));
+    run(discard.arg(s.uri("zram0")));
     wait_for(&s, "compaction", || stat(&s, "compact").1 > 0);
     let mm: Vec<u64> = s
-        .show("mm_stat")
+        .show("zram0", "mm_stat")
         .split_whitespace()
         .map(|x| x.parse().unwrap())
         .collect();
     assert!(mm[6] > 0, "pages_compacted");
 
     // uzram status --policies: a row per policy.
-    let o = Command::new(BIN)
-        .args(["status", "--policies", "--dir"])
-        .arg(s.dir.path())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{o:?}");
-    let table = String::from_utf8(o.stdout).unwrap();
+    let table = s.status(&["--policies"]);
     eprintln!("{table}");
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines.len(), 6, "{table}");

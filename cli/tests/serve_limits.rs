@@ -4,117 +4,32 @@
 //! the socket directory. Memory is checked from `/proc/PID/status` (deterministic amounts, no
 //! timing asserted); stops are checked to end within seconds.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-
-use nbd_support::*;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use uzram::frontend::nbd::protocol::*;
+use uzram_testkit::nbd::RawClient;
+use uzram_testkit::pages::pattern;
+use uzram_testkit::process::{is_root, proc_field, require, run};
+use uzram_testkit::serve::{uzram_bin, Running, Serve};
 
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const MIB: u64 = 1 << 20;
 /// `uzram serve`'s default request memory budget (`Limits::default().max_inflight_bytes`).
 const BUDGET: u64 = 128 * MIB;
 
-struct Running {
-    child: Child,
-    dir: tempfile::TempDir,
-    socket: PathBuf,
-    stdout: Vec<String>,
-}
-
-impl Running {
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("stderr")).unwrap_or_default()
-    }
-    fn ctl_socket(&self) -> PathBuf {
-        self.socket.with_extension("ctl")
-    }
-    fn signal(&self, sig: &str) {
-        run(Command::new("kill").args([sig, &self.pid().to_string()]));
-    }
-    /// Waits for the exit; panics after `within`.
-    fn wait_exit(&mut self, within: Duration) -> ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "uzram serve did not stop within {within:?}: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-    fn tcp_addr(&self) -> String {
-        self.stdout
-            .iter()
-            .find_map(|l| l.trim().strip_prefix("nbd://"))
-            .map(|r| r.split('/').next().unwrap().to_string())
-            .expect("a TCP URI")
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Starts `uzram serve --disksize 256M --socket DIR/zram0.sock ARGS`; waits until it serves.
 fn serve(args: &[&str]) -> Running {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("zram0.sock");
-    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
-    let mut child = Command::new(BIN)
-        .args(["serve", "--disksize", "256M", "--socket"])
-        .arg(&socket)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let mut stdout = Vec::new();
-    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-        let line = line.unwrap();
-        let done = line.starts_with("serving");
-        stdout.push(line);
-        if done {
-            break;
-        }
-    }
-    let r = Running {
-        child,
-        dir,
-        socket,
-        stdout,
-    };
-    assert!(
-        r.stdout.iter().any(|l| l.starts_with("serving")),
-        "uzram serve did not start: {}",
-        r.log()
-    );
-    r
+    Serve::args(&["--disksize", "256M", "--socket", "{dir}/zram0.sock"])
+        .arg(args)
+        .start()
 }
 
 /// A field of /proc/PID/status in KiB (or a count).
 fn status_field(pid: u32, field: &str) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+    proc_field(&format!("/proc/{pid}/status"), field)
 }
 
 fn rss_bytes(pid: u32) -> u64 {
@@ -152,7 +67,7 @@ fn flood_round(r: &Running) -> [u64; 5] {
     let start = rss_bytes(pid);
     let mut headers = Vec::new();
     for i in 0..64u64 {
-        let (mut c, _) = RawClient::handshake(&r.socket, false);
+        let (mut c, _) = RawClient::handshake(&r.socket("zram0"), false);
         c.send_request(CMD_WRITE, 0, i, 0, 32 << 20);
         headers.push(c);
     }
@@ -161,14 +76,15 @@ fn flood_round(r: &Running) -> [u64; 5] {
     std::thread::sleep(Duration::from_millis(500));
     let with_headers = rss_bytes(pid);
     // Meanwhile a legitimate client is served.
-    let (mut legit, _) = RawClient::handshake(&r.socket, false);
+    let (mut legit, _) = RawClient::handshake(&r.socket("zram0"), false);
     let data = pattern(1 << 20, 7);
     assert_eq!(legit.write(1, 64 * MIB, &data), 0);
     assert_eq!(legit.read(2, 64 * MIB, 1 << 20).data, data);
     drop(legit);
     // Reads: 64 connections × 2 × 32 MiB, all replies taken (in parallel).
+    let path = r.socket("zram0");
     let peak_reading = std::thread::scope(|s| {
-        let socket = &r.socket;
+        let socket = &path;
         let readers: Vec<_> = (0..64u64)
             .map(|i| {
                 s.spawn(move || {
@@ -263,18 +179,13 @@ fn header_only_writes_and_large_reads_stay_within_the_budget_under_swap() {
     flood_keeps_memory_within_the_budget(&["--swap", "--max-connections", "200"]);
 }
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 #[test]
 fn sigterm_stops_when_the_socket_files_are_gone() {
     let mut r = serve(&[]);
-    let (mut c, _) = RawClient::handshake(&r.socket, false);
+    let (mut c, _) = RawClient::handshake(&r.socket("zram0"), false);
     assert_eq!(c.write(1, 0, &pattern(4096, 1)), 0);
-    std::fs::remove_file(r.ctl_socket()).unwrap();
-    std::fs::remove_file(&r.socket).unwrap();
+    std::fs::remove_file(r.dir().join("zram0.ctl")).unwrap();
+    std::fs::remove_file(r.socket("zram0")).unwrap();
     let t = Instant::now();
     r.signal("-TERM");
     let s = r.wait_exit(Duration::from_secs(10));
@@ -287,7 +198,7 @@ fn sighup_stops_cleanly_and_removes_the_sockets() {
     let mut r = serve(&[]);
     r.signal("-HUP");
     assert!(r.wait_exit(Duration::from_secs(10)).success());
-    assert!(!r.socket.exists() && !r.ctl_socket().exists());
+    assert!(!r.socket("zram0").exists() && !r.dir().join("zram0.ctl").exists());
 }
 
 /// Sends 400 READs of 1 MiB and reads no reply.
@@ -310,7 +221,7 @@ fn stall_with_reads(mut s: impl Write) {
 fn a_client_that_stops_reading_replies_does_not_hold_the_stop() {
     for tcp in [false, true] {
         let mut r = serve(&["--listen", "127.0.0.1:0"]);
-        let (c, _) = RawClient::handshake(&r.socket, false);
+        let (c, _) = RawClient::handshake(&r.socket("zram0"), false);
         let staller = if tcp {
             let mut s = std::net::TcpStream::connect(r.tcp_addr()).unwrap();
             nbd_handshake(&mut s);
@@ -327,7 +238,7 @@ fn a_client_that_stops_reading_replies_does_not_hold_the_stop() {
         r.signal("-TERM");
         let s = r.wait_exit(Duration::from_secs(10));
         assert!(s.success(), "{s:?}");
-        assert!(!r.socket.exists());
+        assert!(!r.socket("zram0").exists());
         eprintln!(
             "tcp {tcp}: stopped in {:?} with a client not reading",
             t.elapsed()
@@ -339,7 +250,7 @@ fn a_client_that_stops_reading_replies_does_not_hold_the_stop() {
 #[test]
 fn a_second_signal_forces_the_exit() {
     let mut r = serve(&[]);
-    let (c, _) = RawClient::handshake(&r.socket, false);
+    let (c, _) = RawClient::handshake(&r.socket("zram0"), false);
     c.s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
     stall_with_reads(&c.s);
     r.signal("-TERM");
@@ -349,7 +260,7 @@ fn a_second_signal_forces_the_exit() {
     let s = r.wait_exit(Duration::from_secs(5));
     assert_eq!(s.code(), Some(128 + libc::SIGINT), "{}", r.log());
     assert!(r.log().contains("SIGINT again: exiting now"), "{}", r.log());
-    assert!(!r.socket.exists() && !r.ctl_socket().exists());
+    assert!(!r.socket("zram0").exists() && !r.dir().join("zram0.ctl").exists());
     eprintln!("forced exit in {:?}", t.elapsed());
     drop(c);
 }
@@ -384,11 +295,11 @@ fn nbd_handshake(s: &mut (impl Read + Write)) {
 fn a_connection_flood_is_refused_and_the_served_client_goes_on() {
     let r = serve(&["--max-connections", "8"]);
     let pid = r.pid();
-    let (mut legit, _) = RawClient::handshake(&r.socket, true);
+    let (mut legit, _) = RawClient::handshake(&r.socket("zram0"), true);
     let mut held = Vec::new();
     let mut refused = 0;
     for i in 0..300u64 {
-        let mut s = UnixStream::connect(&r.socket).unwrap();
+        let mut s = UnixStream::connect(r.socket("zram0")).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut g = [0u8; 18];
         match s.read(&mut g) {
@@ -421,7 +332,7 @@ fn a_connection_flood_is_refused_and_the_served_client_goes_on() {
 #[test]
 fn the_control_socket_is_capped_and_a_silent_client_is_dropped() {
     let r = serve(&[]);
-    let ctl = r.ctl_socket();
+    let ctl = r.dir().join("zram0.ctl");
     let mut silent = Vec::new();
     for _ in 0..16 {
         silent.push(UnixStream::connect(&ctl).unwrap());
@@ -447,9 +358,9 @@ fn the_control_socket_is_capped_and_a_silent_client_is_dropped() {
     assert!(waited < Duration::from_secs(15), "dropped after {waited:?}");
     drop(silent);
     std::thread::sleep(Duration::from_millis(200));
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args(["ctl", "--dir"])
-        .arg(r.dir.path())
+        .arg(r.dir())
         .arg("disksize")
         .output()
         .unwrap();
@@ -475,7 +386,7 @@ fn a_socket_directory_writable_by_others_is_refused() {
     let open = dir.path().join("open");
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args(["serve", "--disksize", "16M", "--socket"])
         .arg(open.join("zram0.sock"))
         .output()
@@ -546,7 +457,7 @@ fn another_users_socket_directory_is_refused() {
     let bin_dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(bin_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let bin = bin_dir.path().join("uzram");
-    std::fs::copy(BIN, &bin).unwrap();
+    std::fs::copy(uzram_bin(), &bin).unwrap();
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
     let dir = PathBuf::from(format!("/tmp/uzram-{}", victim.0));
     let _ = std::fs::remove_dir_all(&dir);

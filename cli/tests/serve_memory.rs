@@ -15,18 +15,16 @@
 //!
 //! The figures are printed (`--nocapture`) for the record: docs/nbd.md ("Memory") quotes them.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-
-use nbd_support::*;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use uzram::frontend::nbd::protocol::{CMD_READ, CMD_WRITE};
 use uzram_bench::corpus::Corpus;
+use uzram_testkit::nbd::RawClient;
+use uzram_testkit::process::{proc_field, require, run};
+use uzram_testkit::serve::{uzram_bin, Running, Serve};
 
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const MIB: u64 = 1 << 20;
 /// The device and fill.
 const DISKSIZE_BYTES: u64 = 2 << 30;
@@ -58,7 +56,10 @@ fn corpus_path() -> &'static Path {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("pages.bin");
         if Corpus::load(&path).is_err() {
-            run(Command::new(BIN).arg("corpus").arg("--out").arg(&path));
+            run(Command::new(uzram_bin())
+                .arg("corpus")
+                .arg("--out")
+                .arg(&path));
         }
         path
     })
@@ -74,92 +75,35 @@ fn write_image(corpus: &Corpus, path: &Path) {
     f.into_inner().unwrap().sync_all().unwrap();
 }
 
-/// `uzram serve`, killed however the test ends.
-struct Server {
-    child: Child,
-    dir: tempfile::TempDir,
-}
-
-impl Server {
-    fn start(swap: bool) -> Server {
-        let dir = tempfile::tempdir().unwrap();
-        let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
-        let mut cmd = Command::new(BIN);
-        cmd.arg("serve")
-            .args(["--disksize", &DISKSIZE_BYTES.to_string(), "--socket"])
-            .arg(dir.path().join("zram0.sock"));
-        if swap {
-            cmd.arg("--swap");
-        }
-        let mut child = cmd.stdout(Stdio::piped()).stderr(stderr).spawn().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        let serving = stdout
-            .lines()
-            .any(|l| l.is_ok_and(|l| l.starts_with("serving")));
-        let s = Server { child, dir };
-        assert!(serving, "uzram serve did not start: {}", s.log());
-        s
-    }
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("stderr")).unwrap_or_default()
-    }
-    fn socket(&self) -> PathBuf {
-        self.dir.path().join("zram0.sock")
-    }
-    fn uri(&self) -> String {
-        format!("nbd+unix:///zram0?socket={}", self.socket().display())
-    }
-    /// `uzram ctl ATTR [VALUE]`'s output.
-    fn ctl(&self, args: &[&str]) -> String {
-        let out = run(Command::new(BIN)
-            .arg("ctl")
-            .arg("--dir")
-            .arg(self.dir.path())
-            .args(args));
-        String::from_utf8(out.stdout).unwrap()
-    }
-    fn columns(&self, attr: &str) -> Vec<u64> {
-        self.ctl(&[attr])
-            .split_whitespace()
-            .map(|c| c.parse().unwrap())
-            .collect()
-    }
-    /// A field of /proc/PID/status or /proc/PID/smaps_rollup, in bytes.
-    fn proc_bytes(&self, file: &str, field: &str) -> u64 {
-        let text = std::fs::read_to_string(format!("/proc/{}/{file}", self.child.id())).unwrap();
-        let kib: u64 = text
-            .lines()
-            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-            .unwrap_or_else(|| panic!("no {field} in {file}"))
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .unwrap();
-        kib * 1024
-    }
-    fn rss_bytes(&self) -> u64 {
-        self.proc_bytes("status", "VmRSS")
-    }
-    fn snapshot(&self) -> Snapshot {
-        let mm = self.columns("mm_stat");
-        let meta = self.columns("meta_stat");
-        assert_eq!(meta.len(), 5);
-        Snapshot {
-            rss_bytes: self.rss_bytes(),
-            mem_used_total_bytes: mm[2],
-            meta_bytes: meta.iter().sum(),
-            slot_table_bytes: meta[0],
-            anon_bytes: self.proc_bytes("smaps_rollup", "Anonymous"),
-            locked_bytes: self.proc_bytes("smaps_rollup", "Locked"),
-        }
+/// `uzram serve` of one device of [`DISKSIZE_BYTES`] (`--swap` if `swap`), killed however the
+/// test ends.
+fn start(swap: bool) -> Running {
+    let size = DISKSIZE_BYTES.to_string();
+    let serve = Serve::args(&["--disksize", &size, "--socket", "{dir}/zram0.sock"]);
+    if swap {
+        serve.arg(&["--swap"]).start()
+    } else {
+        serve.start()
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// A field of /proc/PID/status or /proc/PID/smaps_rollup of the server, in bytes.
+fn proc_bytes(s: &Running, file: &str, field: &str) -> u64 {
+    proc_field(&format!("/proc/{}/{file}", s.pid()), field) * 1024
+}
+
+/// The server's memory and the device's books, now.
+fn snapshot(s: &Running) -> Snapshot {
+    let mm = s.columns("zram0", "mm_stat");
+    let meta = s.columns("zram0", "meta_stat");
+    assert_eq!(meta.len(), 5);
+    Snapshot {
+        rss_bytes: proc_bytes(s, "status", "VmRSS"),
+        mem_used_total_bytes: mm[2],
+        meta_bytes: meta.iter().sum(),
+        slot_table_bytes: meta[0],
+        anon_bytes: proc_bytes(s, "smaps_rollup", "Anonymous"),
+        locked_bytes: proc_bytes(s, "smaps_rollup", "Locked"),
     }
 }
 
@@ -217,7 +161,7 @@ fn memory_follows_the_pool(swap: bool) {
     require("qemu-io");
     let mode = if swap { "--swap" } else { "without --swap" };
     let corpus = Corpus::load(corpus_path()).unwrap();
-    let server = Server::start(swap);
+    let server = start(swap);
     if swap {
         assert!(
             server.log().contains("--swap: memory locked"),
@@ -225,38 +169,38 @@ fn memory_follows_the_pool(swap: bool) {
             server.log()
         );
     }
-    let image = server.dir.path().join("fill.raw");
+    let image = server.dir().join("fill.raw");
     write_image(&corpus, &image);
 
-    let idle = server.snapshot();
+    let idle = snapshot(&server);
     let mut held: Vec<RawClient> = (0..HELD_CONNECTIONS)
-        .map(|_| RawClient::handshake(&server.socket(), false).0)
+        .map(|_| RawClient::handshake(&server.socket("zram0"), false).0)
         .collect();
     // One request each: the connection has set up everything it keeps (its buffer pool is made
     // after the handshake's last reply).
     for c in &mut held {
         assert_eq!(c.read(1, 0, 4096).error, 0);
     }
-    let connected = server.snapshot();
+    let connected = snapshot(&server);
     let request_pages = HELD_REQUEST_BYTES / corpus.page_size_bytes();
     for (i, c) in held.iter_mut().enumerate() {
         let offset = (i * HELD_DEPTH * HELD_REQUEST_BYTES) as u64;
         exercise(c, &corpus, offset, i * HELD_DEPTH * request_pages);
     }
     std::thread::sleep(QUIET);
-    let worked = server.snapshot();
+    let worked = snapshot(&server);
 
     run(Command::new("nbdcopy")
         .arg("--connections=4")
         .arg(&image)
-        .arg(server.uri()));
+        .arg(server.uri("zram0")));
     // Every page reads back (and the rest of the device as zeroes).
     run(Command::new("qemu-img")
         .args(["compare", "-q", "-f", "raw", "-F", "raw"])
         .arg(&image)
-        .arg(server.uri()));
+        .arg(server.uri("zram0")));
     std::thread::sleep(QUIET);
-    let full = server.snapshot();
+    let full = snapshot(&server);
 
     // In two halves: qemu-io takes at most 2 GiB - 512 bytes per request.
     let half = DISKSIZE_BYTES / 2;
@@ -267,11 +211,11 @@ fn memory_follows_the_pool(swap: bool) {
         &format!("discard 0 {half}"),
         "-c",
         &format!("discard {half} {half}"),
-        &server.uri(),
+        &server.uri("zram0"),
     ]));
-    server.ctl(&["compact", "1"]);
+    server.set("zram0", "compact", "1");
     std::thread::sleep(QUIET);
-    let empty = server.snapshot();
+    let empty = snapshot(&server);
     // The held connections are still served.
     for c in &mut held {
         let r = c.read(7, 0, HELD_REQUEST_BYTES as u32);

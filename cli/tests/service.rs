@@ -4,12 +4,9 @@
 //! run are ones `uzram serve` accepts. Nothing here needs a running systemd: CI containers have
 //! none.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-
-use nbd_support::require;
 use std::path::Path;
 use std::process::Command;
+use uzram_testkit::process::require;
 
 const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const UNITS: [&str; 2] = ["uzram.service", "uzram-swap.service"];

@@ -1,35 +1,20 @@
 //! `uzram serve --ublk`: the device as a kernel block device `/dev/ublkbN`.
 //!
 //! This host has no `ublk_drv`, so the block device tests boot Debian's 6.12 kernel in a VM
-//! (`scripts/zoned-vm --kernel 6.12 --no-zoned`, see `tests/vm_support`) and run themselves
+//! (`scripts/zoned-vm --kernel 6.12 --no-zoned`, see `uzram_testkit::vm`) and run themselves
 //! inside, with the built `uzram` and the real e2fsprogs. Here, on the host, a missing
 //! `ublk_drv` must be one clear line.
 
-#[path = "../../tests/vm_support/mod.rs"]
-mod vm_support;
-
-use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-mod process_support;
-
-use process_support::{run, wait_timeout};
+use uzram_testkit::pages::PAGE;
+use uzram_testkit::process::{host_program, run_stdout as run, wait_timeout};
+use uzram_testkit::serve::{ctl_in, Running, Serve};
+use uzram_testkit::vm::{mem_total_bytes, vmstat, Hog};
 
 const UZRAM: &str = env!("CARGO_BIN_EXE_uzram");
-
-/// A host program the VM needs, by its absolute path.
-fn host_program(name: &str) -> String {
-    for dir in ["/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
-        let p = Path::new(dir).join(name);
-        if p.exists() {
-            return p.to_string_lossy().into_owned();
-        }
-    }
-    panic!("{name} is not installed (scripts/debian-packages.txt lists its package)")
-}
 
 /// The VM: Linux 6.12 (ublk_drv), no zoned device, uzram and e2fsprogs inside.
 fn vm_args(mem_mb: u32) -> Vec<String> {
@@ -51,56 +36,27 @@ fn vm_args(mem_mb: u32) -> Vec<String> {
     a
 }
 
-/// A running `uzram serve --ublk` and what it printed.
+/// A running `uzram serve --ublk` and its block device.
 struct Server {
-    child: Child,
-    dir: tempfile::TempDir,
+    r: Running,
     block_dev: PathBuf,
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn serve(extra: &[&str]) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(UZRAM)
-        .args(["serve", "--ublk", "--socket"])
-        .arg(dir.path().join("zram0.sock"))
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("uzram serve starts");
-    let mut block_dev = None;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
+    let r = Serve::args(&["--ublk", "--socket", "{dir}/zram0.sock"])
+        .arg(extra)
+        .start();
+    let lines = r.banner();
+    for line in &lines {
         println!("uzram serve: {line}");
-        if let Some(p) = line
-            .split_whitespace()
-            .find(|w| w.starts_with("/dev/ublkb"))
-        {
-            block_dev = Some(PathBuf::from(p));
-        }
-        if line.starts_with("serving") || Instant::now() > deadline {
-            break;
-        }
     }
-    let Some(block_dev) = block_dev else {
-        let mut err = String::new();
-        let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-        panic!("uzram serve --ublk printed no /dev/ublkbN: {err}");
-    };
-    Server {
-        child,
-        dir,
-        block_dev,
-    }
+    let block_dev = lines
+        .iter()
+        .flat_map(|l| l.split_whitespace())
+        .find(|w| w.starts_with("/dev/ublkb"))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("uzram serve --ublk printed no /dev/ublkbN: {}", r.log()));
+    Server { r, block_dev }
 }
 
 fn sysfs(dev: &Path, attr: &str) -> String {
@@ -157,12 +113,12 @@ fn real_files(server_pid: u32) -> Vec<(&'static str, Vec<u8>)> {
 
 #[test]
 fn ublk_filesystem_in_vm() {
-    if !vm_support::in_vm_or_boot("ublk_filesystem_in_vm", &vm_args(1024)) {
+    if !uzram_testkit::vm::in_vm_or_boot("ublk_filesystem_in_vm", &vm_args(1024)) {
         return;
     }
-    let mut s = serve(&["--disksize", "256M"]);
+    let s = serve(&["--disksize", "256M"]);
     let dev = s.block_dev.clone();
-    let dir = s.dir.path().to_path_buf();
+    let dir = s.r.dir().to_path_buf();
     assert!(dev.exists(), "{} does not exist", dev.display());
     // zram's geometry: 4 KiB blocks, discard in pages, the device's size.
     assert_eq!(sysfs(&dev, "size"), (256u64 << 20 >> 9).to_string());
@@ -193,7 +149,7 @@ fn ublk_filesystem_in_vm() {
         format!("zram0 {}", mnt.display()),
         "{status}"
     );
-    let files = real_files(s.child.id());
+    let files = real_files(s.r.pid());
     for (name, data) in &files {
         std::fs::write(mnt.join(name), data).unwrap();
     }
@@ -229,31 +185,12 @@ fn ublk_filesystem_in_vm() {
 
     hot_add_and_remove_block_device(&dir);
 
-    // SIGTERM: the server removes the block device and exits 0, in seconds.
-    run(Command::new("kill")
-        .args(["-TERM", &s.child.id().to_string()])
-        .stdout(Stdio::null()));
-    let st = wait_timeout(&mut s.child, Duration::from_secs(30)).expect("the server stopped");
-    let mut err = String::new();
-    s.child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert!(st.success(), "{st}: {err}");
-    assert!(err.contains(&format!("removed {}", dev.display())), "{err}");
-    assert!(!dev.exists(), "{} still exists", dev.display());
+    stop(s);
 }
 
 /// `uzram ctl --dir DIR ARGS...`: (exit status, stdout, stderr).
 fn ctl(dir: &Path, args: &[&str]) -> (Option<i32>, String, String) {
-    let o = Command::new(UZRAM)
-        .args(["ctl", "--dir"])
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
+    let o = ctl_in(dir, args);
     (
         o.status.code(),
         String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -314,155 +251,12 @@ fn hot_add_and_remove_block_device(dir: &Path) {
 /// SIGTERM: the server removes the block device and exits 0, in seconds.
 fn stop(mut s: Server) {
     let dev = s.block_dev.clone();
-    run(Command::new("kill")
-        .args(["-TERM", &s.child.id().to_string()])
-        .stdout(Stdio::null()));
-    let st = wait_timeout(&mut s.child, Duration::from_secs(30)).expect("the server stopped");
-    let mut err = String::new();
-    s.child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    s.r.signal("-TERM");
+    let st = s.r.wait_exit(Duration::from_secs(30));
+    let err = s.r.log();
     assert!(st.success(), "{st}: {err}");
     assert!(err.contains(&format!("removed {}", dev.display())), "{err}");
     assert!(!dev.exists(), "{} still exists", dev.display());
-}
-
-fn vmstat(name: &str) -> u64 {
-    let v = std::fs::read_to_string("/proc/vmstat").unwrap();
-    v.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in /proc/vmstat"))
-}
-
-fn mem_total_bytes() -> u64 {
-    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
-    let kib: u64 = m
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kib << 10
-}
-
-const PAGE: usize = 4096;
-
-/// Page `i` of the hog, version `v`: half same-filled, three eighths compressible text, one
-/// eighth random, each stamped with its index and version (a misplaced or stale page shows).
-fn hog_page(i: usize, v: u64, out: &mut [u8]) {
-    let mut x =
-        (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v.wrapping_mul(0xD1B5_4A32_D192_ED03);
-    match i % 8 {
-        0..=3 => {
-            let w = x | 1;
-            for c in out.chunks_mut(8) {
-                c.copy_from_slice(&w.to_le_bytes());
-            }
-        }
-        4..=6 => {
-            // Text lines of 32 bytes naming the page, its version and the line (cheap to make:
-            // the hog writes hundreds of MiB of these under emulation).
-            let mut line = *b"swap page 000000000 v0 line 00\n.";
-            let digits = format!("{i:09}");
-            line[10..19].copy_from_slice(digits.as_bytes());
-            line[21] = b'0' + (v % 10) as u8;
-            for (k, c) in out.chunks_mut(32).enumerate() {
-                line[28] = b'0' + (k / 10 % 10) as u8;
-                line[29] = b'0' + (k % 10) as u8;
-                c.copy_from_slice(&line);
-            }
-        }
-        _ => {
-            for c in out.chunks_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                c.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-    }
-}
-
-/// An anonymous mapping of `pages` pages, unmapped when dropped.
-struct Hog {
-    ptr: *mut u8,
-    pages: usize,
-}
-
-impl Hog {
-    fn new(pages: usize) -> Hog {
-        // SAFETY: a fresh private anonymous mapping; no address hint, no file.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                pages * PAGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
-        Hog {
-            ptr: ptr.cast(),
-            pages,
-        }
-    }
-
-    fn page(&mut self, i: usize) -> &mut [u8] {
-        assert!(i < self.pages);
-        // SAFETY: page i lies inside the mapping, which lives as long as `self`, and the
-        // returned slice borrows `self` mutably, so no other slice of it exists meanwhile.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * PAGE), PAGE) }
-    }
-
-    fn fill(&mut self, v: u64) {
-        let t = Instant::now();
-        for i in 0..self.pages {
-            hog_page(i, v, self.page(i));
-            if i % (32 << 20 >> 12) == 0 {
-                eprintln!(
-                    "hog: filling v{v}: {} MiB at {:.1} s, pswpout {}",
-                    i >> 8,
-                    t.elapsed().as_secs_f64(),
-                    vmstat("pswpout")
-                );
-            }
-        }
-    }
-
-    /// Every page as [`hog_page`] made it; the number of bad pages.
-    fn bad_pages(&mut self, v: u64) -> usize {
-        let mut want = vec![0u8; PAGE];
-        let mut bad = 0;
-        for i in 0..self.pages {
-            hog_page(i, v, &mut want);
-            if self.page(i) != &want[..] {
-                bad += 1;
-            }
-        }
-        bad
-    }
-
-    /// Asks the kernel to swap the whole mapping out now (MADV_PAGEOUT, Linux 5.4).
-    fn page_out(&mut self) {
-        // SAFETY: the range is exactly the mapping.
-        let rc = unsafe { libc::madvise(self.ptr.cast(), self.pages * PAGE, libc::MADV_PAGEOUT) };
-        assert_eq!(rc, 0, "MADV_PAGEOUT: {}", std::io::Error::last_os_error());
-    }
-}
-
-impl Drop for Hog {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, not used after this.
-        unsafe { libc::munmap(self.ptr.cast(), self.pages * PAGE) };
-    }
 }
 
 /// Not a test of its own: the watch of [`swap_hog`]. Run as a separate process (this binary,
@@ -604,7 +398,7 @@ fn ublk_swap_in_vm() {
     // loaded 2-core machine), then on the kernel's NBD client, where the hog's cgroup makes it
     // swap more (11 minutes for both rounds).
     args.extend(["--timeout-s".to_string(), "2400".to_string()]);
-    if !vm_support::in_vm_or_boot("ublk_swap_in_vm", &args) {
+    if !uzram_testkit::vm::in_vm_or_boot("ublk_swap_in_vm", &args) {
         return;
     }
     if std::env::var_os("UZRAM_SWAP_CONTROL").is_some() {
@@ -619,7 +413,7 @@ fn ublk_swap_in_vm() {
     }
     let s = serve(&["--disksize", "1G", "--swap"]);
     let dev = s.block_dev.clone();
-    let dir = s.dir.path().to_path_buf();
+    let dir = s.r.dir().to_path_buf();
     run(Command::new("mkswap").arg(&dev));
     run(Command::new("swapon").arg(&dev));
     // While swapped on, reset is EBUSY.
@@ -676,23 +470,8 @@ impl Drop for HogCgroup {
 /// The same hog over the guest kernel's own NBD client: `nbd-client` connects `/dev/nbd0` to
 /// a `uzram serve --swap` (NBD only) on its unix socket, and the guest swaps on it.
 fn nbd_client_swap() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("zram0.sock");
-    let mut child = Command::new(UZRAM)
-        .args(["serve", "--disksize", "1G", "--swap", "--socket"])
-        .arg(&socket)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("uzram serve starts");
-    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    for line in lines {
-        let line = line.unwrap();
-        println!("uzram serve: {line}");
-        if line.starts_with("serving") {
-            break;
-        }
-    }
+    let r = Serve::args(&["--disksize", "1G", "--swap", "--socket", "{dir}/zram0.sock"]).start();
+    let socket = r.socket("zram0");
     let dev = Path::new("/dev/nbd0");
     // Netlink (the default): the kernel holds the socket, nbd-client exits once connected.
     run(Command::new("nbd-client")
@@ -717,11 +496,7 @@ fn nbd_client_swap() {
     );
     drop(cgroup);
     run(Command::new("nbd-client").arg("-d").arg(dev));
-    run(Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .stdout(Stdio::null()));
-    let st = wait_timeout(&mut child, Duration::from_secs(30)).expect("the server stopped");
-    assert!(st.success(), "{st}");
+    r.stop_within(Duration::from_secs(30));
 }
 
 /// fio's verifying writers at depth 32 on the device, then a server killed with I/O in
@@ -729,7 +504,7 @@ fn nbd_client_swap() {
 /// behind is deleted by `uzram ublk-delete`.
 #[test]
 fn ublk_fio_and_kill_in_vm() {
-    if !vm_support::in_vm_or_boot("ublk_fio_and_kill_in_vm", &vm_args(1024)) {
+    if !uzram_testkit::vm::in_vm_or_boot("ublk_fio_and_kill_in_vm", &vm_args(1024)) {
         return;
     }
     let s = serve(&["--disksize", "1G"]);
@@ -779,8 +554,8 @@ fn ublk_fio_and_kill_in_vm() {
         .unwrap();
     std::thread::sleep(Duration::from_secs(2));
     assert!(load.try_wait().unwrap().is_none(), "fio ended early");
-    s.child.kill().unwrap();
-    s.child.wait().unwrap();
+    s.r.child.kill().unwrap();
+    s.r.child.wait().unwrap();
     let st = wait_timeout(&mut load, Duration::from_secs(30)).expect("fio ended after the kill");
     assert!(!st.success(), "fio saw no error after the server died");
     let end = Instant::now() + Duration::from_secs(30);

@@ -11,34 +11,20 @@
 //! third (a new QEMU, new connections) finds the filesystem, is served on zram1, and stays
 //! connected while the server is stopped (in seconds).
 
-#[path = "../../tests/vm_support/mod.rs"]
-mod vm_support;
-
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-mod process_support;
-
-use process_support::{run, wait_timeout};
+use uzram_testkit::pages::PAGE;
+use uzram_testkit::process::{host_program, proc_field, run_stdout as run, wait_timeout};
+use uzram_testkit::vm::{mem_total_bytes, vmstat, Hog};
 
 const UZRAM: &str = env!("CARGO_BIN_EXE_uzram");
 const DISK_BYTES: u64 = 256 << 20;
 /// The swap disk: more than the hog pushes out of a 384 MiB guest.
 const SWAP_DISK_BYTES: u64 = 1 << 30;
 const QUEUES: usize = 2;
-
-fn host_program(name: &str) -> String {
-    for dir in ["/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
-        let p = Path::new(dir).join(name);
-        if p.exists() {
-            return p.to_string_lossy().into_owned();
-        }
-    }
-    panic!("{name} is not installed (scripts/debian-packages.txt lists its package)")
-}
 
 /// A running `uzram serve --swap --config` of two devices with vhost-user sockets:
 /// `zram0` (a filesystem's disk) and `zram1` (a swap disk).
@@ -382,120 +368,6 @@ fn disk_serials() -> Vec<String> {
         .collect()
 }
 
-fn vmstat(name: &str) -> u64 {
-    let v = std::fs::read_to_string("/proc/vmstat").unwrap();
-    v.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in /proc/vmstat"))
-}
-
-fn mem_total_bytes() -> u64 {
-    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
-    let kib: u64 = m
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kib << 10
-}
-
-const PAGE: usize = 4096;
-
-/// Page `i` of the hog, version `v`: half same-filled, three eighths compressible text, one
-/// eighth random, each stamped with its index and version (a misplaced or stale page shows).
-fn hog_page(i: usize, v: u64, out: &mut [u8]) {
-    let mut x =
-        (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v.wrapping_mul(0xD1B5_4A32_D192_ED03);
-    match i % 8 {
-        0..=3 => {
-            let w = x | 1;
-            for c in out.chunks_mut(8) {
-                c.copy_from_slice(&w.to_le_bytes());
-            }
-        }
-        4..=6 => {
-            for (k, c) in out.chunks_mut(32).enumerate() {
-                let line = format!("swap page {i:9} v{v} line {:3}....", k % 50);
-                c.copy_from_slice(&line.as_bytes()[..32]);
-            }
-        }
-        _ => {
-            for c in out.chunks_mut(8) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                c.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-    }
-}
-
-/// An anonymous mapping of `pages` pages, unmapped when dropped.
-struct Hog {
-    ptr: *mut u8,
-    pages: usize,
-}
-
-impl Hog {
-    fn new(pages: usize) -> Hog {
-        // SAFETY: a fresh private anonymous mapping; no address hint, no file.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                pages * PAGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
-        Hog {
-            ptr: ptr.cast(),
-            pages,
-        }
-    }
-
-    fn page(&mut self, i: usize) -> &mut [u8] {
-        assert!(i < self.pages);
-        // SAFETY: page i lies inside the mapping, which lives as long as `self`, and the
-        // returned slice borrows `self` mutably, so no other slice of it exists meanwhile.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * PAGE), PAGE) }
-    }
-
-    fn fill(&mut self, v: u64) {
-        for i in 0..self.pages {
-            hog_page(i, v, self.page(i));
-        }
-    }
-
-    /// Every page as [`hog_page`] made it; the number of bad pages. From the last page to
-    /// the first: the pages filled last are the ones still in RAM, so they are checked before
-    /// swapping the others in pushes them out (forwards, every page would go out and in).
-    fn bad_pages(&mut self, v: u64) -> usize {
-        let mut want = vec![0u8; PAGE];
-        let mut bad = 0;
-        for i in (0..self.pages).rev() {
-            hog_page(i, v, &mut want);
-            if self.page(i) != &want[..] {
-                bad += 1;
-            }
-        }
-        bad
-    }
-}
-
-impl Drop for Hog {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, not used after this.
-        unsafe { libc::munmap(self.ptr.cast(), self.pages * PAGE) };
-    }
-}
-
 /// Swap on the vhost-user disk: a memory hog 1.25 times the guest's RAM, of same-filled,
 /// compressible and random pages, every page verified, twice with different contents; swap
 /// really used, both ways. (The server is outside the guest: the guest's memory pressure
@@ -741,7 +613,7 @@ struct Guest {
 
 impl Guest {
     fn start(name: &str, args: &[String], env: &[(&str, &str)]) -> Guest {
-        let mut child = vm_support::spawn_test(name, args, env);
+        let mut child = uzram_testkit::vm::spawn_test(name, args, env);
         let out = child.stdout.take().unwrap();
         let (tx, lines) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -858,12 +730,7 @@ impl Drop for Guest {
 
 /// The server's locked memory: its own (`VmLck`), and what of the guests' memfds is locked.
 fn locked_kib(pid: u32) -> (u64, u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let vm_lck = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmLck:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
+    let vm_lck = proc_field(&format!("/proc/{pid}/status"), "VmLck");
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
     let (mut guest_rss, mut guest_locked, mut in_guest) = (0, 0, false);
     for l in smaps.lines() {
@@ -914,7 +781,7 @@ fn vhost_user_guests() {
 
     // 1. A guest uses zram0 as its disk (fio, discard, a filesystem, a device reset as at a
     // reboot, then a real reboot in the same QEMU) and zram1 as its swap.
-    let out = vm_support::boot_test(
+    let out = uzram_testkit::vm::boot_test(
         NAME,
         &vm_args(&[&disk, &swap], 384, &pages, 1),
         &[

@@ -3,81 +3,30 @@
 //! and MemTotal from `ZRAM_GENERATOR_ROOT/proc/meminfo`), and the same size expressions with
 //! units in uzram's TOML configuration: the built binary, what `uzram ctl` shows afterwards.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-mod serve_support;
-
-use nbd_support::*;
-use serve_support::{ctl_in, wait_serving};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use uzram_testkit::serve::{uzram_bin, Running, Serve};
 
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const MIB: u64 = 1 << 20;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/zram-generator")
 }
 
-struct Running {
-    child: Child,
-    dir: tempfile::TempDir,
-    /// What `uzram serve` printed before "serving".
-    out: String,
-}
-
-impl Running {
-    fn show(&self, dev: &str, attr: &str) -> String {
-        let out = ctl_in(self.dir.path(), &["--dev", dev, attr]);
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    }
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("stderr")).unwrap_or_default()
-    }
-    fn stop(mut self) {
-        run(Command::new("kill").args(["-TERM", &self.child.id().to_string()]));
-        let t = Instant::now();
-        while self.child.try_wait().unwrap().is_none() {
-            assert!(t.elapsed() < Duration::from_secs(20), "did not stop");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// `uzram serve --dir TMP ARGS` with `env`, until "serving"; `Err((stdout, stderr))` if it
 /// exits first.
 fn serve(args: &[&str], env: &[(&str, String)]) -> Result<Running, (String, String)> {
-    let dir = tempfile::tempdir().unwrap();
-    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
-    let mut child = Command::new(BIN)
-        .arg("serve")
-        .arg("--dir")
-        .arg(dir.path())
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let (banner, serving) = wait_serving(child.stdout.take().unwrap());
-    let out = banner.iter().map(|l| format!("{l}\n")).collect();
-    let r = Running { child, dir, out };
-    if serving {
-        Ok(r)
-    } else {
-        let e = r.stderr();
-        Err((r.out.clone(), e))
+    let mut serve = Serve::args(&["--dir", "{dir}"]).arg(args);
+    for (k, v) in env {
+        serve = serve.env(k, v);
     }
+    serve.try_start().map_err(|f| (f.stdout, f.stderr))
+}
+
+/// What `uzram serve` printed before "serving".
+fn banner(r: &Running) -> String {
+    r.banner().iter().map(|l| format!("{l}\n")).collect()
 }
 
 /// A PATH with a stub `xenstore-read` first, printing what zram-generator's test 10-example's
@@ -111,8 +60,7 @@ fn the_manuals_example_configures_what_zram_generator_would() {
 
     // As shipped, its writeback device does not exist here: refused, naming file, line, key.
     let (_, err) = serve(&["--zram-generator-conf", example.to_str().unwrap()], &env)
-        .err()
-        .expect("a missing writeback device is an error");
+        .expect_err("a missing writeback device is an error");
     assert!(
         err.contains("zram-generator.conf.example:53: zram0: backing_dev = \"/dev/zvol/tarta-zoot/swap-writeback\""),
         "{err}"
@@ -128,7 +76,7 @@ fn the_manuals_example_configures_what_zram_generator_would() {
     );
     std::fs::write(&conf, text).unwrap();
     let r = serve(&["--zram-generator-conf", conf.to_str().unwrap()], &env).unwrap();
-    let err = r.stderr();
+    let err = r.log();
     // lzo-rle is not in uzram: a warning with the line, the device keeps lz4.
     assert!(
         err.contains("zram-generator.conf:44: zram0: compression-algorithm"),
@@ -160,17 +108,21 @@ fn the_manuals_example_configures_what_zram_generator_would() {
     );
     // What zram-generator would have done next, said on stdout.
     assert!(
-        r.out.contains(
+        banner(&r).contains(
             "zram0: zram-generator would make it swap: mkswap DEV && swapon --priority 100 DEV"
         ),
         "{}",
-        r.out
+        banner(&r)
     );
-    assert!(r.out.contains("recompress type=idle"), "{}", r.out);
     assert!(
-        r.out.contains("zram1: zram-generator would make a file system and mount it: mkfs.ext2 DEV && mount -o discard DEV /run/compressed-mount-point"),
+        banner(&r).contains("recompress type=idle"),
         "{}",
-        r.out
+        banner(&r)
+    );
+    assert!(
+        banner(&r).contains("zram1: zram-generator would make a file system and mount it: mkfs.ext2 DEV && mount -o discard DEV /run/compressed-mount-point"),
+        "{}",
+        banner(&r)
     );
     r.stop();
 
@@ -186,8 +138,8 @@ fn the_manuals_example_configures_what_zram_generator_would() {
         ),
     ];
     let r = serve(&["--zram-generator-conf", conf.to_str().unwrap()], &env).unwrap();
-    assert!(r.out.contains("zram0: not created"), "{}", r.out);
-    assert!(!r.dir.path().join("zram0.ctl").exists());
+    assert!(banner(&r).contains("zram0: not created"), "{}", banner(&r));
+    assert!(!r.dir().join("zram0.ctl").exists());
     // 16000 MiB / 10.
     assert_eq!(
         r.show("zram1", "disksize").trim(),
@@ -208,9 +160,7 @@ fn toml_sizes_take_the_same_expressions_with_units() {
     };
     // zram-generator's default, in MiB without a unit: refused, saying which unit to give.
     write("min(ram / 2, 4096)");
-    let (_, err) = serve(&["--config", conf.path().to_str().unwrap()], &[])
-        .err()
-        .expect("refused");
+    let (_, err) = serve(&["--config", conf.path().to_str().unwrap()], &[]).expect_err("refused");
     assert!(err.contains("disksize") && err.contains("4096M"), "{err}");
     // With units: the smaller of half the RAM and 48 MiB, plus a fraction of 16M.
     write("min(ram / 2, 48M) + 16M * 0.25");
@@ -252,19 +202,18 @@ fn drop_ins_follow_zram_generators_precedence() {
         r.show("zram2", "disksize").trim(),
         pages(782.0 * 0.8 * MIB as f64)
     );
-    assert!(!r.dir.path().join("zram1.ctl").exists(), "{}", r.out);
+    assert!(!r.dir().join("zram1.ctl").exists(), "{}", banner(&r));
     assert!(
-        r.out.contains(
+        banner(&r).contains(
             "zram2: zram-generator would make it swap: mkswap DEV && swapon --priority 200 DEV,"
         ),
         "{}",
-        r.out
+        banner(&r)
     );
     assert!(
-        r.out
-            .contains("swapon --priority 100 --options discard DEV"),
+        banner(&r).contains("swapon --priority 100 --options discard DEV"),
         "{}",
-        r.out
+        banner(&r)
     );
     r.stop();
 }
@@ -275,7 +224,7 @@ fn drop_ins_follow_zram_generators_precedence() {
 #[test]
 fn the_kernel_command_line_turns_devices_off_and_on() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(BIN)
+    let out = Command::new(uzram_bin())
         .args(["serve", "--zram-generator", "--dir"])
         .arg(dir.path())
         .env("ZRAM_GENERATOR_ROOT", fixtures().join("05-kernel-disabled"))
@@ -294,7 +243,11 @@ fn the_kernel_command_line_turns_devices_off_and_on() {
         r.show("zram0", "disksize").trim(),
         pages(3912.5 * MIB as f64)
     );
-    assert!(r.out.contains("swapon --priority 100"), "{}", r.out);
+    assert!(
+        banner(&r).contains("swapon --priority 100"),
+        "{}",
+        banner(&r)
+    );
     r.stop();
 
     // No configuration and no option: an error naming where zram-generator looks.
@@ -306,8 +259,7 @@ fn the_kernel_command_line_turns_devices_off_and_on() {
         &["--zram-generator"],
         &[("ZRAM_GENERATOR_ROOT", empty.path().display().to_string())],
     )
-    .err()
-    .expect("nothing to serve");
+    .expect_err("nothing to serve");
     assert!(
         err.contains("no zram-generator configuration under")
             && err.contains("{usr/lib,usr/local/lib,etc,run}/systemd/zram-generator.conf"),

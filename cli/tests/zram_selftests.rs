@@ -6,123 +6,48 @@
 //! (issue 23, item 7). The built binary, real clients (qemu-io, nbdfuse, losetup, mkfs, mount,
 //! dd, mkswap, blkid), as root.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-
-use nbd_support::*;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Command;
+use std::time::Duration;
+use uzram_testkit::nbd::NbdLoop;
+use uzram_testkit::process::{require, run, wait_for};
+use uzram_testkit::serve::{Running, Serve};
 
-const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const MIB: u64 = 1 << 20;
-
-struct Running {
-    child: Child,
-    dir: tempfile::TempDir,
-}
-
-impl Running {
-    fn ctl_out(&self, dev: &str, args: &[&str]) -> Output {
-        Command::new(BIN)
-            .args(["ctl", "--dir"])
-            .arg(self.dir.path())
-            .args(["--dev", dev])
-            .args(args)
-            .output()
-            .unwrap()
-    }
-    /// `echo VALUE > ATTR`, which must succeed.
-    fn set(&self, dev: &str, attr: &str, value: &str) {
-        let out = self.ctl_out(dev, &[attr, value]);
-        assert!(out.status.success(), "{attr} {value}: {out:?}");
-    }
-    /// `echo VALUE > ATTR`, which must fail with `errno` (uzram ctl's exit status).
-    fn set_fails(&self, dev: &str, attr: &str, value: &str, errno: i32) {
-        let out = self.ctl_out(dev, &[attr, value]);
-        assert_eq!(out.status.code(), Some(errno), "{attr} {value}: {out:?}");
-    }
-    /// zram_cleanup's `echo 1 > reset` once the clients are gone: a client that exited
-    /// (qemu-io, nbdfuse) has closed its socket, but the server notices the close on its own
-    /// thread a moment later, and reset while a connection is open is EBUSY as in zram. Waits
-    /// (10 s at most) for `nbd_connections` to read 0, then resets.
-    fn reset_when_closed(&self, dev: &str) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            let open = self.cat(dev, "nbd_connections");
-            if open.trim() == "0" {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{dev}: still {} NBD connection(s) 10 s after the clients left",
-                open.trim()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        self.set(dev, "reset", "1");
-    }
-    /// `cat ATTR`.
-    fn cat(&self, dev: &str, attr: &str) -> String {
-        let out = self.ctl_out(dev, &[attr]);
-        assert!(out.status.success(), "{attr}: {out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    }
-    fn col(&self, dev: &str, attr: &str, i: usize) -> u64 {
-        self.cat(dev, attr)
-            .split_whitespace()
-            .nth(i)
-            .unwrap()
-            .parse()
-            .unwrap()
-    }
-    fn uri(&self, dev: &str) -> String {
-        format!(
-            "nbd+unix:///{dev}?socket={}",
-            self.dir.path().join(format!("{dev}.sock")).display()
-        )
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// `uzram serve` with `n` devices zram0.. of 1 MiB, each then reset, as a freshly loaded zram
 /// module's devices are (uninitialised).
 fn serve(n: usize) -> Running {
-    let dir = tempfile::tempdir().unwrap();
-    let conf = dir.path().join("uzram.toml");
-    let mut text = String::new();
+    let mut toml = String::new();
     for i in 0..n {
-        text.push_str(&format!(
+        toml.push_str(&format!(
             "[[device]]\nname = \"zram{i}\"\ndisksize = \"1M\"\n"
         ));
     }
-    std::fs::write(&conf, text).unwrap();
-    let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
-    let mut child = Command::new(BIN)
-        .arg("serve")
-        .arg("--dir")
-        .arg(dir.path())
-        .arg("--config")
-        .arg(&conf)
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap();
-    let serving = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .any(|l| l.unwrap().starts_with("serving"));
-    let r = Running { child, dir };
-    assert!(serving, "serve did not start");
+    let r = Serve::config(&toml).arg(&["--dir", "{dir}"]).start();
     for i in 0..n {
         r.set(&format!("zram{i}"), "reset", "1");
     }
     r
+}
+
+/// `echo VALUE > ATTR`, which must fail with `errno` (uzram ctl's exit status).
+fn set_fails(r: &Running, dev: &str, attr: &str, value: &str, errno: i32) {
+    let out = r.ctl(&["--dev", dev, attr, value]);
+    assert_eq!(out.status.code(), Some(errno), "{attr} {value}: {out:?}");
+}
+
+/// zram_cleanup's `echo 1 > reset` once the clients are gone: a client that exited (qemu-io,
+/// nbdfuse) has closed its socket, but the server notices the close on its own thread a moment
+/// later, and reset while a connection is open is EBUSY as in zram. Waits (10 s at most) for
+/// `nbd_connections` to read 0, then resets.
+fn reset_when_closed(r: &Running, dev: &str) {
+    wait_for(
+        &format!("{dev}: NBD connections closed after the clients left"),
+        Duration::from_secs(10),
+        || r.show(dev, "nbd_connections").trim() == "0",
+    );
+    r.set(dev, "reset", "1");
 }
 
 fn qemu_io(uri: &str, cmds: &[&str]) {
@@ -162,24 +87,24 @@ fn block_dev(uri: &str, size: u64, dir: &Path) -> (NbdLoop, PathBuf) {
 fn ltp_and_selftest_zram01() {
     let r = serve(2);
     // zram_compress_alg: every algorithm `sed 's/[][]//g' comp_algorithm` lists can be set.
-    let algs = r.cat("zram0", "comp_algorithm").replace(['[', ']'], "");
+    let algs = r.show("zram0", "comp_algorithm").replace(['[', ']'], "");
     assert!(algs.split_whitespace().count() >= 4, "{algs}");
     for dev in ["zram0", "zram1"] {
         for alg in algs.split_whitespace() {
             r.set(dev, "comp_algorithm", alg);
-            assert!(r.cat(dev, "comp_algorithm").contains(&format!("[{alg}]")));
+            assert!(r.show(dev, "comp_algorithm").contains(&format!("[{alg}]")));
         }
     }
     // The selftest's algorithm is lzo, which uzram does not have: EINVAL (the selftest
     // reports it and goes on).
-    r.set_fails("zram1", "comp_algorithm", "lzo", libc::EINVAL);
+    set_fails(&r, "zram1", "comp_algorithm", "lzo", libc::EINVAL);
     // zram_set_disksizes: bytes (26214400, LTP; 2097152, the selftest); zram_set_memlimit.
     r.set("zram0", "disksize", "26214400");
     r.set("zram1", "disksize", "2097152");
     r.set("zram0", "mem_limit", "25M");
     r.set("zram1", "mem_limit", "2M");
-    assert_eq!(r.col("zram0", "mm_stat", 3), 25 * MIB);
-    assert_eq!(r.col("zram1", "mm_stat", 3), 2 * MIB);
+    assert_eq!(r.columns("zram0", "mm_stat")[3], 25 * MIB);
+    assert_eq!(r.columns("zram1", "mm_stat")[3], 2 * MIB);
 
     // zram_makefs, zram_mount, zram_fill_fs on zram0: ext2, filled with zeros 1 KiB at a time
     // until full (one dd of 1 KiB blocks, as the loop of dd count=1 writes the same).
@@ -207,7 +132,7 @@ fn ltp_and_selftest_zram01() {
     let kib = std::fs::metadata(mnt.join("file")).unwrap().len() / 1024;
     assert!(kib > 20_000, "filled {kib} KiB");
     // LTP: v = 100 * 1024 * b / compr_size must be at least 100 (ratio 1:1).
-    let compr = r.col("zram0", "mm_stat", 1);
+    let compr = r.columns("zram0", "mm_stat")[1];
     assert!(
         compr > 0,
         "the file system's metadata compresses to something"
@@ -216,9 +141,9 @@ fn ltp_and_selftest_zram01() {
     assert!(v >= 100, "compression ratio {v}/100");
     drop(b);
     // zram_cleanup.
-    r.reset_when_closed("zram0");
-    r.reset_when_closed("zram1");
-    assert_eq!(r.cat("zram0", "initstate"), "0\n");
+    reset_when_closed(&r, "zram0");
+    reset_when_closed(&r, "zram1");
+    assert_eq!(r.show("zram0", "initstate"), "0\n");
 }
 
 /// zram02: the device as swap (zram_makeswap's mkswap; swapon itself is left out: the test
@@ -236,7 +161,7 @@ fn ltp_and_selftest_zram02() {
     let out = run(Command::new("blkid").args(["-p", "-o", "value", "-s", "TYPE", b.dev()]));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "swap");
     drop(b);
-    r.reset_when_closed("zram0");
+    reset_when_closed(&r, "zram0");
 }
 
 /// LTP's zram03: a 512 MiB device filled with 'a' but its last byte 0, the block layer's `stat`
@@ -256,14 +181,14 @@ fn ltp_zram03() {
     );
     // dump_info: initstate, disksize, mm_stat's orig_data_size compr_data_size mem_used_total
     // same_pages, stat's reads (field 1) and writes (field 5).
-    assert_eq!(r.cat("zram0", "initstate"), "1\n");
-    assert_eq!(r.cat("zram0", "disksize"), format!("{SIZE}\n"));
-    assert_eq!(r.col("zram0", "mm_stat", 0), SIZE);
+    assert_eq!(r.show("zram0", "initstate"), "1\n");
+    assert_eq!(r.show("zram0", "disksize"), format!("{SIZE}\n"));
+    assert_eq!(r.columns("zram0", "mm_stat")[0], SIZE);
     // Every page but the last is one byte repeated.
-    assert_eq!(r.col("zram0", "mm_stat", 5), SIZE / 4096 - 1);
-    let writes = r.col("zram0", "stat", 4);
-    assert!(writes >= 2, "{}", r.cat("zram0", "stat"));
-    assert_eq!(r.cat("zram0", "stat").split_whitespace().count(), 17);
+    assert_eq!(r.columns("zram0", "mm_stat")[5], SIZE / 4096 - 1);
+    let writes = r.columns("zram0", "stat")[4];
+    assert!(writes >= 2, "{}", r.show("zram0", "stat"));
+    assert_eq!(r.show("zram0", "stat").split_whitespace().count(), 17);
     // verify_device.
     qemu_io(
         &uri,
@@ -272,15 +197,19 @@ fn ltp_zram03() {
             &format!("read -P 0 {} 1", SIZE - 1),
         ],
     );
-    assert!(r.col("zram0", "stat", 0) >= 2, "{}", r.cat("zram0", "stat"));
+    assert!(
+        r.columns("zram0", "stat")[0] >= 2,
+        "{}",
+        r.show("zram0", "stat")
+    );
     // writes' sectors: at least the whole device.
-    assert!(r.col("zram0", "stat", 6) >= SIZE / 512);
+    assert!(r.columns("zram0", "stat")[6] >= SIZE / 512);
     // reset, dump_info again: uninitialised, and the block layer's counters zeroed as the
     // kernel's reset zeroes them.
-    r.reset_when_closed("zram0");
-    assert_eq!(r.cat("zram0", "initstate"), "0\n");
-    assert_eq!(r.cat("zram0", "disksize"), "0\n");
-    assert!(r.cat("zram0", "stat").split_whitespace().all(|w| w == "0"));
+    reset_when_closed(&r, "zram0");
+    assert_eq!(r.show("zram0", "initstate"), "0\n");
+    assert_eq!(r.show("zram0", "disksize"), "0\n");
+    assert!(r.show("zram0", "stat").split_whitespace().all(|w| w == "0"));
 }
 
 /// The parity details of issue 23 item 7, each as the kernel behaves.
@@ -289,38 +218,38 @@ fn zram_parity_details() {
     let r = serve(1);
     let d = "zram0";
     // idle and compact on an uninitialised device: EINVAL (zram's init_done checks).
-    r.set_fails(d, "idle", "all", libc::EINVAL);
-    r.set_fails(d, "compact", "1", libc::EINVAL);
-    let out = r.ctl_out(d, &["-v", "compact", "1"]);
+    set_fails(&r, d, "idle", "all", libc::EINVAL);
+    set_fails(&r, d, "compact", "1", libc::EINVAL);
+    let out = r.ctl(&["--dev", d, "-v", "compact", "1"]);
     assert!(
         !String::from_utf8_lossy(&out.stderr).contains("started"),
         "refused at once, without a progress line: {out:?}"
     );
     // debugfs's block_state of an uninitialised device: EINVAL.
-    let out = r.ctl_out(d, &["block_state"]);
+    let out = r.ctl(&["--dev", d, "block_state"]);
     assert_eq!(out.status.code(), Some(libc::EINVAL), "{out:?}");
     // writeback_compressed: compressed_writeback's early name, an alias.
     r.set(d, "writeback_compressed", "1");
-    assert_eq!(r.cat(d, "compressed_writeback"), "1\n");
-    assert_eq!(r.cat(d, "writeback_compressed"), "1\n");
+    assert_eq!(r.show(d, "compressed_writeback"), "1\n");
+    assert_eq!(r.show(d, "writeback_compressed"), "1\n");
     r.set(d, "compressed_writeback", "0");
-    assert_eq!(r.cat(d, "writeback_compressed"), "0\n");
+    assert_eq!(r.show(d, "writeback_compressed"), "0\n");
     // Parameters survive a change of algorithm: zstd's level 20 kept for lz4hc (1..=12), so
     // disksize fails; with a level both take, it works.
     r.set(d, "comp_algorithm", "zstd");
     r.set(d, "algorithm_params", "level=20");
     r.set(d, "comp_algorithm", "lz4hc");
-    r.set_fails(d, "disksize", "1M", libc::EINVAL);
+    set_fails(&r, d, "disksize", "1M", libc::EINVAL);
     r.set(d, "algorithm_params", "level=9");
     r.set(d, "comp_algorithm", "zstd");
     r.set(d, "comp_algorithm", "lz4hc");
     // Sizes as memparse reads them: a suffix after the number, anything after it ignored,
     // leading 0 octal.
     r.set(d, "disksize", "010M trailing words");
-    assert_eq!(r.cat(d, "disksize"), format!("{}\n", 8 * MIB));
+    assert_eq!(r.show(d, "disksize"), format!("{}\n", 8 * MIB));
     r.set(d, "mem_limit", "1.5G");
     assert_eq!(
-        r.col(d, "mm_stat", 3),
+        r.columns(d, "mm_stat")[3],
         4096,
         "1.5G is 1 byte, rounded up to a page"
     );
@@ -339,10 +268,10 @@ fn zram_parity_details() {
             "write -z 32k 16k",
         ],
     );
-    assert_eq!(r.col(d, "io_stat", 3), 8 + 4);
+    assert_eq!(r.columns(d, "io_stat")[3], 8 + 4);
     // block_state: a line per page holding data, zram's format and flags.
     r.set(d, "idle", "all");
-    let state = r.cat(d, "block_state");
+    let state = r.show(d, "block_state");
     let lines: Vec<&str> = state.lines().collect();
     // Pages 12..16 same-filled (0x11), 16..32 the executable's bytes.
     assert_eq!(lines.len(), 4 + 16, "{state}");
@@ -365,7 +294,7 @@ fn zram_parity_details() {
     r.set(d, "compact", "1");
     // The block layer's stat counted the requests: writes (4 incl. write-zeroes), discards.
     let stat: Vec<u64> = r
-        .cat(d, "stat")
+        .show(d, "stat")
         .split_whitespace()
         .map(|w| w.parse().unwrap())
         .collect();

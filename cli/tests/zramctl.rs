@@ -8,19 +8,11 @@
 //! `uzram status --kernel ARGS /dev/zramN` for each option. The device is unmounted, reset
 //! and removed afterwards, also when the test fails.
 
-#[path = "../../tests/nbd_support/mod.rs"]
-mod nbd_support;
-
-use nbd_support::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use uzram_testkit::process::{is_root, require, run};
 
 const BIN: &str = env!("CARGO_BIN_EXE_uzram");
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
 
 /// A hot-added kernel zram device with a mounted ext4; removed on drop.
 struct KernelZram {

@@ -2,24 +2,27 @@
 //! `tests/nbd_backing.rs`), made with `openssl`: a CA, a server certificate for `localhost` and
 //! 127.0.0.1, a client certificate, in the file names qemu, libnbd and nbdkit look for. A
 //! missing `openssl` is a failure (scripts/debian-packages.txt installs it).
-#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Credentials: `dir/server` (server-cert.pem, server-key.pem, ca-cert.pem), `dir/client`
 /// (ca-cert.pem, client-cert.pem, client-key.pem) and `dir/anonymous` (ca-cert.pem only).
+#[derive(Debug)]
 pub struct Creds {
     pub dir: tempfile::TempDir,
 }
 
 impl Creds {
+    /// The server's files.
     pub fn server(&self) -> PathBuf {
         self.dir.path().join("server")
     }
+    /// A client's files, with its certificate.
     pub fn client(&self) -> PathBuf {
         self.dir.path().join("client")
     }
+    /// An anonymous client's files: the CA only.
     pub fn anonymous(&self) -> PathBuf {
         self.dir.path().join("anonymous")
     }
@@ -34,6 +37,7 @@ fn openssl(dir: &Path, args: &[&str]) {
     assert!(out.status.success(), "openssl {args:?}: {out:?}");
 }
 
+/// New credentials in a temporary directory.
 pub fn make_creds() -> Creds {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

@@ -1,14 +1,14 @@
-//! Real faulty backing devices for the fault tests (`mod fault_support;`): an NBD server with
+//! Real faulty backing devices for the fault tests: an NBD server with
 //! nbdkit's `error` and `delay` filters, seen by the kernel as a block device through
 //! `nbdfuse -s -C 1` and a loop device (the host has no `nbd` module), and a small tmpfs for
 //! `ENOSPC`. Each is torn down on drop, so a failing assertion leaves nothing behind.
-#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::nbd_support::{require, run, NbdLoop};
+use crate::nbd::NbdLoop;
+use crate::process::{require, run, wait_for};
 
 /// What the nbdkit stack injects.
 #[derive(Debug, Clone, Default)]
@@ -28,6 +28,7 @@ pub struct NbdFaults {
 /// file attached to a loop device with direct I/O (so reads and writes reach nbdkit, not the
 /// page cache). [`path`](Self::path) is the loop device, a real block device to use as
 /// `backing_dev`.
+#[derive(Debug)]
 pub struct NbdBacking {
     dir: tempfile::TempDir,
     nbdkit: Option<Child>,
@@ -62,7 +63,7 @@ impl NbdBacking {
             .stdout(Stdio::null())
             .stderr(log_file(me.dir.path(), "nbdkit.log"));
         me.nbdkit = Some(cmd.spawn().expect("nbdkit"));
-        wait_for(|| sock.exists(), "nbdkit's socket");
+        wait_for("nbdkit's socket", Duration::from_secs(20), || sock.exists());
         let fuse_dir = me.dir.path().join("fuse");
         me.stack = Some(NbdLoop::attach(
             Command::new("nbdfuse")
@@ -113,14 +114,6 @@ fn set_trigger(path: &Path, on: bool) {
     }
 }
 
-fn wait_for(mut ready: impl FnMut() -> bool, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !ready() {
-        assert!(Instant::now() < deadline, "{what} did not appear in 20 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 impl Drop for NbdBacking {
     fn drop(&mut self) {
         // The loop device and nbdfuse first, then the server they talk to.
@@ -133,6 +126,7 @@ impl Drop for NbdBacking {
 }
 
 /// A tmpfs of `size_bytes` mounted on a temporary directory: a file system that fills up.
+#[derive(Debug)]
 pub struct SmallTmpfs {
     dir: tempfile::TempDir,
     mounted: bool,

@@ -1,7 +1,6 @@
 //! Real NBD servers for the NBD backing tests: nbdkit and qemu-nbd on a unix socket in a
 //! temporary directory, killed (and waited for) when dropped. A server program missing is a
 //! failure, not a skip: scripts/debian-packages.txt installs them.
-#![allow(dead_code)]
 
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -9,6 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A running server.
+#[derive(Debug)]
 pub struct NbdServer {
     child: Option<Child>,
     pub socket: PathBuf,
@@ -16,9 +16,7 @@ pub struct NbdServer {
     pub dir: tempfile::TempDir,
 }
 
-fn tmpdir() -> tempfile::TempDir {
-    tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap())
-}
+use crate::device::real_tmpdir as tmpdir;
 
 impl NbdServer {
     /// `nbdkit` with `args` (plugin, filters, parameters) on a new socket.

@@ -1,5 +1,6 @@
-//! Tests in a VM with a real kernel (`mod vm_support;`): on a zoned block device, or with
-//! kernel modules this host lacks (`ublk_drv`, `nbd`).
+//! Tests in a VM with a real kernel: on a zoned block device, or with kernel modules this host
+//! lacks (`ublk_drv`, `nbd`); and the kit of the swap tests run inside ([`Hog`],
+//! [`mem_total_bytes`], [`vmstat`]).
 //!
 //! The kernel this suite runs on may have no zoned block device support (the CI machines'
 //! has none), so a test that needs one boots a small VM (`scripts/zoned-vm`: a Debian kernel
@@ -11,11 +12,14 @@
 use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::Command;
+use std::time::Instant;
+
+use crate::pages::{fill_page, swap_mix, PAGE};
+use crate::process::proc_field;
 
 /// `scripts/zoned-vm` options for a device that completes I/O after 100 us from a timer, with
 /// 4 request slots and no I/O scheduler: there Linux 6.1 reorders several writes in flight to
 /// one zone, so only a writer that keeps one write per zone at the device gets through.
-#[allow(dead_code)]
 pub const REORDERING_DEVICE: &[&str] = &[
     "--scheduler",
     "none",
@@ -30,7 +34,6 @@ pub const REORDERING_DEVICE: &[&str] = &[
 /// Inside the VM: the zoned device to test. Outside: boots the VM with `vm_args` (see
 /// `scripts/zoned-vm --help`), runs test `name` of this binary in it, asserts that it passed,
 /// and returns `None` (the caller's test is then done).
-#[allow(dead_code)]
 pub fn zoned_device_or_boot(name: &str, vm_args: &[&str]) -> Option<PathBuf> {
     if let Some(dev) = std::env::var_os("UZRAM_ZONED_DEV") {
         return Some(PathBuf::from(dev));
@@ -53,7 +56,6 @@ fn vm_script() -> PathBuf {
 /// inside the VM (`UZRAM_VM` set by `scripts/zoned-vm`) returns true and the caller's body
 /// runs; outside it boots the VM with `vm_args` (e.g. `--kernel 6.12 --no-zoned`), runs test
 /// `name` of this binary in it, asserts that it ran and passed, and returns false.
-#[allow(dead_code)]
 pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
     if std::env::var_os("UZRAM_VM").is_some() {
         return true;
@@ -65,7 +67,6 @@ pub fn in_vm_or_boot(name: &str, vm_args: &[String]) -> bool {
 /// Outside the VM: boots it with `vm_args`, runs test `name` of this binary in it with the
 /// environment variables `env` (whose names must start with `UZRAM_` to reach the VM),
 /// asserts that it ran and passed, and returns the VM's standard output.
-#[allow(dead_code)]
 pub fn boot_test<S: AsRef<OsStr>>(name: &str, vm_args: &[S], env: &[(&str, &str)]) -> String {
     let mut cmd = test_command(name, vm_args, env);
     let out = cmd
@@ -91,7 +92,6 @@ pub fn boot_test<S: AsRef<OsStr>>(name: &str, vm_args: &[S], env: &[(&str, &str)
 /// binary with the environment `env` (names starting with `UZRAM_`), its standard output
 /// piped (the guest's output as it comes): for tests that act on the host while the guest
 /// runs.
-#[allow(dead_code)]
 pub fn spawn_test(name: &str, vm_args: &[String], env: &[(&str, &str)]) -> std::process::Child {
     let mut cmd = test_command(name, vm_args, env);
     cmd.stdout(std::process::Stdio::piped())
@@ -110,4 +110,114 @@ fn test_command<S: AsRef<OsStr>>(name: &str, vm_args: &[S], env: &[(&str, &str)]
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .envs(env.iter().copied());
     cmd
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inside the VM: the swap kit.
+
+/// A counter of `/proc/vmstat` (`pswpout`, `pswpin`...).
+pub fn vmstat(name: &str) -> u64 {
+    let v = std::fs::read_to_string("/proc/vmstat").unwrap();
+    v.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /proc/vmstat"))
+}
+
+/// The machine's RAM in bytes.
+pub fn mem_total_bytes() -> u64 {
+    proc_field("/proc/meminfo", "MemTotal") << 10
+}
+
+/// Page `i` of the hog, version `v`: the [`swap_mix`] of the page generator (half same-filled,
+/// three eighths text, one eighth random), stamped with its index and version.
+pub fn hog_page(i: usize, v: u64, out: &mut [u8]) {
+    fill_page(swap_mix(i as u64), i as u64, v, out);
+}
+
+/// A memory hog: an anonymous mapping of `pages` pages, filled with [`hog_page`]s and checked
+/// page by page; unmapped when dropped.
+#[derive(Debug)]
+pub struct Hog {
+    ptr: *mut u8,
+    pages: usize,
+}
+
+impl Hog {
+    /// Maps `pages` pages (not yet touched).
+    pub fn new(pages: usize) -> Hog {
+        // SAFETY: a fresh private anonymous mapping; no address hint, no file.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+        Hog {
+            ptr: ptr.cast(),
+            pages,
+        }
+    }
+
+    /// Its size in pages.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    fn page(&mut self, i: usize) -> &mut [u8] {
+        assert!(i < self.pages);
+        // SAFETY: page i lies inside the mapping, which lives as long as `self`, and the
+        // returned slice borrows `self` mutably, so no other slice of it exists meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * PAGE), PAGE) }
+    }
+
+    /// Writes version `v` of every page; says how far it got every 32 MiB (on standard error,
+    /// with the swap-outs so far: a stalled fill shows where).
+    pub fn fill(&mut self, v: u64) {
+        let t = Instant::now();
+        for i in 0..self.pages {
+            hog_page(i, v, self.page(i));
+            if i % (32 << 20 >> 12) == 0 {
+                eprintln!(
+                    "hog: filling v{v}: {} MiB at {:.1} s, pswpout {}",
+                    i >> 8,
+                    t.elapsed().as_secs_f64(),
+                    vmstat("pswpout")
+                );
+            }
+        }
+    }
+
+    /// Checks every page against version `v`; the number of bad pages. From the last page to
+    /// the first: the pages filled last are the ones still in RAM, so they are checked before
+    /// swapping the others in pushes them out (forwards, every page would go out and in).
+    pub fn bad_pages(&mut self, v: u64) -> usize {
+        let mut want = vec![0u8; PAGE];
+        let mut bad = 0;
+        for i in (0..self.pages).rev() {
+            hog_page(i, v, &mut want);
+            if self.page(i) != &want[..] {
+                bad += 1;
+            }
+        }
+        bad
+    }
+
+    /// Asks the kernel to swap the whole mapping out now (MADV_PAGEOUT, Linux 5.4).
+    pub fn page_out(&mut self) {
+        // SAFETY: the range is exactly the mapping.
+        let rc = unsafe { libc::madvise(self.ptr.cast(), self.pages * PAGE, libc::MADV_PAGEOUT) };
+        assert_eq!(rc, 0, "MADV_PAGEOUT: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, not used after this.
+        unsafe { libc::munmap(self.ptr.cast(), self.pages * PAGE) };
+    }
 }

@@ -1,41 +1,40 @@
-//! Helpers shared by the NBD tests: a served device on a temporary unix socket, a minimal raw
-//! NBD client for protocol-level tests, running real client programs, and an export seen by the
-//! kernel as a block device (nbdfuse and a loop device).
-#![allow(dead_code)]
+//! NBD: a device served by the library's server on a temporary unix socket, a minimal raw NBD
+//! client for protocol-level tests, and an export seen by the kernel as a block device (nbdfuse
+//! and a loop device).
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use uzram::device::Device;
 use uzram::frontend::nbd::protocol::*;
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
 use uzram::BlockDevice;
 
+use crate::device::DeviceBuilder;
+
+use crate::process::{require, run};
+
 // ---------------------------------------------------------------------------------------------
 // The device under test.
 
-/// A new device of `size_bytes`: the real compressed-RAM device, lz4, 4 KiB pages.
+/// A new device of `size_bytes` to serve: the real compressed-RAM device, lz4, 4 KiB pages.
 pub fn new_device(size_bytes: u64) -> Arc<dyn BlockDevice> {
-    Arc::new(
-        uzram::device::Device::new(uzram::device::DeviceConfig {
-            disksize_bytes: size_bytes,
-            ..Default::default()
-        })
-        .expect("create device"),
-    )
+    Arc::new(DeviceBuilder::bytes(size_bytes).build())
 }
 
 // ---------------------------------------------------------------------------------------------
 // A served device.
 
 /// A server on a temporary unix socket, exporting one device as `zram0`.
+#[derive(Debug)]
 pub struct Served {
     pub server: Option<Server>,
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
-    pub device: Arc<dyn BlockDevice>,
+    pub device: Arc<Device>,
 }
 
 impl Served {
@@ -43,9 +42,9 @@ impl Served {
     pub fn new(size_bytes: u64) -> Served {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("zram0.sock");
-        let device = new_device(size_bytes);
+        let device = Arc::new(DeviceBuilder::bytes(size_bytes).build());
         let server = Server::start(
-            vec![Export::new("zram0", Arc::clone(&device))],
+            vec![Export::new("zram0", device.clone())],
             &[Listen::Unix {
                 path: socket.clone(),
                 export: "zram0".into(),
@@ -78,82 +77,13 @@ impl Served {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Real client programs.
-
-/// The Debian package that ships each client program.
-fn package_of(program: &str) -> &'static str {
-    match program {
-        "qemu-img" | "qemu-io" => "qemu-utils",
-        "nbdinfo" | "nbdcopy" | "nbdfuse" => "libnbd-bin",
-        "fio" => "fio",
-        "nbdkit" => "nbdkit",
-        "fusermount3" => "fuse3",
-        "mkfs.ext4" | "mkfs.ext2" => "e2fsprogs",
-        "promtool" | "prometheus" => "prometheus",
-        "curl" => "curl",
-        "systemd-analyze" => "systemd",
-        "mkswap" | "blkid" => "util-linux",
-        "losetup" | "mount" | "umount" => "util-linux (mount)",
-        _ => "?",
-    }
-}
-
-/// Fails the test (never skips) if `program` is not installed.
-pub fn require(program: &str) {
-    let found = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
-        .unwrap_or(false)
-        || ["/usr/sbin", "/sbin"]
-            .iter()
-            .any(|d| Path::new(d).join(program).is_file());
-    assert!(
-        found,
-        "the NBD client `{program}` is missing: install Debian package {} (scripts/debian-packages.txt)",
-        package_of(program)
-    );
-}
-
-/// Runs a command, asserting success; returns its output.
-pub fn run(cmd: &mut Command) -> Output {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed ({}):\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-/// Position-dependent, partly compressible test data: each 512-byte sector carries its own
-/// index (so a misplaced block is caught), some text, and some pseudo-random bytes.
-pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for (i, sector) in v.chunks_mut(512).enumerate() {
-        let head = format!("sector {i:010} seed {seed} uzram nbd test data ");
-        let n = head.len().min(sector.len());
-        sector[..n].copy_from_slice(&head.as_bytes()[..n]);
-        for b in sector[n..].iter_mut().skip(200) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = x as u8;
-        }
-    }
-    v
-}
-
-// ---------------------------------------------------------------------------------------------
 // An export as the kernel's block device.
 
 /// An NBD export seen by the kernel as a block device (the host has no `nbd` module): nbdfuse
 /// exposes it as the file `nbd` of a FUSE directory, and a loop device attaches that file. On
 /// drop, so a failing assertion leaves nothing behind: unmounts [`mnt`](Self::mnt) if set,
 /// detaches the loop device, unmounts the FUSE directory and stops nbdfuse.
+#[derive(Debug)]
 pub struct NbdLoop {
     fuse_dir: PathBuf,
     nbdfuse: Option<Child>,
@@ -232,11 +162,15 @@ impl Drop for NbdLoop {
 // ---------------------------------------------------------------------------------------------
 // A minimal raw client, to send what real clients never send.
 
+/// A raw client on a unix socket.
+#[derive(Debug)]
 pub struct RawClient {
     pub s: UnixStream,
     pub structured: bool,
 }
 
+/// One reply: its error, cookie and data (a read's).
+#[derive(Debug)]
 pub struct Reply {
     pub error: u32,
     pub cookie: u64,
