@@ -11,7 +11,7 @@ use uzram::backing::{FileBacking, FileOptions};
 use uzram::device::Device;
 use uzram::writeback::{BackingLayout, WritebackReport, WritebackSpec};
 use uzram::ErrorKind;
-use uzram_testkit::device::bd;
+use uzram_testkit::device::{bd, DeviceBuilder};
 use uzram_testkit::faults::{NbdBacking, NbdFaults, SmallTmpfs};
 use uzram_testkit::pages::{check_all, fill, identical_or_eio, page, PAGE};
 
@@ -26,14 +26,12 @@ fn stored(n: u64) -> u64 {
 /// A device of `pages` over the backing at `path` (attribute `backing_dev`, as an operator
 /// sets it), with 1 MiB zones for the zoned layout, the writeback limit enabled at [`LIMIT`].
 fn device(layout: BackingLayout, path: &str, pages: u64) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.attr_store("backing_dev", path).unwrap();
-    dev.attr_store("backing_layout", layout.name()).unwrap();
-    if layout == BackingLayout::Zoned {
-        dev.attr_store("zone_size", "1M").unwrap();
+    let dev = DeviceBuilder::pages(pages).backing_dev(path);
+    let dev = match layout {
+        BackingLayout::Zoned => dev.zoned("1M"),
+        _ => dev.attr("backing_layout", layout.name()),
     }
-    dev.attr_store("disksize", &(pages * PAGE as u64).to_string())
-        .unwrap();
+    .build();
     dev.set_writeback_limit_enable(true);
     dev.set_writeback_limit(LIMIT);
     dev

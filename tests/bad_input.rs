@@ -4,22 +4,8 @@
 
 use uzram::device::{Device, DeviceConfig};
 use uzram::{BlockDevice, ErrorKind};
-
-const PAGE: usize = 4096;
-
-fn device(pages: u64) -> Device {
-    Device::new(DeviceConfig {
-        disksize_bytes: pages * PAGE as u64,
-        ..Default::default()
-    })
-    .unwrap()
-}
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
-        .collect()
-}
+use uzram_testkit::device::device;
+use uzram_testkit::pages::{page_of, pattern, Kind, PAGE};
 
 /// Reads the whole device.
 fn image(dev: &Device) -> Vec<u8> {
@@ -37,11 +23,11 @@ fn assert_err<T: std::fmt::Debug>(r: uzram::Result<T>, kind: ErrorKind, errno: i
 #[test]
 fn io_out_of_range_misaligned_or_empty_is_einval_and_changes_nothing() {
     let dev = device(16);
-    dev.write_at(&pattern(1, 16 * PAGE), 0).unwrap();
+    dev.write_at(&pattern(16 * PAGE, 1), 0).unwrap();
     let before = image(&dev);
     let stats = dev.stats();
     let size = dev.size_bytes();
-    let page = pattern(9, PAGE);
+    let page = pattern(PAGE, 9);
     let mut rbuf = vec![0u8; PAGE];
     let einval = (ErrorKind::InvalidArgument, libc::EINVAL);
     // Past the end, straddling the end, and offset overflow.
@@ -72,7 +58,7 @@ fn uninitialised_device_rejects_io() {
     let dev = Device::new_uninit(PAGE).unwrap();
     assert_eq!(dev.size_bytes(), 0);
     assert_err(
-        dev.write_at(&pattern(1, PAGE), 0),
+        dev.write_at(&pattern(PAGE, 1), 0),
         ErrorKind::InvalidArgument,
         libc::EINVAL,
     );
@@ -82,7 +68,9 @@ fn uninitialised_device_rejects_io() {
 fn over_mem_limit_is_enomem_and_keeps_old_contents() {
     let dev = device(64);
     // Incompressible pages: each takes a whole pool page.
-    let old: Vec<u8> = (0..8).flat_map(random_page).collect();
+    let old: Vec<u8> = (0..8)
+        .flat_map(|i| page_of(Kind::Random, i, 0, PAGE))
+        .collect();
     dev.write_at(&old, 0).unwrap();
     let used = dev.stats().mem_used_total_bytes;
     dev.attr_store("mem_limit", &used.to_string()).unwrap();
@@ -90,20 +78,25 @@ fn over_mem_limit_is_enomem_and_keeps_old_contents() {
     let failed_before = dev.stats().failed_writes;
     // Overwriting a stored page with another incompressible page needs a new object before the
     // old one is freed, so it must fail at the limit and keep the old page.
-    let e = dev.write_at(&random_page(100), 0).unwrap_err();
+    let e = dev
+        .write_at(&page_of(Kind::Random, 100, 0, PAGE), 0)
+        .unwrap_err();
     assert_eq!(
         (e.kind(), e.errno()),
         (ErrorKind::NoMemory, libc::ENOMEM),
         "{e}"
     );
     assert_err(
-        dev.write_at(&random_page(101), 20 * PAGE as u64),
+        dev.write_at(&page_of(Kind::Random, 101, 0, PAGE), 20 * PAGE as u64),
         ErrorKind::NoMemory,
         libc::ENOMEM,
     );
     // A partial write needing a new object fails the same way.
     assert_err(
-        dev.write_at(&random_page(102)[..512], 30 * PAGE as u64 + 512),
+        dev.write_at(
+            &page_of(Kind::Random, 102, 0, PAGE)[..512],
+            30 * PAGE as u64 + 512,
+        ),
         ErrorKind::NoMemory,
         libc::ENOMEM,
     );
@@ -114,18 +107,11 @@ fn over_mem_limit_is_enomem_and_keeps_old_contents() {
     dev.write_at(&vec![7u8; PAGE], 40 * PAGE as u64).unwrap();
     // Lifting the limit lets the write through.
     dev.attr_store("mem_limit", "0").unwrap();
-    dev.write_at(&random_page(100), 0).unwrap();
+    dev.write_at(&page_of(Kind::Random, 100, 0, PAGE), 0)
+        .unwrap();
     let mut got = vec![0u8; PAGE];
     dev.read_at(&mut got, 0).unwrap();
-    assert_eq!(got, random_page(100));
-}
-
-fn random_page(seed: u64) -> Vec<u8> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-    let mut p = vec![0u8; PAGE];
-    rng.fill(&mut p[..]);
-    p
+    assert_eq!(got, page_of(Kind::Random, 100, 0, PAGE));
 }
 
 #[test]
@@ -216,7 +202,7 @@ fn malformed_attribute_values_are_rejected_and_change_nothing() {
 #[test]
 fn settings_after_init_are_ebusy_and_change_nothing() {
     let dev = device(16);
-    dev.write_at(&pattern(3, PAGE), 0).unwrap();
+    dev.write_at(&pattern(PAGE, 3), 0).unwrap();
     let ebusy = |name: &str, value: &str| {
         let e = dev.attr_store(name, value).expect_err(value);
         assert_eq!(
@@ -245,7 +231,7 @@ fn settings_after_init_are_ebusy_and_change_nothing() {
     assert!(dev.attr_show("comp_algorithm").unwrap().contains("[lz4]"));
     let mut got = vec![0u8; PAGE];
     dev.read_at(&mut got, 0).unwrap();
-    assert_eq!(got, pattern(3, PAGE));
+    assert_eq!(got, pattern(PAGE, 3));
 }
 
 #[test]
@@ -254,7 +240,7 @@ fn reset_returns_to_defaults() {
     dev.attr_store("comp_algorithm", "zstd").unwrap();
     dev.attr_store("mem_limit", "1M").unwrap();
     dev.attr_store("disksize", "64K").unwrap();
-    dev.write_at(&pattern(5, PAGE), 0).unwrap();
+    dev.write_at(&pattern(PAGE, 5), 0).unwrap();
     assert_eq!(dev.attr_show("initstate").unwrap(), "1\n");
     dev.attr_store("reset", "1\n").unwrap();
     assert_eq!(dev.attr_show("initstate").unwrap(), "0\n");

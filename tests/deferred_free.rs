@@ -3,32 +3,15 @@
 //! object to the queue; the memory comes back at the worker's drain, `flush`, `compact`, a
 //! write at `mem_limit`, or reset.
 
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 use uzram::device::Device;
 use uzram::ErrorKind;
-
-const PAGE: usize = 4096;
-
-fn device(pages: u64, capacity: usize) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.debug_set_deferred_capacity(capacity);
-    dev.init(pages * PAGE as u64).unwrap();
-    dev
-}
-
-/// Compressible to about half a page, different per page.
-fn page(seed: u64) -> Vec<u8> {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let mut p = vec![0u8; PAGE];
-    rng.fill(&mut p[..PAGE / 2]);
-    p[PAGE - 8..].copy_from_slice(&seed.to_le_bytes());
-    p
-}
+use uzram_testkit::device::DeviceBuilder;
+use uzram_testkit::pages::{page_of, Kind, PAGE};
 
 fn fill(dev: &Device, pages: u64) {
     for i in 0..pages {
-        dev.write_at(&page(i), i * PAGE as u64).unwrap();
+        dev.write_at(&page_of(Kind::HalfRandom, i, 0, PAGE), i * PAGE as u64)
+            .unwrap();
     }
 }
 
@@ -43,7 +26,9 @@ fn deferred_cols(dev: &Device) -> Vec<u64> {
 #[test]
 fn discard_clears_the_slot_now_and_defers_the_memory() {
     // Capacity 1024: 64 discarded pages stay queued (no worker wake-up below 512).
-    let dev = device(64, 1024);
+    let dev = DeviceBuilder::pages(64)
+        .with(move |d| d.debug_set_deferred_capacity(1024))
+        .build();
     fill(&dev, 64);
     let full = dev.stats();
     assert_eq!(full.pages_stored, 64);
@@ -74,7 +59,9 @@ fn discard_clears_the_slot_now_and_defers_the_memory() {
 
 #[test]
 fn the_worker_drains_at_half_full_and_a_full_queue_frees_synchronously() {
-    let dev = device(256, 16);
+    let dev = DeviceBuilder::pages(256)
+        .with(move |d| d.debug_set_deferred_capacity(16))
+        .build();
     fill(&dev, 256);
     for i in 0..256u64 {
         dev.discard(i * PAGE as u64, PAGE as u64).unwrap();
@@ -94,7 +81,9 @@ fn the_worker_drains_at_half_full_and_a_full_queue_frees_synchronously() {
 
 #[test]
 fn free_notify_releases_like_discard() {
-    let dev = device(8, 1024);
+    let dev = DeviceBuilder::pages(8)
+        .with(move |d| d.debug_set_deferred_capacity(1024))
+        .build();
     fill(&dev, 8);
     dev.slot_free_notify(3).unwrap();
     dev.slot_free_notify(3).unwrap(); // an empty slot: counted, nothing to free
@@ -104,7 +93,7 @@ fn free_notify_releases_like_discard() {
     dev.read_at(&mut buf, 3 * PAGE as u64).unwrap();
     assert!(buf.iter().all(|&b| b == 0));
     dev.read_at(&mut buf, 4 * PAGE as u64).unwrap();
-    assert_eq!(buf, page(4));
+    assert_eq!(buf, page_of(Kind::HalfRandom, 4, 0, PAGE));
     assert_eq!(deferred_cols(&dev)[0], 1);
     let e = dev.slot_free_notify(8).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
@@ -112,7 +101,9 @@ fn free_notify_releases_like_discard() {
 
 #[test]
 fn a_write_at_mem_limit_first_frees_what_is_queued() {
-    let dev = device(64, 1024);
+    let dev = DeviceBuilder::pages(64)
+        .with(move |d| d.debug_set_deferred_capacity(1024))
+        .build();
     fill(&dev, 32);
     let used = dev.stats().mem_used_total_bytes;
     dev.attr_store("mem_limit", &used.to_string()).unwrap();
@@ -120,14 +111,17 @@ fn a_write_at_mem_limit_first_frees_what_is_queued() {
     dev.discard(0, 32 * PAGE as u64).unwrap();
     assert_eq!(dev.stats().mem_used_total_bytes, used);
     for i in 32..48u64 {
-        dev.write_at(&page(i), i * PAGE as u64).unwrap();
+        dev.write_at(&page_of(Kind::HalfRandom, i, 0, PAGE), i * PAGE as u64)
+            .unwrap();
     }
     assert_eq!(deferred_cols(&dev)[5], 0, "the write flushed the queue");
 }
 
 #[test]
 fn compact_and_reset_drain_the_queue() {
-    let dev = device(64, 1024);
+    let dev = DeviceBuilder::pages(64)
+        .with(move |d| d.debug_set_deferred_capacity(1024))
+        .build();
     fill(&dev, 64);
     dev.discard(0, 32 * PAGE as u64).unwrap();
     assert_eq!(deferred_cols(&dev)[5], 32);

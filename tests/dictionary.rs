@@ -6,7 +6,7 @@
 
 use uzram::compress::{new_codec, CodecParams, Dictionary, MAX_DICT_BYTES};
 use uzram::device::{Device, RecompressSpec};
-use uzram_testkit::device::errno;
+use uzram_testkit::device::{errno, DeviceBuilder};
 use uzram_testkit::pages::{check_pages, program_pages, write_pages, Program, PAGE};
 
 /// A raw-content dictionary: 64 KiB of the pages the device will hold (what zstd uses raw
@@ -30,18 +30,15 @@ fn zstd_dictionary_on_primary_and_secondary_shrinks_and_reads_back() {
     let compr = |dev: &Device| dev.stats().compr_data_size_bytes;
 
     // Primary zstd, without and with the dictionary.
-    let plain = Device::new_uninit(PAGE).unwrap();
-    plain.attr_store("comp_algorithm", "zstd").unwrap();
-    plain.attr_store("disksize", "1M").unwrap();
+    let zstd = || DeviceBuilder::bytes(1 << 20).attr("comp_algorithm", "zstd");
+    let plain = zstd().build();
     write_pages(&plain, 0, &pages);
-    let with = Device::new_uninit(PAGE).unwrap();
-    with.attr_store("comp_algorithm", "zstd").unwrap();
-    with.attr_store(
-        "algorithm_params",
-        &format!("algo=zstd level=3 dict={}\n", path.display()),
-    )
-    .unwrap();
-    with.attr_store("disksize", "1M").unwrap();
+    let with = zstd()
+        .attr(
+            "algorithm_params",
+            &format!("algo=zstd level=3 dict={}\n", path.display()),
+        )
+        .build();
     write_pages(&with, 0, &pages);
     assert!(
         compr(&with) < compr(&plain),
@@ -173,10 +170,9 @@ fn dictionary_is_shared_not_copied() {
 fn lz4_level_is_acceleration() {
     let pages = program_pages(64, 0, Program::Any);
     let compr = |level: &str| {
-        let dev = Device::new_uninit(PAGE).unwrap();
-        dev.attr_store("algorithm_params", &format!("level={level}"))
-            .unwrap();
-        dev.attr_store("disksize", "1M").unwrap();
+        let dev = DeviceBuilder::bytes(1 << 20)
+            .attr("algorithm_params", &format!("level={level}"))
+            .build();
         write_pages(&dev, 0, &pages);
         check_pages(&dev, 0, &pages);
         dev.stats().compr_data_size_bytes

@@ -8,37 +8,24 @@ use std::sync::Arc;
 
 use uzram::backing::MemBacking;
 use uzram::device::Device;
+use uzram_testkit::device::{mem_backing, DeviceBuilder};
+use uzram_testkit::pages::{page_of, Kind, PAGE};
 
-const PAGE: usize = 4096;
 const RUN: usize = 16;
 
 /// Compressible, distinct pages (text with the page number in it).
 fn text_page(i: usize) -> Vec<u8> {
-    let line = format!(
-        "page {i:5}: the quick brown fox jumps over the lazy dog {}\n",
-        i * 7
-    );
-    line.as_bytes().iter().copied().cycle().take(PAGE).collect()
+    page_of(Kind::Text, i as u64, 0, PAGE)
 }
 
 fn random_page(seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..PAGE / 8)
-        .flat_map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x.to_le_bytes()
-        })
-        .collect()
+    page_of(Kind::Random, seed, 0, PAGE)
 }
 
 fn device(multi_page_size: &str) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.attr_store("multi_page_size", multi_page_size).unwrap();
-    dev.attr_store("disksize", &(4 * RUN * PAGE).to_string())
-        .unwrap();
-    dev
+    DeviceBuilder::pages(4 * RUN as u64)
+        .attr("multi_page_size", multi_page_size)
+        .build()
 }
 
 fn multi_stat(dev: &Device) -> (u64, u64) {
@@ -163,17 +150,12 @@ fn unaligned_short_same_filled_and_incompressible_runs_are_stored_page_by_page()
 
 /// A device of 8 runs of 16 pages with a backing device in `layout`.
 fn device_with_backing(layout: &str) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.set_backing(Arc::new(MemBacking::new(8 << 20).unwrap()))
-        .unwrap();
-    dev.attr_store("backing_layout", layout).unwrap();
-    if layout == "zoned" {
-        dev.attr_store("zone_size", "1M").unwrap();
-    }
-    dev.attr_store("multi_page_size", "64K").unwrap();
-    dev.attr_store("disksize", &(8 * RUN * PAGE).to_string())
-        .unwrap();
-    dev
+    let dev = DeviceBuilder::pages(8 * RUN as u64).backing(mem_backing(2048));
+    let dev = match layout {
+        "zoned" => dev.zoned("1M"),
+        _ => dev.attr("backing_layout", layout),
+    };
+    dev.attr("multi_page_size", "64K").build()
 }
 
 /// Writeback takes a multi-page object whole (one write of its compressed bytes) when every

@@ -9,21 +9,12 @@ use uzram::backing::{AlignedBuf, Backing, IoOp, NbdBacking, NbdOptions};
 use uzram::device::{Device, IdleCutoff};
 use uzram::writeback::{WritebackMode, WritebackSpec};
 use uzram::ErrorKind;
-use uzram_testkit::device::bd;
+use uzram_testkit::device::{bd, DeviceBuilder};
 use uzram_testkit::nbd_servers::NbdServer;
-use uzram_testkit::pages::{check_all, fill, identical_or_eio, PAGE};
+use uzram_testkit::pages::{check_all, fill, identical_or_eio, page, PAGE};
 
 fn open(uri: &str) -> NbdBacking {
     NbdBacking::open(uri, &NbdOptions::default()).unwrap()
-}
-
-/// A block's test pattern.
-fn block(i: u64, v: u64) -> Vec<u8> {
-    let mut b = vec![0u8; PAGE];
-    for (k, c) in b.chunks_mut(8).enumerate() {
-        c.copy_from_slice(&(i * 1_000_003 + v * 7 + k as u64).to_le_bytes());
-    }
-    b
 }
 
 /// Queued writes of runs of 1..4 blocks (one run in every 4 blocks, shuffled, depth 32), then
@@ -44,7 +35,7 @@ fn queued_round_trip(b: &NbdBacking, blocks: u64) {
         let bufs = (first..first + len)
             .map(|i| {
                 let mut a = AlignedBuf::new_zeroed(PAGE).unwrap();
-                a.copy_from_slice(&block(i, 1));
+                a.copy_from_slice(&page(i, 1));
                 a
             })
             .collect();
@@ -91,7 +82,7 @@ fn queued_round_trip(b: &NbdBacking, blocks: u64) {
             let got = &c.op.bufs[k as usize / 4][(k as usize % 4) * PAGE..][..PAGE];
             let i = first + k;
             if written(i) {
-                assert!(got == &block(i, 1)[..], "block {i}");
+                assert!(got == &page(i, 1)[..], "block {i}");
             } else {
                 assert!(got.iter().all(|&x| x == 0), "block {i} was never written");
             }
@@ -102,7 +93,7 @@ fn queued_round_trip(b: &NbdBacking, blocks: u64) {
     for run in 0..n {
         let mut buf = vec![0u8; PAGE];
         b.read_at(&mut buf, run * 4 * PAGE as u64).unwrap();
-        assert!(buf == block(run * 4, 1), "block {}", run * 4);
+        assert!(buf == page(run * 4, 1), "block {}", run * 4);
     }
 }
 
@@ -165,7 +156,7 @@ fn client_speaks_to_nbdkit_memory_and_qemu_nbd() {
     drop(b);
     // The bytes reached the file.
     let data = std::fs::read(&file).unwrap();
-    assert!(data[..PAGE] == block(0, 1)[..]);
+    assert!(data[..PAGE] == page(0, 1)[..]);
 }
 
 /// Without structured replies (nbdkit --no-sr) the client reads simple replies; with them or
@@ -220,7 +211,7 @@ fn simple_replies_and_error_chunks() {
         std::fs::remove_file(&werr).unwrap();
         let mut buf = vec![0u8; PAGE];
         b.read_at(&mut buf, 0).unwrap();
-        assert!(buf == block(0, 1), "the failed write changed nothing");
+        assert!(buf == page(0, 1), "the failed write changed nothing");
         let [data, holes, errors] = b.chunk_counts();
         if sr {
             assert!(data > 0 && errors >= 2, "{:?}", b.chunk_counts());
@@ -232,13 +223,12 @@ fn simple_replies_and_error_chunks() {
 }
 
 fn device_on(uri: &str, pages: u64, compressed: bool) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.attr_store("backing_dev", &format!("{uri}\n")).unwrap();
-    assert_eq!(dev.attr_show("backing_dev").unwrap(), format!("{uri}\n"));
-    dev.set_compressed_writeback(compressed).unwrap();
-    dev.attr_store("disksize", &(pages * PAGE as u64).to_string())
-        .unwrap();
-    dev
+    let uri = format!("{uri}\n");
+    DeviceBuilder::pages(pages)
+        .backing_dev(&uri)
+        .with(move |d| assert_eq!(d.attr_show("backing_dev").unwrap(), uri))
+        .compressed_writeback(compressed)
+        .build()
 }
 
 fn writeback_round_trip(dev: &Device, pages: u64) {
@@ -615,7 +605,7 @@ fn a_reconnection_blocks_no_other_call() {
         ..NbdOptions::default()
     };
     let b = NbdBacking::open(&server.uri(), &opts).unwrap();
-    b.write_at(&block(0, 1), 0).unwrap();
+    b.write_at(&page(0, 1), 0).unwrap();
     let socket = server.socket.clone();
     let dir = server.kill();
     // The reader sees the connection close; a silent listener takes the socket's place.

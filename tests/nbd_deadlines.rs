@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use uzram::frontend::limits::Limits;
 use uzram::frontend::nbd::protocol::*;
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
-use uzram_testkit::nbd::{new_device, RawClient, Served};
+use uzram_testkit::device::new_device;
+use uzram_testkit::nbd::{RawClient, Served};
 use uzram_testkit::pages::pattern;
 
 const DEADLINE: Duration = Duration::from_secs(1);

@@ -18,7 +18,7 @@ use uzram::frontend::nbd::handshake::{negotiate, PlainIo};
 use uzram::frontend::nbd::protocol::*;
 use uzram::frontend::nbd::transmission::{transmission, Channel, Context};
 use uzram::frontend::nbd::Export;
-use uzram_testkit::nbd::new_device;
+use uzram_testkit::device::new_device;
 
 fn iterations() -> usize {
     std::env::var("UZRAM_FUZZ_ITERS")

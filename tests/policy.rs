@@ -6,13 +6,14 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use uzram::backing::{Engine, FileBacking, FileOptions};
-use uzram::clock::{Clock, ManualClock, SystemClock};
+use uzram::backing::Engine;
+use uzram::clock::{ManualClock, SystemClock};
 use uzram::device::Device;
 use uzram::policy::{
     self, DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource, ProcPressure,
 };
-use uzram_testkit::pages::{check_all, fill, PAGE};
+use uzram_testkit::device::{device, file_backing, real_tmpdir, DeviceBuilder};
+use uzram_testkit::pages::{check_all, fill, page_of, program_pages, Kind, Program, PAGE};
 
 const PAGES: u64 = 256;
 
@@ -29,22 +30,15 @@ impl Rig {
     /// (through io_uring), storing `attrs` before `disksize`.
     fn new(backing_pages: u64, attrs: &[(&str, &str)]) -> Rig {
         let clock = Arc::new(ManualClock::new());
-        let dev = Device::new_uninit_with_clock(PAGE, clock.clone() as Arc<dyn Clock>).unwrap();
-        let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+        let dir = real_tmpdir();
+        let mut dev = DeviceBuilder::pages(PAGES).clock(clock.clone());
         if backing_pages > 0 {
-            let file = FileBacking::create(
-                dir.path().join("backing"),
-                backing_pages * PAGE as u64,
-                &FileOptions::with_engine(Engine::Uring),
-            )
-            .unwrap();
-            dev.set_backing(Arc::new(file)).unwrap();
+            dev = dev.backing(Arc::new(file_backing(&dir, backing_pages, Engine::Uring)));
         }
         for (k, v) in attrs {
-            dev.attr_store(k, v).unwrap();
+            dev = dev.attr(k, v);
         }
-        dev.attr_store("disksize", &(PAGES * PAGE as u64).to_string())
-            .unwrap();
+        let dev = dev.build();
         let dev = Arc::new(dev);
         let policy = Arc::new(DevicePolicy::new("zram0", Arc::clone(&dev)));
         Rig {
@@ -264,22 +258,6 @@ fn errors_are_counted_with_the_last_one_and_lose_nothing() {
     assert_eq!(r.policy.show(), before);
 }
 
-/// Pages of real program bytes (this test binary), stamped with their index.
-fn program_pages(n: u64) -> Vec<Vec<u8>> {
-    let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
-    let pages: Vec<&[u8]> = exe
-        .chunks_exact(PAGE)
-        .filter(|p| p.iter().any(|&b| b != p[0]))
-        .collect();
-    (0..n)
-        .map(|i| {
-            let mut p = pages[(i as usize * 7) % pages.len()].to_vec();
-            p[..8].copy_from_slice(&i.to_le_bytes());
-            p
-        })
-        .collect()
-}
-
 #[test]
 fn recompression_of_pages_idle_past_the_age() {
     let r = Rig::new(
@@ -289,7 +267,7 @@ fn recompression_of_pages_idle_past_the_age() {
             ("recomp_algorithm", "algo=zstd priority=1"),
         ],
     );
-    let pages = program_pages(PAGES);
+    let pages = program_pages(PAGES as usize, 0, Program::Any);
     for (i, p) in pages.iter().enumerate() {
         r.dev.write_at(p, i as u64 * PAGE as u64).unwrap();
     }
@@ -322,7 +300,7 @@ fn packing(dev: &Device) -> f64 {
 fn compaction_when_packing_passes_the_ratio() {
     let r = Rig::new(0, &[]);
     let n = PAGES;
-    let pages = program_pages(n);
+    let pages = program_pages(n as usize, 0, Program::Any);
     for (i, p) in pages.iter().enumerate() {
         r.dev.write_at(p, i as u64 * PAGE as u64).unwrap();
     }
@@ -372,23 +350,16 @@ fn zoned_gc_when_free_zones_run_low() {
     // 4 zones of 1 MiB; 512 incompressible pages fill two; overwriting half leaves them
     // half-dead.
     let r = Rig::new(1024, &[("backing_layout", "zoned"), ("zone_size", "1M")]);
-    let random = |i: u64, v: u64| {
-        let mut x = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v;
-        let mut p = vec![0u8; PAGE];
-        for c in p.chunks_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            c.copy_from_slice(&x.to_le_bytes());
-        }
-        p
-    };
     for i in 0..PAGES {
-        r.dev.write_at(&random(i, 1), i * PAGE as u64).unwrap();
+        r.dev
+            .write_at(&page_of(Kind::Random, i, 1, PAGE), i * PAGE as u64)
+            .unwrap();
     }
     r.dev.attr_store("writeback", "huge").unwrap();
     for i in (0..PAGES).step_by(2) {
-        r.dev.write_at(&random(i, 2), i * PAGE as u64).unwrap();
+        r.dev
+            .write_at(&page_of(Kind::Random, i, 2, PAGE), i * PAGE as u64)
+            .unwrap();
     }
     let z = r.dev.zone_stats().unwrap();
     r.policy.store("gc_free_zones=4 period_s=10").unwrap();
@@ -401,7 +372,10 @@ fn zoned_gc_when_free_zones_run_low() {
     for i in 0..PAGES {
         let mut buf = vec![0u8; PAGE];
         r.dev.read_at(&mut buf, i * PAGE as u64).unwrap();
-        assert!(buf == random(i, if i % 2 == 0 { 2 } else { 1 }), "page {i}");
+        assert!(
+            buf == page_of(Kind::Random, i, if i % 2 == 0 { 2 } else { 1 }, PAGE),
+            "page {i}"
+        );
     }
     r.dev.debug_check_zones();
 }
@@ -409,9 +383,7 @@ fn zoned_gc_when_free_zones_run_low() {
 #[test]
 fn the_runner_thread_acts_on_the_real_clock_and_stops_at_once() {
     let r = Rig::new(0, &[]);
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.attr_store("disksize", "1M").unwrap();
-    let dev = Arc::new(dev);
+    let dev = Arc::new(device(256));
     fill(&dev, 64, 1);
     let p = Arc::new(DevicePolicy::new("zram1", Arc::clone(&dev)));
     p.store("idle_age_s=0 period_s=1").unwrap();

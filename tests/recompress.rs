@@ -8,35 +8,19 @@
 use std::sync::Arc;
 use uzram::backing::MemBacking;
 use uzram::device::{Device, RecompressSpec};
-use uzram_testkit::device::errno;
-use uzram_testkit::pages::{check_pages, program_pages, write_pages, Program, PAGE};
+use uzram_testkit::device::{errno, DeviceBuilder};
+use uzram_testkit::pages::{check_pages, page_of, program_pages, write_pages, Kind, Program, PAGE};
 
-/// Incompressible pages (xorshift), stamped.
-fn random_page(i: u64) -> Vec<u8> {
-    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut p = vec![0u8; PAGE];
-    for c in p.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes());
-    }
-    p[..8].copy_from_slice(&i.to_le_bytes());
-    p
-}
-
+/// A device of `pages` with the recompression algorithms `recomp`, priorities 1, 2...
 fn device(pages: u64, recomp: &[&str]) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
+    let mut dev = DeviceBuilder::pages(pages);
     for (i, a) in recomp.iter().enumerate() {
-        dev.attr_store(
+        dev = dev.attr(
             "recomp_algorithm",
             &format!("algo={a} priority={}\n", i + 1),
-        )
-        .unwrap();
+        );
     }
-    dev.attr_store("disksize", &(pages * PAGE as u64).to_string())
-        .unwrap();
-    dev
+    dev.build()
 }
 
 /// `recomp_stat` as numbers: tried, recompressed, incompressible.
@@ -230,7 +214,7 @@ fn incompressible_pages_are_marked_skipped_and_written_back() {
         })
         .collect();
     for i in (0..32).step_by(4) {
-        pages[i] = random_page(i as u64);
+        pages[i] = page_of(Kind::Random, i as u64, 0, PAGE);
     }
     write_pages(&dev, 0, &pages);
     let huge = dev.stats().huge_pages;
@@ -255,7 +239,7 @@ fn incompressible_pages_are_marked_skipped_and_written_back() {
 #[test]
 fn only_the_last_priority_marks_incompressible() {
     let dev = device(8, &["zstd", "deflate"]);
-    let p = random_page(1);
+    let p = page_of(Kind::Random, 1, 0, PAGE);
     dev.write_at(&p, 0).unwrap();
     // Priority 1 alone is not the last codec: no mark, tried again later.
     let r = dev

@@ -5,14 +5,13 @@
 //! other path (`tests/model.rs`).
 
 use uzram::device::{Device, GenStat, RecompressSpec, TrainSpec};
+use uzram_testkit::device::DeviceBuilder;
 use uzram_testkit::pages::{check_pages, program_pages, write_pages, Program, PAGE};
 
-fn device(pages: usize) -> Device {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    dev.attr_store("recomp_algorithm", "algo=zstd").unwrap();
-    dev.attr_store("disksize", &(pages * PAGE).to_string())
-        .unwrap();
-    dev
+fn device(pages: u64) -> Device {
+    DeviceBuilder::pages(pages)
+        .attr("recomp_algorithm", "algo=zstd")
+        .build()
 }
 
 fn gens(dev: &Device) -> GenStat {

@@ -21,6 +21,8 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 use uzram::frontend::vhost_user::{VhostUserConfig, VhostUserExport};
 use uzram::BlockDevice;
+use uzram_testkit::device::new_device;
+use uzram_testkit::pages::pattern;
 use vhost::vhost_user::message::{
     VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
@@ -68,16 +70,6 @@ const S_UNSUPP: u8 = 2;
 /// What the status byte holds before the server writes it.
 const S_UNTOUCHED: u8 = 0xee;
 
-fn new_device(size_bytes: u64) -> Arc<dyn BlockDevice> {
-    Arc::new(
-        uzram::device::Device::new(uzram::device::DeviceConfig {
-            disksize_bytes: size_bytes,
-            ..Default::default()
-        })
-        .expect("create device"),
-    )
-}
-
 /// A device served on a vhost-user socket in a temporary directory.
 struct Served {
     export: Option<VhostUserExport>,
@@ -112,23 +104,6 @@ fn memfd(bytes: u64) -> File {
     let f = unsafe { File::from_raw_fd(fd) };
     f.set_len(bytes).unwrap();
     f
-}
-
-/// Position-dependent data: every 512-byte sector names its offset and the seed.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for (i, sector) in v.chunks_mut(512).enumerate() {
-        let head = format!("sector {i:08} seed {seed} vhost-user test ");
-        sector[..head.len()].copy_from_slice(head.as_bytes());
-        for b in sector[head.len()..].iter_mut().skip(256) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = x as u8;
-        }
-    }
-    v
 }
 
 /// One descriptor: guest address, length, flags (`F_NEXT` is added by [`Guest::submit`]).

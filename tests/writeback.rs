@@ -11,18 +11,11 @@ use uzram::backing::{
 use uzram::device::{Device, DeviceConfig, IdleCutoff};
 use uzram::writeback::{WritebackMode, WritebackSpec};
 use uzram::ErrorKind;
-use uzram_testkit::device::{bd, device_over, mem_backing, real_tmpdir, DeviceBuilder};
+use uzram_testkit::device::{
+    bd, device_over, file_backing, mem_backing, real_tmpdir, DeviceBuilder,
+};
 use uzram_testkit::hook_backing::HookBacking;
 use uzram_testkit::pages::{check_all, fill, identical_or_eio, page, PAGE};
-
-fn file_backing(dir: &tempfile::TempDir, blocks: u64, engine: Engine) -> FileBacking {
-    FileBacking::create(
-        dir.path().join("backing"),
-        blocks * PAGE as u64,
-        &FileOptions::with_engine(engine),
-    )
-    .unwrap()
-}
 
 #[test]
 fn attributes_syntax_and_errnos() {

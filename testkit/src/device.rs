@@ -4,8 +4,10 @@
 
 use std::sync::Arc;
 
-use uzram::backing::{Backing, MemBacking};
+use uzram::backing::{Backing, Engine, FileBacking, FileOptions, MemBacking};
+use uzram::clock::{Clock, SystemClock};
 use uzram::device::Device;
+use uzram::BlockDevice;
 
 use crate::pages::PAGE;
 
@@ -28,6 +30,11 @@ pub fn zoned_device(pages: u64, backing: Arc<dyn Backing>, zone_size: &str) -> D
         .build()
 }
 
+/// A device of `size_bytes` to share (to serve, or to hand to threads).
+pub fn new_device(size_bytes: u64) -> Arc<dyn BlockDevice> {
+    Arc::new(DeviceBuilder::bytes(size_bytes).build())
+}
+
 /// A memory backing of `blocks` 4 KiB blocks.
 pub fn mem_backing(blocks: u64) -> Arc<MemBacking> {
     Arc::new(MemBacking::new(blocks * PAGE as u64).unwrap())
@@ -39,6 +46,16 @@ pub fn real_tmpdir() -> tempfile::TempDir {
     tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap())
 }
 
+/// A backing file `dir/backing` of `blocks` 4 KiB blocks, through `engine`.
+pub fn file_backing(dir: &tempfile::TempDir, blocks: u64, engine: Engine) -> FileBacking {
+    FileBacking::create(
+        dir.path().join("backing"),
+        blocks * PAGE as u64,
+        &FileOptions::with_engine(engine),
+    )
+    .unwrap()
+}
+
 type Setup = Box<dyn FnOnce(&Device)>;
 
 /// What a device is made of, set in the order zram takes it: everything but `disksize`
@@ -47,6 +64,7 @@ pub struct DeviceBuilder {
     page_size: usize,
     disksize_bytes: u64,
     backing: Option<Arc<dyn Backing>>,
+    clock: Option<Arc<dyn Clock>>,
     steps: Vec<Setup>,
 }
 
@@ -64,6 +82,7 @@ impl DeviceBuilder {
             page_size: PAGE,
             disksize_bytes: pages * PAGE as u64,
             backing: None,
+            clock: None,
             steps: Vec::new(),
         }
     }
@@ -86,6 +105,12 @@ impl DeviceBuilder {
     /// Writes back to `backing` (set with `set_backing`, before the layout and `disksize`).
     pub fn backing(mut self, backing: Arc<dyn Backing>) -> DeviceBuilder {
         self.backing = Some(backing);
+        self
+    }
+
+    /// Reads time from `clock` (a manual clock, for idle ages and policies).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> DeviceBuilder {
+        self.clock = Some(clock);
         self
     }
 
@@ -122,7 +147,8 @@ impl DeviceBuilder {
 
     /// The device, initialised.
     pub fn build(self) -> Device {
-        let dev = Device::new_uninit(self.page_size).unwrap();
+        let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
+        let dev = Device::new_uninit_with_clock(self.page_size, clock).unwrap();
         if let Some(b) = self.backing {
             dev.set_backing(b).unwrap();
         }

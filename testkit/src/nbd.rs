@@ -11,19 +11,10 @@ use std::time::{Duration, Instant};
 use uzram::device::Device;
 use uzram::frontend::nbd::protocol::*;
 use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
-use uzram::BlockDevice;
 
 use crate::device::DeviceBuilder;
 
 use crate::process::{require, run};
-
-// ---------------------------------------------------------------------------------------------
-// The device under test.
-
-/// A new device of `size_bytes` to serve: the real compressed-RAM device, lz4, 4 KiB pages.
-pub fn new_device(size_bytes: u64) -> Arc<dyn BlockDevice> {
-    Arc::new(DeviceBuilder::bytes(size_bytes).build())
-}
 
 // ---------------------------------------------------------------------------------------------
 // A served device.

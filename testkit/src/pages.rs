@@ -41,9 +41,10 @@ pub fn swap_mix(i: u64) -> Kind {
     }
 }
 
-/// xorshift64 from a seed made of the page's index and version.
+/// xorshift64 from a seed made of the page's index and version (odd: never the fixed point 0).
 fn rng(i: u64, version: u64) -> impl FnMut() -> u64 {
-    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut x =
+        (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xD1B5_4A32_D192_ED03)) | 1;
     move || {
         x ^= x << 13;
         x ^= x >> 7;
@@ -82,7 +83,9 @@ pub fn fill_page(kind: Kind, i: u64, version: u64, out: &mut [u8]) {
             }
         }
         Kind::SameFilled => {
-            let w = (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version) | 1;
+            let w = (i.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ version.wrapping_mul(0xD1B5_4A32_D192_ED03))
+                | 1;
             for c in out.chunks_mut(8) {
                 c.copy_from_slice(&w.to_le_bytes());
             }
