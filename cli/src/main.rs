@@ -3,16 +3,20 @@
 
 mod ctl;
 mod devices;
+mod dist;
 mod metrics;
 mod serve;
 mod status;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
+/// `uzram --version`: the package's version and the commit it is built from (build.rs).
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("UZRAM_COMMIT"), ")");
+
 #[derive(Debug, Parser)]
 #[command(
     name = "uzram",
-    version,
+    version = VERSION,
     about = "A compressed-RAM block device in userspace"
 )]
 struct Cli {
@@ -39,11 +43,21 @@ enum Command {
         /// The device number: N of /dev/ublkbN, /dev/ublkcN.
         id: u32,
     },
+    /// Print a shell's completion script (bash: save it as
+    /// /usr/share/bash-completion/completions/uzram).
+    Completions(dist::CompletionsArgs),
+    /// Write the man pages, shell completions and default configuration a package installs.
+    #[command(hide = true)]
+    PackageFiles(dist::PackageFilesArgs),
+}
+
+/// The command line's definition, with what is added at run time (the status columns' help).
+fn cli_command() -> clap::Command {
+    Cli::command().mut_subcommand("status", |c| c.after_help(status::columns_help()))
 }
 
 fn main() -> anyhow::Result<()> {
-    let command = Cli::command().mut_subcommand("status", |c| c.after_help(status::columns_help()));
-    let cli = match command
+    let cli = match cli_command()
         .try_get_matches()
         .and_then(|m| Cli::from_arg_matches(&m))
     {
@@ -69,5 +83,7 @@ fn main() -> anyhow::Result<()> {
             println!("deleted ublk device {id}");
             Ok(())
         }
+        Command::Completions(a) => dist::completions(cli_command(), a),
+        Command::PackageFiles(a) => dist::package_files(cli_command(), a),
     }
 }

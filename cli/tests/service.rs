@@ -1,5 +1,6 @@
 //! The systemd units in contrib/: `systemd-analyze verify` accepts them (syntax, every setting,
-//! dependencies, the executable) with their `ExecStart` pointed at the built binary, the
+//! dependencies, the executable, the man pages of `Documentation=`) with their `ExecStart`
+//! pointed at the built binary and the man pages `uzram package-files` writes, the
 //! offline security analysis rates their sandboxing "OK" or better, and the command lines they
 //! run are ones `uzram serve` accepts. Nothing here needs a running systemd: CI containers have
 //! none.
@@ -10,17 +11,27 @@ use uzram_testkit::process::require;
 
 const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const UNITS: [&str; 2] = ["uzram.service", "uzram-swap.service"];
-const INSTALLED: &str = "/usr/local/bin/uzram";
+/// How the units run the command: by name, as systemd finds it in /usr/local/bin (installed by
+/// hand) or /usr/bin (the package).
+const EXEC_START: &str = "ExecStart=uzram ";
 
-/// The units, with the installed path replaced by the built binary, in a temporary directory.
+/// The units, with the command replaced by the built binary, and the man pages (`man/`), in a
+/// temporary directory.
 fn units() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let contrib = Path::new(env!("CARGO_MANIFEST_DIR")).join("../contrib");
     for u in UNITS {
         let text = std::fs::read_to_string(contrib.join(u)).unwrap();
-        assert!(text.contains(INSTALLED), "{u} runs {INSTALLED}");
-        std::fs::write(dir.path().join(u), text.replace(INSTALLED, BIN)).unwrap();
+        assert!(text.contains(EXEC_START), "{u} runs {EXEC_START}");
+        let text = text.replace(EXEC_START, &format!("ExecStart={BIN} "));
+        std::fs::write(dir.path().join(u), text).unwrap();
     }
+    let out = Command::new(BIN)
+        .arg("package-files")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
     dir
 }
 
@@ -31,6 +42,7 @@ fn the_units_pass_systemd_analyze_verify() {
     let out = Command::new("systemd-analyze")
         .arg("verify")
         .args(UNITS.map(|u| dir.path().join(u)))
+        .env("MANPATH", dir.path().join("man"))
         .output()
         .unwrap();
     // Unknown keys and bad values are only warnings to verify: none may be printed.

@@ -22,6 +22,8 @@ fn package_of(program: &str) -> &'static str {
         "losetup" | "mount" | "umount" => "util-linux (mount)",
         "nbd-client" => "nbd-client",
         "openssl" => "openssl",
+        "man" => "man-db",
+        "dpkg" | "dpkg-deb" => "dpkg",
         _ => "?",
     }
 }
