@@ -7,8 +7,11 @@
 //!
 //! - [`device`]: the [`Device`](device::Device): settings, the init lock, attributes with
 //!   zram's names, request validation and splitting into pages, statistics' formats.
-//! - [`writeback`]: moving idle or huge pages to a backing device in batches: candidate scan,
-//!   the batched engine and its two placements, the limit.
+//! - [`writeback`]: moving idle or huge pages to a backing device in batches: the batched
+//!   engine and its two placements, the limit.
+//! - [`recompress`]: recompressing idle or huge pages with a second codec (`recompress`).
+//! - [`pp`]: post-processing (zram's `zram_pp_ctl`): the candidate scan writeback and
+//!   recompression share.
 //! - [`store`]: an initialised device's pages: every slot-state change (write, read,
 //!   read-back, release, idle, writeback's steps, GC's re-pointing), the counters, and the
 //!   writeback target (the bitmap store or the [`zoned`] store).
@@ -19,19 +22,20 @@
 //! - [`zoned`]: the append-only backing store with GC; [`backing`]: the backing devices
 //!   themselves.
 //!
-//! Frontends (the CLI, the NBD server) talk to one narrow trait, [`BlockDevice`].
+//! - [`memory`]: whether this process serves swap (faulting memory in ahead of need).
+//!
+//! This crate is the engine. The service (the `uzram-service` crate: frontends, policies,
+//! configuration, the device registry) and the `uzram` command sit above it and talk to
+//! devices through one narrow trait, [`BlockDevice`], and their attributes.
 
 pub mod backing;
 pub mod clock;
 pub mod compress;
-pub mod config;
 pub mod device;
 pub mod error;
-pub mod frontend;
-pub mod generator_conf;
 pub mod memory;
-pub mod policy;
-pub mod size_expr;
+pub mod pp;
+pub mod recompress;
 pub mod slot;
 pub mod store;
 pub mod units;
@@ -41,7 +45,7 @@ pub mod zsmalloc;
 
 pub use error::{Error, ErrorKind, Result};
 
-/// The narrow interface every frontend (NBD, FUSE, the CLI) uses.
+/// The narrow interface every frontend (NBD, ublk, vhost-user-blk, the CLI) uses.
 ///
 /// Offsets and lengths are in bytes and must be multiples of 512 (a sector); requests smaller
 /// than a page are handled by the device with read-modify-write. All methods take `&self` and

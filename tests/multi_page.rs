@@ -1,4 +1,4 @@
-//! `multi_page_size` (issue 21): an aligned run written at once is one object its pages point
+//! `multi_page_size`: an aligned run written at once is one object its pages point
 //! into; a 4 KiB write, a sub-page write, a discard or a free notification inside it breaks
 //! only that page out (`multi_stat` counts the objects and the pages still pointing into
 //! them); the last page out frees the object. Same-filled and incompressible runs are stored

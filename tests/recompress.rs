@@ -3,7 +3,7 @@
 //! priority), INCOMPRESSIBLE marking and `writeback incompressible`, read-back of recompressed
 //! pages in RAM and written back (plain, compressed and zoned), the counters, and bad input
 //! that changes nothing. Concurrency with every other path is the model test's
-//! (`tests/model.rs`).
+//! (`service/tests/model.rs`).
 
 use std::sync::Arc;
 use uzram::backing::MemBacking;

@@ -2,7 +2,7 @@
 //! dictionary generation of a recompression priority. Retraining twice with pages still on
 //! the old generations loses nothing; a generation no page uses is freed; every generation
 //! held is `EBUSY`; bad input changes nothing. The model test retrains concurrently with every
-//! other path (`tests/model.rs`).
+//! other path (`service/tests/model.rs`).
 
 use uzram::device::{Device, GenStat, RecompressSpec, TrainSpec};
 use uzram_testkit::device::DeviceBuilder;

@@ -12,7 +12,7 @@
 //! 60%-compressible data (as `bench vm` and `bench nbd`), after a sequential fill. Each
 //! point runs on the three targets in turn, `repeats` times, so drift on the machine falls
 //! on all alike; the medians and the ratios ublk/NBD and ublk/guest-zram are printed as a
-//! table and written as JSON on the host. Issue 11's targets: ublk ≥ 0.5× the guest's zram
+//! table and written as JSON on the host. The targets: ublk ≥ 0.5× the guest's zram
 //! at iodepth 1 and ≥ 0.8× at 32; ublk ≥ 3× NBD at iodepth 1.
 //!
 //! Under TCG every guest instruction is emulated, uzram's included (it runs in the guest
@@ -29,9 +29,9 @@ use std::process::Command;
 use std::sync::Arc;
 use uzram::device::{Device, DeviceConfig};
 use uzram::error::{Error, Result};
-use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
-use uzram::frontend::ublk::{UblkConfig, UblkExport};
 use uzram::BlockDevice;
+use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram_service::frontend::ublk::{UblkConfig, UblkExport};
 
 /// The targets, in the order they run and appear.
 const TARGETS: [&str; 3] = ["ublk", "nbd", "guest-zram"];
@@ -107,7 +107,7 @@ fn report(
     );
     print!("{}", table.render());
     println!(
-        "targets (issue 11): ublk/guest-zram >= 0.5 at qd 1, >= 0.8 at qd 32; ublk/nbd >= 3 at \
+        "targets: ublk/guest-zram >= 0.5 at qd 1, >= 0.8 at qd 32; ublk/nbd >= 3 at \
          qd 1"
     );
     let (server_table, server) = server_points(guest, &points)?;

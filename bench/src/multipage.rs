@@ -1,4 +1,4 @@
-//! `uzram bench multipage`: multi-page objects (`multi_page_size`, issue 21) against 4 KiB
+//! `uzram bench multipage`: multi-page objects (`multi_page_size`) against 4 KiB
 //! granularity and the kernel's zram, on real pages.
 //!
 //! The corpus must have 64 KiB pages (`uzram corpus --page-size 65536`): each is 64 KiB of a
@@ -55,7 +55,7 @@ struct Row {
     seq_read_mbps_cpu: f64,
     rand_read_mbps_cpu: f64,
     /// 4 KiB overwrites of every page once, in a random order, of the full device: each breaks
-    /// its page out of its run (issue 21's 4 KiB write into a run).
+    /// its page out of its run (the 4 KiB write into a run).
     rand_write_mbps_cpu: f64,
     /// `mem_used_max` after the overwrite pass, against `mem_used_total` before it: how far the
     /// pool grew while runs kept their objects for the pages not yet overwritten.

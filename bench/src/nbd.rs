@@ -7,7 +7,7 @@
 //! - **uzram**: this crate's device (lz4, 4 KiB pages) behind its NBD server on a unix socket,
 //!   fio's `nbd` engine (one connection per job).
 //! - **uzram-multi** (with `--multi-page-size N`): the same with `multi_page_size` N, filled
-//!   by the same 1 MiB writes, so its pages sit in multi-page objects (issue 21: 4 KiB random
+//!   by the same 1 MiB writes, so its pages sit in multi-page objects (4 KiB random
 //!   I/O at QD1 against `uzram`'s).
 //! - **nbdkit-sparse**, **nbdkit-zstd**: nbdkit's memory plugin (`allocator=sparse`, and
 //!   `allocator=zstd`, which compresses like uzram but crashes with several connections, so
@@ -33,8 +33,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uzram::device::{Device, DeviceConfig};
 use uzram::error::{Error, Result};
-use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
 use uzram::BlockDevice;
+use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -55,7 +55,7 @@ pub struct NbdBenchOptions {
     pub no_kernel: bool,
     /// Skip the nbdkit anchors.
     pub no_nbdkit: bool,
-    /// Also a uzram device with this `multi_page_size` (target `uzram-multi`; issue 21: its
+    /// Also a uzram device with this `multi_page_size` (target `uzram-multi`: its
     /// 4 KiB random I/O against `uzram`'s, and the 1 MiB prefill taking the multi-page path).
     pub multi_page_size: Option<usize>,
 }

@@ -276,7 +276,7 @@ pub fn run(corpus: &Corpus, opts: &RemoteBenchOptions) -> Result<Value> {
         opts.pages,
         opts.uri,
         connections,
-        if info.flags & uzram::frontend::nbd::protocol::TFLAG_SEND_FLUSH != 0 {
+        if info.flags & uzram_nbd_proto::TFLAG_SEND_FLUSH != 0 {
             "before completion"
         } else {
             "not advertised"

@@ -11,7 +11,7 @@
 //! 60%-compressible data (`buffer_compress_percentage=60`, as `bench nbd`), after a
 //! sequential fill. Each point runs on the three targets in turn, `repeats` times, so drift
 //! on the machine falls on all alike; the medians and the ratios vhost-user/NBD and
-//! vhost-user/guest-zram are printed as a table and written as JSON. Issue 12's targets:
+//! vhost-user/guest-zram are printed as a table and written as JSON. The targets:
 //! vhost-user ≥ 2× NBD at iodepth 1, ≥ 0.7× the guest's kernel zram.
 //!
 //! Under TCG (no hardware virtualisation, as on the development machine) every guest
@@ -37,9 +37,9 @@ use std::process::Command;
 use std::sync::Arc;
 use uzram::device::{Device, DeviceConfig};
 use uzram::error::{Error, Result};
-use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
-use uzram::frontend::vhost_user::{VhostUserConfig, VhostUserExport};
 use uzram::BlockDevice;
+use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram_service::frontend::vhost_user::{VhostUserConfig, VhostUserExport};
 
 /// What to run (`bench vm` and `bench blk`: one guest, fio at each point on three devices).
 #[derive(Debug, Clone)]
@@ -348,7 +348,7 @@ fn report(
         opts.mem_mb, opts.runtime_secs, opts.repeats
     );
     print!("{}", table.render());
-    println!("targets (issue 12): vhost/nbd >= 2 at qd 1; vhost/guest-zram >= 0.7");
+    println!("targets: vhost/nbd >= 2 at qd 1; vhost/guest-zram >= 0.7");
     println!(
         "host CPU µs per I/O (median): QEMU's threads (the emulated guest, device models, \
          QEMU's NBD client) and the server's; nbd/vhost = NBD's total over vhost-user's:"

@@ -676,7 +676,7 @@ fn run_cost_one(
 }
 
 /// `uzram bench writeback --checksum-cost`: what the CRC-32C of every written-back block costs
-/// (issue 22's goal: at most 3%), measured against the same device without it in the same run.
+/// (the goal: at most 3%), measured against the same device without it in the same run.
 /// For each repetition, on the sequential layout at the largest batch size asked for, one run
 /// with and one without (the order alternating between repetitions, so neither always runs
 /// on a warmer cache), each timing `writeback idle` and the read-back of every page: wall and

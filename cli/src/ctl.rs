@@ -1,12 +1,12 @@
 //! `uzram ctl`: a running device's attributes through its control socket
-//! (`NAME.ctl` next to the export socket, see `uzram::frontend::control`).
+//! (`NAME.ctl` next to the export socket, see `uzram_service::frontend::control`).
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use uzram::frontend::control::{
+use uzram_service::frontend::control::{
     self, ControlClient, ProgressUpdate, Request, WireError, LONG_OPERATIONS,
 };
 
@@ -71,9 +71,9 @@ pub fn socket_dir(dir: Option<PathBuf>) -> std::result::Result<PathBuf, (i32, St
     if let Some(d) = dir {
         return Ok(d);
     }
-    let d = crate::serve::default_socket_dir();
+    let d = uzram_service::host::default_socket_dir();
     if std::fs::symlink_metadata(&d).is_ok() {
-        uzram::frontend::unix_socket::check_private_dir(&d)
+        uzram_service::frontend::unix_socket::check_private_dir(&d)
             .map_err(|e| (e.errno(), format!("uzram: {}", e.message())))?;
     }
     Ok(d)

@@ -2,8 +2,8 @@
 //! and run the benchmarks.
 
 mod ctl;
-mod devices;
 mod dist;
+mod harness;
 mod metrics;
 mod serve;
 mod status;
@@ -28,10 +28,18 @@ struct Cli {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a benchmark (prints a table, writes JSON to bench/results/).
-    Bench(uzram_bench::command::BenchArgs),
+    /// Run a benchmark (prints a table, writes JSON to bench/results/; `uzram bench --help`).
+    #[command(disable_help_flag = true)]
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// Snapshot the memory of real programs into a page corpus for the benchmarks.
-    Corpus(uzram_bench::corpus::build::CorpusArgs),
+    #[command(disable_help_flag = true)]
+    Corpus {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// Create devices and export them over NBD (a unix socket by default).
     Serve(serve::ServeArgs),
     /// Show or store an attribute of a running device, as `cat`/`echo >` on zram's sysfs.
@@ -73,13 +81,13 @@ fn main() -> anyhow::Result<()> {
         }
     };
     match cli.command {
-        Command::Bench(a) => uzram_bench::command::run(a),
-        Command::Corpus(a) => uzram_bench::corpus::build::run(a),
+        Command::Bench { args } => harness::exec("bench", args),
+        Command::Corpus { args } => harness::exec("corpus", args),
         Command::Serve(a) => serve::run(a),
         Command::Ctl(a) => std::process::exit(ctl::run_ctl(a)),
         Command::Status(a) => std::process::exit(status::run(a)),
         Command::UblkDelete { id } => {
-            uzram::frontend::ublk::delete_device(id)?;
+            uzram_service::frontend::ublk::delete_device(id)?;
             println!("deleted ublk device {id}");
             Ok(())
         }

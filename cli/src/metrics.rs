@@ -1,10 +1,10 @@
 //! `uzram ctl metrics`: every running device's statistics in the Prometheus text exposition
-//! format (`uzram::frontend::metrics`), read through the control sockets as `uzram status`
+//! format (`uzram_service::frontend::metrics`), read through the control sockets as `uzram status`
 //! reads them; the same text `uzram serve --metrics-listen` serves at `/metrics`. For
 //! node_exporter's textfile collector: `uzram ctl metrics > /var/lib/node_exporter/uzram.prom`.
 
 use std::path::Path;
-use uzram::frontend::metrics::{self, DeviceSamples};
+use uzram_service::frontend::metrics::{self, DeviceSamples};
 
 /// Collects every device in `dir`; a socket nobody answers on (a server that died) is reported
 /// on stderr and skipped, as `uzram status` does. Returns the exit status.

@@ -2,7 +2,7 @@
 //! second one forces the exit).
 //!
 //! With no flags it needs no configuration, as zram-generator does: the embedded default
-//! ([`uzram::config::DEFAULT_CONFIG_TOML`]) is one device `zram0` of min(RAM/2, 4 GiB), lz4,
+//! ([`uzram_service::config::DEFAULT_CONFIG_TOML`]) is one device `zram0` of min(RAM/2, 4 GiB), lz4,
 //! 4 KiB pages, on a unix socket (mode 0600) at `/run/uzram/zram0.sock` as root,
 //! `$XDG_RUNTIME_DIR/uzram/zram0.sock` otherwise (or `/tmp/uzram-$UID/zram0.sock` without
 //! `XDG_RUNTIME_DIR`), with its control socket `zram0.ctl` beside it. Device flags change that
@@ -12,29 +12,21 @@
 //! guest's virtio-blk disk on `NAME.vhost.sock` with `--vhost-user` (`vhost_user = true`;
 //! docs/vhost-user.md).
 
-use crate::devices::{Devices, ServerFrontends};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use uzram::clock::SystemClock;
-use uzram::config::{ServeConfig, DEFAULT_CONFIG_TOML};
-use uzram::frontend::control::{self, Attachments, ControlServer, HotPlug};
-use uzram::frontend::metrics::{
-    self,
-    http::{MetricsLimits, MetricsServer, MetricsSource},
-};
-use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig, Tls, TlsFiles, TlsMode};
-use uzram::frontend::ublk::UblkConfig;
-use uzram::frontend::unix_socket;
-use uzram::frontend::vhost_user::{self, VhostUserConfig};
-use uzram::policy::{DevicePolicy, PolicyConfig, PolicyRunner, PolicySet, ProcPressure};
-use uzram::BlockDevice;
+use uzram_service::config::{ServeConfig, DEFAULT_CONFIG_TOML};
+use uzram_service::frontend::control::Attachments;
+use uzram_service::frontend::nbd::TlsMode;
+use uzram_service::frontend::unix_socket;
+use uzram_service::generator_files;
+use uzram_service::host::{server_config, Host};
+use uzram_service::policy::PolicyConfig;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// A TOML file describing the server and its devices (see docs/nbd.md); without it, the
+    /// A TOML file describing the server and its devices (see docs/serve.md); without it, the
     /// embedded default, changed by the device flags below.
     #[arg(long, short, value_name = "FILE",
           conflicts_with_all = ["name", "disksize", "algorithm", "mem_limit", "page_size",
@@ -124,7 +116,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub metrics_allow_remote: bool,
     /// Serve swap safely: lock memory (mlockall), mark the server an I/O flusher, preallocate
-    /// request buffers (docs/nbd.md, "Serving swap").
+    /// request buffers (docs/serve.md, "Serving swap").
     #[arg(long)]
     pub swap: bool,
     /// Also make every device a kernel block device /dev/ublkbN on this host (needs the
@@ -135,43 +127,6 @@ pub struct ServeArgs {
     /// its NBD socket (QEMU's vhost-user-blk-pci; docs/vhost-user.md).
     #[arg(long)]
     pub vhost_user: bool,
-}
-
-/// Total RAM from /proc/meminfo.
-fn ram_bytes() -> Result<u64> {
-    ram_bytes_from(std::path::Path::new("/proc/meminfo"))
-}
-
-/// Total RAM from a meminfo file.
-fn ram_bytes_from(path: &std::path::Path) -> Result<u64> {
-    let meminfo =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    for line in meminfo.lines() {
-        if let Some(rest) = line.strip_prefix("MemTotal:") {
-            let kib: u64 = rest
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse()
-                .context("parsing MemTotal")?;
-            return Ok(kib * 1024);
-        }
-    }
-    bail!("no MemTotal in /proc/meminfo")
-}
-
-/// The directory for sockets: /run/uzram as root, $XDG_RUNTIME_DIR/uzram otherwise, else
-/// /tmp/uzram-UID (created and checked by `unix_socket::ensure_private_dir`: ours, 0700).
-pub fn default_socket_dir() -> PathBuf {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    if uid == 0 {
-        return PathBuf::from("/run/uzram");
-    }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d).join("uzram"),
-        _ => PathBuf::from(format!("/tmp/uzram-{uid}")),
-    }
 }
 
 fn human(bytes: u64) -> String {
@@ -185,94 +140,12 @@ fn human(bytes: u64) -> String {
     format!("{v:.1} {}", UNITS[u])
 }
 
-/// zram-generator's root: `$ZRAM_GENERATOR_ROOT` when set (its tests' fixtures), else `/`.
-fn generator_root() -> PathBuf {
-    match std::env::var_os("ZRAM_GENERATOR_ROOT") {
-        Some(root) if !root.is_empty() => PathBuf::from(root),
-        _ => PathBuf::from("/"),
-    }
-}
-
-/// zram-generator's file as uzram's configuration; its warnings go to stderr and what it would
-/// have done with the devices to stdout.
-fn generator_config(path: &std::path::Path) -> Result<ServeConfig> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    generator_fragments_config(&[(path.display().to_string(), text)])
-}
-
-/// `systemd.zram` on the kernel command line (`ROOT/proc/cmdline`), as zram-generator reads
-/// it; a command line that cannot be read is a warning and counts as no option, as there.
-fn generator_kernel_option(root: &std::path::Path) -> Option<bool> {
-    let path = root.join("proc/cmdline");
-    match std::fs::read_to_string(&path) {
-        Ok(text) => uzram::generator_conf::kernel_zram_option(&text),
-        Err(e) => {
-            eprintln!(
-                "uzram: warning: reading {}: {e}; systemd.zram ignored",
-                path.display()
-            );
-            None
-        }
-    }
-}
-
-/// zram-generator's configuration where it finds it (`--zram-generator`; the kernel command
-/// line's `systemd.zram=0` is handled before, in [`run`]).
-fn generator_system_config() -> Result<ServeConfig> {
-    let root = generator_root();
-    let mut fragments = Vec::new();
-    if generator_kernel_option(&root) == Some(true) {
-        // zram0 with zram-generator's defaults; the files may still set its keys.
-        fragments.push((
-            "the kernel command line (systemd.zram)".to_string(),
-            "[zram0]\n".to_string(),
-        ));
-    }
-    let files = uzram::generator_conf::locate_fragments(&root);
-    for path in &files {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        fragments.push((path.display().to_string(), text));
-    }
-    if fragments.is_empty() {
-        anyhow::bail!(
-            "no zram-generator configuration under {}: none of {{{}}}/systemd/\
-             zram-generator.conf{{,.d/*.conf}} exists, and the kernel command line has no \
-             systemd.zram",
-            root.display(),
-            uzram::generator_conf::CONFIG_DIRS.join(",")
-        );
-    }
-    generator_fragments_config(&fragments)
-}
-
-/// zram-generator's files (`(name, text)`, in reading order) as uzram's configuration; the
-/// warnings go to stderr and what zram-generator would have done with the devices to stdout.
-fn generator_fragments_config(fragments: &[(String, String)]) -> Result<ServeConfig> {
-    // zram-generator reads $ZRAM_GENERATOR_ROOT/proc/meminfo when that is set.
-    let ram = ram_bytes_from(&generator_root().join("proc/meminfo"))?;
-    let gen = uzram::generator_conf::parse_fragments(
-        fragments,
-        ram,
-        &mut uzram::generator_conf::run_set_program,
-    )?;
-    for w in &gen.warnings {
-        eprintln!("uzram: warning: {w}");
-    }
-    for n in &gen.notes {
-        println!("{n}");
-    }
-    // Sizes are bytes already (`disksize` takes a lone number as bytes).
-    Ok(gen.config)
-}
-
 /// The configuration: the file, or the embedded default with the device flags applied.
 fn config(args: &ServeArgs) -> Result<ServeConfig> {
     let mut cfg = match &args.config {
-        None if args.zram_generator => generator_system_config()?,
+        None if args.zram_generator => generator_files::system_config()?,
         None if args.zram_generator_conf.is_some() => {
-            generator_config(args.zram_generator_conf.as_deref().expect("checked"))?
+            generator_files::config(args.zram_generator_conf.as_deref().expect("checked"))?
         }
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -368,228 +241,42 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
     Ok(cfg)
 }
 
-/// The server's settings from the configuration: limits and TLS.
-fn server_config(cfg: &ServeConfig) -> Result<ServerConfig> {
-    let mut sc = ServerConfig::default();
-    if cfg.swap {
-        sc = sc.for_swap();
-    }
-    if let Some(n) = cfg.max_connections {
-        sc.limits.max_connections = n;
-    }
-    if let Some(n) = cfg.max_inflight_bytes {
-        sc.limits.max_inflight_bytes = n;
-    }
-    sc.limits.validate()?;
-    let mode: TlsMode = cfg.tls.as_deref().unwrap_or("off").parse()?;
-    if mode != TlsMode::Off {
-        let (Some(cert), Some(key)) = (&cfg.tls_cert, &cfg.tls_key) else {
-            bail!(
-                "--tls={} needs --tls-cert and --tls-key",
-                cfg.tls.as_deref().unwrap_or("")
-            );
-        };
-        if cfg.listen.is_none() {
-            bail!("--tls is for TCP: give --listen too (the unix socket is owner-only)");
-        }
-        let files = TlsFiles {
-            cert: cert.clone(),
-            key: key.clone(),
-            client_ca: cfg.tls_client_ca.clone(),
-        };
-        sc.tls = Some(Tls::load(mode, &files).context("loading the TLS credentials")?);
-    } else if cfg.tls_cert.is_some() || cfg.tls_key.is_some() || cfg.tls_client_ca.is_some() {
-        bail!("TLS certificates given but --tls is off: add --tls=on or --tls=require");
-    }
-    if let Some(addr) = cfg.listen {
-        if !addr.ip().is_loopback() && mode == TlsMode::Off {
-            eprintln!(
-                "uzram: warning: listening on {addr} without TLS: anyone who can reach it can \
-                 read and write the device; use --tls=require (or a loopback address)"
-            );
-        }
-    }
-    Ok(sc)
-}
-
 pub fn run(args: ServeArgs) -> Result<()> {
     if args.print_default_config {
         print!("{DEFAULT_CONFIG_TOML}");
         return Ok(());
     }
-    if args.zram_generator && generator_kernel_option(&generator_root()) == Some(false) {
+    if args.zram_generator
+        && generator_files::kernel_option(&generator_files::root()) == Some(false)
+    {
         // zram-generator creates no device then; neither does the server.
         println!("uzram: systemd.zram=0 on the kernel command line: no device; exiting");
         return Ok(());
     }
     let cfg = config(&args)?;
     let server_config = server_config(&cfg)?;
-    // Before any thread exists: the I/O-flusher mark is inherited by the threads created after.
-    let swap = if cfg.swap {
-        Some(uzram::frontend::swap::prepare())
-    } else {
-        None
-    };
     // A missing ublk_drv is one clear line, before anything is created.
     if cfg.devices.iter().any(|d| d.ublk) {
-        if let Err(e) = uzram::frontend::ublk::check_driver() {
-            // Nothing exists yet; one line, no backtrace.
+        if let Err(e) = uzram_service::frontend::ublk::check_driver() {
             eprintln!("uzram: {e}");
             std::process::exit(1);
         }
     }
-    let ram = ram_bytes()?;
-    let mut devices = Vec::new();
-    let mut listen = Vec::new();
-    let mut exports = Vec::new();
-    let mut vhost_paths = Vec::new();
-    let mut policies = Vec::new();
-    let mut socket_dir = None;
-    for spec in &cfg.devices {
-        let device = Arc::new(spec.build(ram)?);
-        let socket = match &spec.socket {
-            Some(p) => {
-                unix_socket::check_socket_parent(p)?;
-                p.clone()
-            }
-            None => {
-                let dir = default_socket_dir();
-                unix_socket::ensure_private_dir(&dir)?;
-                dir.join(format!("{}.sock", spec.name))
-            }
-        };
-        let dir = socket.parent().unwrap_or(std::path::Path::new("."));
-        socket_dir.get_or_insert_with(|| dir.to_path_buf());
-        let ctl = control::socket_path(dir, &spec.name);
-        vhost_paths.push(vhost_user::socket_path(dir, &spec.name));
-        exports.push(Export {
-            name: spec.name.clone(),
-            description: format!(
-                "uzram {} ({}, {} pages)",
-                spec.name,
-                device.comp_algorithm(),
-                spec.page_size_bytes
-            ),
-            device: Arc::clone(&device) as Arc<dyn BlockDevice>,
-        });
-        listen.push(Listen::Unix {
-            path: socket,
-            export: spec.name.clone(),
-        });
-        let policy = Arc::new(DevicePolicy::new(spec.name.clone(), Arc::clone(&device)));
-        if let Some(p) = &spec.policy {
-            policy
-                .store(p)
-                .with_context(|| format!("device {}: policy", spec.name))?;
-        }
-        policies.push(policy);
-        devices.push((spec.name.clone(), device, ctl));
-    }
-    if let Some(addr) = cfg.listen {
-        listen.push(Listen::Tcp(addr));
-    }
-    // The server's class socket, zram's /sys/class/zram-control: beside the first device's.
-    let socket_dir = socket_dir.context("no devices")?;
-
     // SIGINT, SIGTERM and SIGHUP are taken by a handler that only writes a pipe
-    // (signal-hook's self-pipe), read by the signal thread below.
+    // (signal-hook's self-pipe), read by the signal thread below. No thread yet: `Host::start`
+    // marks the process an I/O flusher first when serving swap.
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
         .context("installing signal handlers")?;
+    let host = Host::start(&cfg, server_config)?;
 
-    let server = Arc::new(
-        Server::start(exports, &listen, server_config).context("starting the NBD server")?,
-    );
-    // The frontends every device of the server gets (a device added by hot_add too).
-    let ublk_config = UblkConfig {
-        swap: cfg.swap,
-        ..UblkConfig::default()
-    };
-    let vhost_config = VhostUserConfig {
-        swap: cfg.swap,
-        ..VhostUserConfig::default()
-    };
-    let policy_set = PolicySet::new(policies.clone());
-    let registry = Arc::new(Devices::new(
-        Arc::clone(&server),
-        policy_set.clone(),
-        ServerFrontends {
-            dir: socket_dir.clone(),
-            ublk: cfg
-                .devices
-                .iter()
-                .any(|d| d.ublk)
-                .then(|| ublk_config.clone()),
-            vhost: cfg
-                .devices
-                .iter()
-                .any(|d| d.vhost_user)
-                .then(|| vhost_config.clone()),
-        },
-    ));
-    // Each device's block device and vhost-user socket: after the NBD server (whose failure
-    // to bind leaves no block device behind), before its control socket (which names them).
-    let mut served = Vec::new();
-    for (((name, device, ctl), spec), vpath) in devices.iter().zip(&cfg.devices).zip(&vhost_paths) {
-        let policy = policies
-            .iter()
-            .find(|p| p.name() == name)
-            .expect("one per device");
-        served.push(
-            registry
-                .add_configured(
-                    name,
-                    Arc::clone(device),
-                    ctl,
-                    spec.ublk.then(|| ublk_config.clone()),
-                    spec.vhost_user
-                        .then(|| (vpath.clone(), vhost_config.clone())),
-                    Arc::clone(policy),
-                )
-                .with_context(|| format!("device {name}"))?,
-        );
-    }
-    let class_path = control::class_socket_path(&socket_dir);
-    let class = ControlServer::start_class(&class_path, Arc::clone(&registry) as Arc<dyn HotPlug>)
-        .with_context(|| format!("starting the control socket {}", class_path.display()))?;
-    // One thread runs every device's policies (all off unless configured or stored).
-    let runner = PolicyRunner::start_shared(
-        policy_set,
-        Arc::new(SystemClock::new()),
-        Arc::new(ProcPressure::new()),
-        uzram::policy::TICK,
-    )
-    .context("starting the policy thread")?;
-    // The metrics endpoint reads the devices' attributes in this process.
-    let metrics = match cfg.metrics_listen {
-        Some(addr) => {
-            let registry = Arc::clone(&registry);
-            let source: MetricsSource = Arc::new(move || Ok(metrics::render(&registry.metrics()?)));
-            Some(
-                MetricsServer::start(
-                    addr,
-                    cfg.metrics_allow_remote,
-                    source,
-                    MetricsLimits::default(),
-                )
-                .with_context(|| format!("serving metrics on {addr}"))?,
-            )
-        }
-        None => None,
-    };
     // The first signal starts a bounded stop; a second one forces the exit at once (after
     // removing the sockets that are still ours).
     let (first_tx, first_rx) = std::sync::mpsc::channel();
-    let class_file = class.socket_file();
-    let registry2 = Arc::clone(&registry);
+    let socket_files = host.socket_files_fn();
     std::thread::Builder::new()
         .name("uzram-signals".into())
         .spawn(move || {
-            let name = |s| match s {
-                SIGINT => "SIGINT",
-                SIGHUP => "SIGHUP",
-                _ => "SIGTERM",
-            };
             let mut first = true;
             for sig in signals.forever() {
                 if first {
@@ -597,19 +284,50 @@ pub fn run(args: ServeArgs) -> Result<()> {
                     let _ = first_tx.send(sig);
                     continue;
                 }
-                eprintln!("uzram: {} again: exiting now", name(sig));
-                let mut sockets = registry2.server().socket_files();
-                sockets.extend(registry2.socket_files());
-                sockets.push(class_file.clone());
-                for (path, id) in &sockets {
+                eprintln!("uzram: {} again: exiting now", signal_name(sig));
+                for (path, id) in &socket_files() {
                     unix_socket::remove_if_ours(path, *id);
                 }
                 std::process::exit(128 + sig);
             }
         })
         .context("starting the signal thread")?;
-    let uris = server.uris();
-    for s in &served {
+    print_banner(&host);
+    if let Some(report) = host.finish_swap_setup() {
+        for line in report {
+            eprintln!("uzram: --swap: {line}");
+        }
+    }
+    println!("serving; stop with Ctrl-C or SIGTERM");
+    use std::io::Write;
+    std::io::stdout().flush().ok();
+
+    let sig = first_rx.recv().unwrap_or(SIGTERM);
+    eprintln!(
+        "uzram: {} received: stopping (finishing requests in flight; a second signal exits at \
+         once)",
+        signal_name(sig)
+    );
+    for path in host.stop() {
+        eprintln!("uzram: removed {}", path.display());
+    }
+    eprintln!("uzram: stopped");
+    Ok(())
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    use signal_hook::consts::{SIGHUP, SIGINT};
+    match sig {
+        SIGINT => "SIGINT",
+        SIGHUP => "SIGHUP",
+        _ => "SIGTERM",
+    }
+}
+
+/// What the server serves and where: a block per device, the class socket, the metrics.
+fn print_banner(host: &Host) {
+    let uris = host.uris();
+    for s in host.served() {
         let (name, device) = (&s.name, &s.device);
         println!(
             "{name}: {}, {}, page size {} bytes",
@@ -621,16 +339,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
             println!("  {uri}");
         }
         if let Some(b) = s.attach.block_dev() {
+            let u = host.ublk_config();
             println!(
                 "  {} ({} queues of depth {})",
                 b.display(),
-                ublk_config.nr_queues,
-                ublk_config.queue_depth
+                u.nr_queues,
+                u.queue_depth
             );
         }
         if let Some(path) = s.attach.vhost_path() {
             let p = path.display();
-            let q = vhost_config.nr_queues;
+            let q = host.vhost_config().nr_queues;
             println!("  vhost-user-blk: {p} ({q} queues); QEMU options (size = the guest's -m):");
             println!(
                 "    -object memory-backend-memfd,id=mem,size=1G,share=on -numa node,memdev=mem"
@@ -654,48 +373,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     println!(
         "zram-control: {} (uzram ctl hot_add, uzram ctl hot_remove N)",
-        class_path.display()
+        host.class_path().display()
     );
-    if let Some(m) = &metrics {
-        println!("metrics: http://{}/metrics", m.local_addr());
+    if let Some(addr) = host.metrics_addr() {
+        println!("metrics: http://{addr}/metrics");
     }
-    if let Some(report) = &swap {
-        // Everything allocated at start is: what the heap has free from here on is faulted
-        // in for the request paths.
-        uzram::frontend::swap::fault_in_heap_reserve();
-        for line in report {
-            eprintln!("uzram: --swap: {line}");
-        }
-    }
-    println!("serving; stop with Ctrl-C or SIGTERM");
-    use std::io::Write;
-    std::io::stdout().flush().ok();
-
-    let sig = first_rx.recv().unwrap_or(SIGTERM);
-    eprintln!(
-        "uzram: {} received: stopping (finishing requests in flight; a second signal exits at \
-         once)",
-        match sig {
-            SIGINT => "SIGINT",
-            SIGHUP => "SIGHUP",
-            _ => "SIGTERM",
-        }
-    );
-    runner.stop();
-    if let Some(m) = metrics {
-        m.stop();
-    }
-    // No hot_add or hot_remove from here on.
-    class.stop();
-    // The control sockets close; the vhost-user front ends are disconnected (their guests see
-    // I/O errors from here on); the block devices' requests in flight complete, then they
-    // are removed.
-    drop(served);
-    for path in registry.stop() {
-        eprintln!("uzram: removed {}", path.display());
-    }
-    server.shutdown();
-    drop(devices);
-    eprintln!("uzram: stopped");
-    Ok(())
 }

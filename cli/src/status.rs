@@ -19,7 +19,7 @@
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use std::path::{Path, PathBuf};
-use uzram::frontend::control::{self, ControlClient};
+use uzram_service::frontend::control::{self, ControlClient};
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {

@@ -3,7 +3,7 @@
 
 use std::process::Command;
 use std::time::Duration;
-use uzram::frontend::nbd::protocol::*;
+use uzram_nbd_proto::*;
 use uzram_testkit::nbd::RawClient;
 use uzram_testkit::pages::pattern;
 use uzram_testkit::process::{require, run};

@@ -6,7 +6,7 @@
 use std::io::{Read, Write};
 use std::path::Path;
 use std::process::Command;
-use uzram::frontend::nbd::protocol::*;
+use uzram_nbd_proto::*;
 use uzram_testkit::nbd::RawClient;
 use uzram_testkit::pages::pattern;
 use uzram_testkit::process::{require, run};

@@ -1,4 +1,4 @@
-//! Packing at every page size (issue 21): on real program pages (a corpus of `uzram corpus` at
+//! Packing at every page size: on real program pages (a corpus of `uzram corpus` at
 //! 64 KiB pages, cut into 16 and 4 KiB pages for the smaller sizes, so every size stores the
 //! same bytes), `mem_used_total / compr_data_size` ≤ 1.05 at 4, 16 and 64 KiB pages, with lz4
 //! and zstd, and every page reads back identical.

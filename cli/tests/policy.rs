@@ -16,8 +16,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uzram::clock::SystemClock;
 use uzram::device::{Device, DeviceConfig};
-use uzram::policy::{DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource};
 use uzram_bench::corpus::Corpus;
+use uzram_service::policy::{
+    DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource,
+};
 use uzram_testkit::process::{require, run};
 use uzram_testkit::serve::{Running, Serve};
 
@@ -222,7 +224,7 @@ fn compaction_policy_repacks_a_half_discarded_pool_to_1_05() {
         vec![Arc::clone(&policy)],
         Arc::new(SystemClock::new()),
         Arc::new(ManualPressure::new()) as Arc<dyn PressureSource>,
-        uzram::policy::TICK,
+        uzram_service::policy::TICK,
     )
     .unwrap();
     // Until the policy has compacted and either reached the target or compacted three times

@@ -1,4 +1,4 @@
-//! Issue 20's bugs as an attacker or a careless operator meets them, against the built
+//! The bugs as an attacker or a careless operator meets them, against the built
 //! `uzram serve`: header-only requests that used to pin 32 MiB each, connection floods, clients
 //! that stop reading replies, signals with socket files gone, a second local user preparing
 //! the socket directory. Memory is checked from `/proc/PID/status` (deterministic amounts, no
@@ -10,7 +10,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use uzram::frontend::nbd::protocol::*;
+use uzram_nbd_proto::*;
 use uzram_testkit::nbd::RawClient;
 use uzram_testkit::pages::pattern;
 use uzram_testkit::process::{is_root, proc_field, require, run};

@@ -1,4 +1,4 @@
-//! `uzram serve`'s memory, with and without `--swap` (issue 18): the real server binary with a
+//! `uzram serve`'s memory, with and without `--swap`: the real server binary with a
 //! 2 GiB device, four connections opened first and kept open (each pipelines more requests than
 //! its buffer pool keeps, then idles), 400 MiB of real program pages (the corpus of
 //! `uzram corpus`) written by `nbdcopy --connections=4`, read back by `qemu-img compare`, then
@@ -8,19 +8,19 @@
 //! - while full, RSS ≤ `mem_used_total` × 1.05 + 32 MiB (the issue's target);
 //! - after discard and compaction, `mem_used_total` is 0 and RSS ≤ 48 MiB;
 //! - RSS is explained by what the server reports: the idle server's RSS, plus `mem_used_total`,
-//!   plus `meta_stat`, plus the per-connection bound of docs/nbd.md ("Memory") per open
+//!   plus `meta_stat`, plus the per-connection bound of docs/serve.md ("Memory") per open
 //!   connection;
 //! - under `--swap`, every anonymous page is locked (`Locked` ≥ `Anonymous`), and freed memory
 //!   leaves the process all the same.
 //!
-//! The figures are printed (`--nocapture`) for the record: docs/nbd.md ("Memory") quotes them.
+//! The figures are printed (`--nocapture`) for the record: docs/serve.md ("Memory") quotes them.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
-use uzram::frontend::nbd::protocol::{CMD_READ, CMD_WRITE};
 use uzram_bench::corpus::Corpus;
+use uzram_nbd_proto::{CMD_READ, CMD_WRITE};
 use uzram_testkit::nbd::RawClient;
 use uzram_testkit::process::{proc_field, require, run};
 use uzram_testkit::serve::{uzram_bin, Running, Serve};
@@ -38,11 +38,11 @@ const HELD_REQUEST_BYTES: usize = 128 << 10;
 /// The issue's targets.
 const FULL_SLACK_BYTES: u64 = 32 * MIB;
 const EMPTY_LIMIT_BYTES: u64 = 48 * MIB;
-/// docs/nbd.md, "Memory": what one open connection may hold at most, idle (its 64 KiB receive
+/// docs/serve.md, "Memory": what one open connection may hold at most, idle (its 64 KiB receive
 /// buffer, its threads' stacks as deep as they went and their share of malloc's arenas; request
 /// buffers belong to the server-wide budget and are released once idle).
 const CONNECTION_BOUND_BYTES: u64 =
-    uzram::frontend::nbd::transmission::RECEIVE_BUFFER_BYTES as u64 + MIB;
+    uzram_service::frontend::nbd::transmission::RECEIVE_BUFFER_BYTES as u64 + MIB;
 /// Longer than the request budget's idle release (`Limits::idle_release`, 1 s): recycled request
 /// buffers are unmapped once nothing has used them for that long, so a snapshot taken after
 /// this much quiet shows what the server keeps, not what it is about to give back.
@@ -261,7 +261,7 @@ fn memory_follows_the_pool(swap: bool) {
     // Under --swap the server's preallocated request buffers are really there (resident, so
     // locked) from the start.
     if swap {
-        let preallocated = uzram::frontend::limits::SWAP_PREALLOCATED_BYTES;
+        let preallocated = uzram_service::frontend::limits::SWAP_PREALLOCATED_BYTES;
         assert!(
             idle.rss_bytes >= preallocated,
             "{mode}: the idle server holds {}, less than its {} of preallocated buffers",
@@ -275,8 +275,8 @@ fn memory_follows_the_pool(swap: bool) {
     // malloc's heap reserve.
     let swap_memory = if swap {
         full.slot_table_bytes
-            + (uzram::frontend::swap::SWAP_RESERVE_BYTES
-                + uzram::frontend::swap::HEAP_RESERVE_BYTES) as u64
+            + (uzram_service::frontend::swap::SWAP_RESERVE_BYTES
+                + uzram_service::frontend::swap::HEAP_RESERVE_BYTES) as u64
     } else {
         0
     };

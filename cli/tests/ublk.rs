@@ -479,7 +479,7 @@ fn nbd_client_swap() {
         .arg(&socket)
         .arg(dev));
     assert_eq!(sysfs(dev, "size"), (1u64 << 30 >> 9).to_string());
-    // The hog in a cgroup whose memory.max is a quarter of the guest's RAM (docs/nbd.md,
+    // The hog in a cgroup whose memory.max is a quarter of the guest's RAM (docs/serve.md,
     // "Swap over the kernel's NBD client"): the server's reply to a swap-in or swap-out is a
     // unix-socket send, which allocates kernel memory (an skb) that no userspace server can
     // reserve ahead; without free memory it waits in direct reclaim for the swap-outs it

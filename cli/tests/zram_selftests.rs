@@ -3,7 +3,7 @@
 //! `echo VALUE > /sys/block/zramN/ATTR` an `uzram ctl --dev zramN ATTR VALUE`, each
 //! `/dev/zramN` the device through NBD (nbdfuse and a loop device where a file system or
 //! swap signature goes on it), and the zram parity details found while translating them
-//! (issue 23, item 7). The built binary, real clients (qemu-io, nbdfuse, losetup, mkfs, mount,
+//!. The built binary, real clients (qemu-io, nbdfuse, losetup, mkfs, mount,
 //! dd, mkswap, blkid), as root.
 
 use std::path::{Path, PathBuf};
@@ -212,7 +212,7 @@ fn ltp_zram03() {
     assert!(r.show("zram0", "stat").split_whitespace().all(|w| w == "0"));
 }
 
-/// The parity details of issue 23 item 7, each as the kernel behaves.
+/// The parity details, each as the kernel behaves.
 #[test]
 fn zram_parity_details() {
     let r = serve(1);

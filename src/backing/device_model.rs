@@ -65,7 +65,7 @@
 //!   8.2 ms write, single-track 0.23 / 0.32 ms, average latency 4.16 ms at 7200 rpm), which
 //!   the host-managed SMR Ultrastar DC HC620 shares; 14 TB (the HC620's capacity) for the seek
 //!   curve; a media rate of 200 MB/s, the figure the zoned XFS GC measurements were described
-//!   with (issue 14; SMR drives of this class quote 200–255 MB/s sustained); track 1.6 MB
+//!   with (SMR drives of this class quote 200–255 MB/s sustained); track 1.6 MB
 //!   (200 MB/s × 8.33 ms per revolution). The full-stroke seek is derived from the average:
 //!   for uniformly random pairs of positions `E[sqrt(d/capacity)] = 8/15`, so
 //!   `full = single + (average - single) * 15/8` (13.7 ms read, 15.0 ms write). Reads and

@@ -7,7 +7,8 @@
 use super::Device;
 use crate::compress::{self, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
-use crate::store::{GenStat, RecompressReport, RecompressSpec, TrainReport, TrainSpec};
+use crate::recompress::{RecompressReport, RecompressSpec};
+use crate::store::{GenStat, TrainReport, TrainSpec};
 use crate::units::strip_newline;
 
 impl Device {
@@ -28,14 +29,14 @@ impl Device {
         progress: &mut dyn FnMut(&RecompressReport),
     ) -> Result<RecompressReport> {
         let store = self.store()?;
-        store.check_threshold(spec)?;
+        store.check_threshold(spec.threshold_bytes)?;
         let Some(_pp) = self.pp_lock.try_lock() else {
             return Err(Error::new(
                 ErrorKind::Again,
                 "a writeback or recompression is in progress",
             ));
         };
-        store.recompress(spec, progress)
+        crate::recompress::run(&store, spec, progress)
     }
 
     /// Trains a zstd dictionary from the device's pages and installs it as the new dictionary

@@ -47,7 +47,7 @@ mod target;
 mod train_dict;
 
 pub use codecs::GenStat;
-pub use recompress::{RecompressReport, RecompressSpec};
+pub(crate) use recompress::Outcome;
 pub use stats::{MetaStats, StatsSnapshot};
 pub use train_dict::{TrainReport, TrainSpec};
 

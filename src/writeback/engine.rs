@@ -43,11 +43,11 @@
 
 use std::collections::HashMap;
 
-use super::candidates::PpCtl;
 use super::limit::{units_per_page, Charge, WbLimit};
 use super::{WritebackProgress, WritebackReport};
 use crate::backing::{IoCompletion, IoOp, IoQueue};
 use crate::error::{Error, ErrorKind, Result};
+use crate::pp::PpCtl;
 use crate::slot::SlotIndex;
 use crate::store::{Copied, Store, WbTarget};
 

@@ -25,14 +25,13 @@
 //!   the engine copies under the lock and writes after dropping it; read-back pins the
 //!   location under the lock and reads after dropping it.
 
-pub(crate) mod candidates;
 mod engine;
 mod limit;
 mod runs;
 mod stages;
 
+pub use crate::pp::ModeFilter;
 pub use crate::store::BackingLayout;
-pub use candidates::ModeFilter;
 pub use limit::{units_per_page, Charge, WbLimit};
 
 use crate::backing::MAX_QUEUE_DEPTH;
@@ -297,7 +296,7 @@ pub(crate) fn run(
         ));
     };
     spec.check(store.nr_pages())?;
-    let mut ctl = candidates::PpCtl::new(store.page_size_bytes());
+    let mut ctl = crate::pp::PpCtl::new(store.page_size_bytes());
     for s in &spec.scans {
         ctl.scan(store, s.mode, s.lo, s.hi);
     }

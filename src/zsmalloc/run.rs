@@ -8,7 +8,7 @@
 //! packs with everything else and compaction moves it as any other. A tail that would be huge
 //! (`>= huge_class_size` of 4 KiB, 3633 bytes) takes one more whole page instead.
 //!
-//! Why (issue 21): zspages built from 16/64 KiB pages left up to 8 device pages half empty per
+//! Why: zspages built from 16/64 KiB pages left up to 8 device pages half empty per
 //! class (123 classes: tens of MiB at 64 KiB), and objects above the large pages' huge threshold
 //! took a whole device page. A run wastes nothing but its tail's class rounding.
 //!

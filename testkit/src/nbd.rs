@@ -9,8 +9,8 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uzram::device::Device;
-use uzram::frontend::nbd::protocol::*;
-use uzram::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram_nbd_proto::*;
+use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
 
 use crate::device::DeviceBuilder;
 

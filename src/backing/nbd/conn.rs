@@ -47,9 +47,9 @@ use super::stream::{Socket, Stream};
 use super::uri::{Address, NbdUri};
 use crate::backing::IoOp;
 use crate::error::{Error, ErrorKind, Result};
-use crate::frontend::nbd::protocol::*;
 use rustls::pki_types::ServerName;
 use rustls::ClientConfig;
+use uzram_nbd_proto::*;
 
 /// How often the reader checks deadlines while it waits for a reply.
 pub(super) const READER_TICK: Duration = Duration::from_millis(200);

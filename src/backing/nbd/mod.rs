@@ -61,7 +61,7 @@ use super::{
     IoQueue, SubmitResult, BLOCK_SIZE_BYTES, SECTOR_SIZE_BYTES,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::frontend::nbd::protocol::*;
+use uzram_nbd_proto::*;
 
 /// How long opening an extra connection of a multi-conn pool may take before the pool stays
 /// smaller.

@@ -279,25 +279,17 @@ impl Stream {
 /// for client certificates, `client-cert.pem` and `client-key.pem`. `EINVAL` naming the file
 /// that is missing or wrong.
 pub(super) fn client_config(dir: &Path) -> Result<Arc<ClientConfig>> {
-    use crate::frontend::nbd::tls::{load_certs, provider};
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::PrivateKeyDer;
-    let ca = dir.join("ca-cert.pem");
-    let mut roots = rustls::RootCertStore::empty();
-    for c in load_certs(&ca)? {
-        roots
-            .add(c)
-            .map_err(|e| Error::invalid(format!("{}: {e}", ca.display())))?;
-    }
+    use uzram_nbd_proto::tls::{load_certs, load_private_key, load_roots, provider};
+    let invalid = |e: uzram_nbd_proto::tls::CredentialError| Error::invalid(e.to_string());
+    let roots = load_roots(&dir.join("ca-cert.pem")).map_err(invalid)?;
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| Error::invalid(format!("TLS: {e}")))?
         .with_root_certificates(roots);
     let (cert, key) = (dir.join("client-cert.pem"), dir.join("client-key.pem"));
     let config = if cert.exists() {
-        let chain = load_certs(&cert)?;
-        let key = PrivateKeyDer::from_pem_file(&key)
-            .map_err(|e| Error::invalid(format!("{}: {e}", key.display())))?;
+        let chain = load_certs(&cert).map_err(invalid)?;
+        let key = load_private_key(&key).map_err(invalid)?;
         builder
             .with_client_auth_cert(chain, key)
             .map_err(|e| Error::invalid(format!("{}: {e}", cert.display())))?

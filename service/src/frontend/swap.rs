@@ -1,0 +1,255 @@
+//! Serving swap safely (`uzram serve --swap`).
+//!
+//! A server that backs the swap device the kernel is writing to under memory pressure must not
+//! itself wait on that pressure: if its pages are swapped out (to itself) or its allocations
+//! wait for reclaim that needs its own I/O, the machine deadlocks. So, before any thread starts:
+//!
+//! 1. Lock memory, so none of the server's pages is ever swapped out (possibly to itself):
+//!    `mlockall(MCL_CURRENT)`, then `mlockall(MCL_FUTURE | MCL_ONFAULT)`. The mappings present
+//!    at start (the program's code and static data, the main stack: a few MiB) are faulted in
+//!    and locked whole, so no code path first run under memory pressure has to be read back
+//!    from disk then; every later mapping (heap, thread stacks, zsmalloc's chunks, buffers) is
+//!    locked page by page as it is touched (`MCL_ONFAULT`, Linux 4.4), so address space that
+//!    is reserved but never touched costs nothing. (`MCL_FUTURE` alone populates and locks each
+//!    new mapping whole: zsmalloc's 128 MiB chunks, 2 MiB thread stacks, malloc's 64 MiB arena
+//!    heaps.) Only done when the process may lock without limit (`CAP_IPC_LOCK`, or
+//!    `RLIMIT_MEMLOCK` unlimited): under a finite limit `MCL_FUTURE` turns the first mapping
+//!    past it into an allocation failure, which would take the server down mid-request.
+//!
+//!    Memory given back must still leave the process, and `MADV_DONTNEED` refuses locked
+//!    pages (`EINVAL`). zsmalloc drops freed zspages with `MADV_DONTNEED_LOCKED` (see
+//!    `zsmalloc::page_alloc`, "Locked memory"). malloc (glibc) is set up so that the heap
+//!    never needs a fresh page on a request path while a reserve lasts, and still shrinks
+//!    ([`tune_malloc`]): one arena (`M_ARENA_MAX` 1: every thread allocates from the main
+//!    heap), blocks up to 32 MiB from that heap rather than mappings of their own
+//!    (`M_MMAP_THRESHOLD`: a 128 KiB block mapped on its own is a `mmap`, waiting for the
+//!    process's mmap lock, and fresh pages, faulted in on first touch), and a top pad of
+//!    [`HEAP_RESERVE_BYTES`] (`M_TOP_PAD`) kept when the heap is trimmed, faulted in (hence
+//!    locked) at start: the zsmalloc bookkeeping that grows with the pages stored (handle
+//!    table segments, zspage lists, doubling vectors) comes from there. Seen in the VM before
+//!    this: a queue thread faulting in the header of a freshly mapped 132 KiB block (a handle
+//!    table segment) waited in reclaim forever. Freed blocks at the top of the heap beyond the
+//!    pad go back to the kernel (`brk`), as before.
+//! 2. `prctl(PR_SET_IO_FLUSHER)` (Linux 5.6, needs `CAP_SYS_RESOURCE`): the kernel treats the
+//!    process as part of the I/O path (as it does loop and nbd's own threads): its allocations
+//!    never start I/O to reclaim memory (`PF_MEMALLOC_NOIO`) and it is not throttled for
+//!    dirty pages it does not own (`PF_LOCAL_THROTTLE`). Threads created afterwards inherit
+//!    it, which is why this runs first.
+//! 3. The NBD server preallocates request buffers (8 MiB server-wide, faulted in, hence
+//!    locked, inside its request memory budget:
+//!    [`ServerConfig::for_swap`](super::nbd::ServerConfig::for_swap)) and recycles them, so the
+//!    request path of a swap client takes no fresh memory from the kernel in the steady state.
+//!
+//! 4. The devices' memory is faulted in when they are created, not on a write under pressure
+//!    (`uzram::memory`): the slot table whole, and a reserve of [`SWAP_RESERVE_BYTES`] of
+//!    zsmalloc frames that new zspages take when no freed frame is at hand, refilled by a
+//!    thread of each pool off the request path. Without it a VM running a memory hog over swap
+//!    on `/dev/ublkb0` deadlocked at the first swap-out: both queue threads looped in direct
+//!    reclaim faulting in a new zspage (`madvise(MADV_POPULATE_WRITE)` → `try_to_free_pages`),
+//!    which as I/O flushers they could only satisfy from the swap-outs they were serving.
+//!
+//! Thread stacks keep their default size (2 MiB of address space): locked on fault, a stack
+//! costs the pages its thread has touched (8–12 KiB measured for a connection's threads under
+//! nbdcopy), so a smaller reservation would save nothing resident and risk an overflow on a
+//! deep path (a codec, a panic's backtrace).
+//!
+//! What could not be done is reported, never fatal: a server that is not locked is still a
+//! working server, and its log says why.
+
+/// `PR_SET_IO_FLUSHER` from `include/uapi/linux/prctl.h` (the libc crate has it only for
+/// Android).
+const PR_SET_IO_FLUSHER: libc::c_int = 57;
+/// `CAP_IPC_LOCK`'s bit in the capability sets (`include/uapi/linux/capability.h`).
+const CAP_IPC_LOCK: u32 = 14;
+
+/// Whether the effective capability set of this process has `cap`, from /proc/self/status.
+fn has_capability(cap: u32) -> bool {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << cap) != 0)
+}
+
+/// The soft `RLIMIT_MEMLOCK`, `None` when unlimited.
+fn memlock_limit_bytes() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` through the pointer, which points at `lim`.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+    if rc != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    Some(lim.rlim_cur)
+}
+
+/// Heap kept faulted in for the request paths of a server backing swap (step 1 of the module
+/// docs): 16 MiB. The bookkeeping of a 1 GiB device filled with swapped pages (the VM test's)
+/// grew `meta_stat` by less than that; doubling vectors need their old and new block at once.
+pub const HEAP_RESERVE_BYTES: usize = 16 << 20;
+
+/// glibc's largest mmap threshold on 64-bit (`DEFAULT_MMAP_THRESHOLD_MAX`): 32 MiB.
+const MMAP_THRESHOLD_MAX_BYTES: usize = 32 << 20;
+
+/// `mlockall(flags)`, as an `io::Result`.
+fn mlockall(flags: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: mlockall takes flags only and touches no memory of ours.
+    if unsafe { libc::mlockall(flags) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Step 1 of the module docs: what is mapped now whole, what is mapped later as it is touched,
+/// and malloc's heap. Returns the log lines.
+fn lock_memory() -> Vec<String> {
+    let (future_locked, line) = lock_mappings();
+    let mut report = vec![line];
+    if future_locked {
+        report.push(tune_malloc());
+    }
+    report
+}
+
+/// malloc as step 1 of the module docs says, and its reserve faulted in. Returns the log line.
+#[cfg(target_env = "gnu")]
+fn tune_malloc() -> String {
+    let set = |param, value: usize| {
+        // SAFETY: mallopt takes integers only; called before any thread exists (it is
+        // thread-safe anyway: it takes the main arena's lock).
+        unsafe { libc::mallopt(param, value as libc::c_int) == 1 }
+    };
+    let ok = set(libc::M_ARENA_MAX, 1)
+        && set(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX_BYTES)
+        && set(libc::M_TOP_PAD, HEAP_RESERVE_BYTES);
+    if !ok {
+        return "malloc NOT tuned (mallopt refused): the heap may need fresh pages under memory \
+                pressure"
+            .into();
+    }
+    format!(
+        "malloc: one arena, blocks up to {} MiB from the heap, {} MiB of it kept faulted in \
+         once the server has started",
+        MMAP_THRESHOLD_MAX_BYTES >> 20,
+        HEAP_RESERVE_BYTES >> 20
+    )
+}
+
+/// Faults in the heap's reserve ([`HEAP_RESERVE_BYTES`], step 1 of the module docs): call once
+/// everything the server allocates at start is allocated (the ublk queues' and NBD's request
+/// buffers would take it otherwise), in swap mode only. Freed, the block stays faulted in (and
+/// locked) as the heap's top pad.
+pub fn fault_in_heap_reserve() {
+    let warm = vec![1u8; HEAP_RESERVE_BYTES];
+    drop(std::hint::black_box(warm));
+}
+
+/// Other C libraries: nothing to tune that we know of; said in the log.
+#[cfg(not(target_env = "gnu"))]
+fn tune_malloc() -> String {
+    "not glibc: malloc left as it is; the heap may need fresh pages under memory pressure".into()
+}
+
+/// `mlockall` as step 1 of the module docs says. Returns whether later mappings are locked,
+/// and the log line.
+fn lock_mappings() -> (bool, String) {
+    // First the mappings of now (code, static data, the main stack): populated and locked
+    // whole, so no code path (an error path first run under memory pressure, say) has to be
+    // read back from the filesystem then. A call without MCL_FUTURE clears the process's
+    // future-lock setting, so this one comes first.
+    if let Err(e) = mlockall(libc::MCL_CURRENT) {
+        return (
+            false,
+            format!("memory NOT locked: mlockall(MCL_CURRENT): {e}"),
+        );
+    }
+    // Then every later mapping, page by page as it is touched (MCL_ONFAULT, Linux 4.4). Without
+    // MCL_CURRENT in this call the current mappings keep their whole lock.
+    let e = match mlockall(libc::MCL_FUTURE | libc::MCL_ONFAULT) {
+        Ok(()) => {
+            return (
+                true,
+                "memory locked (mlockall: MCL_CURRENT, then MCL_FUTURE|MCL_ONFAULT: later \
+                 mappings are locked as they are touched)"
+                    .into(),
+            )
+        }
+        Err(e) => e,
+    };
+    if e.raw_os_error() != Some(libc::EINVAL) {
+        return (
+            false,
+            format!("memory locked only as mapped at start: mlockall(MCL_FUTURE|MCL_ONFAULT): {e}"),
+        );
+    }
+    // A kernel without MCL_ONFAULT: lock later mappings whole, as before.
+    match mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) {
+        Ok(()) => (
+            true,
+            "memory locked (mlockall MCL_CURRENT|MCL_FUTURE: this kernel lacks MCL_ONFAULT, so \
+             every later mapping is locked whole)"
+                .into(),
+        ),
+        Err(e) => (
+            false,
+            format!("memory locked only as mapped at start: mlockall(MCL_FUTURE): {e}"),
+        ),
+    }
+}
+
+/// The swap reserve of each device's pool (see step 4 of the module docs): 64 MiB, 16384
+/// pages. A swap-out of a page takes at most one page of it (an incompressible page is stored
+/// whole) and every page written out frees one, so the reserve needs to cover the writes
+/// between a burst's start and the refill thread's catching up: the kernel keeps at most
+/// `queues × 128` writes in flight on a ublk device (256 on two CPUs, 1 MiB); 16 MiB, a dozen
+/// such waves, was exhausted in the VM test (docs/ublk.md, "Swap on ublk", step 5).
+pub const SWAP_RESERVE_BYTES: usize = 64 << 20;
+
+/// Locks memory and marks the process an I/O flusher where permitted. Call before any thread
+/// is created. Returns one line per step saying what was done or why not, for the log.
+pub fn prepare() -> Vec<String> {
+    let mut report = Vec::new();
+    let may_lock = has_capability(CAP_IPC_LOCK);
+    match memlock_limit_bytes() {
+        Some(limit) if !may_lock => report.push(format!(
+            "memory NOT locked: RLIMIT_MEMLOCK is {limit} bytes and the process lacks \
+             CAP_IPC_LOCK (run as root, or raise the limit: `ulimit -l unlimited`, systemd \
+             LimitMEMLOCK=infinity); its pages may be swapped out"
+        )),
+        _ => report.extend(lock_memory()),
+    }
+    // SAFETY: prctl with PR_SET_IO_FLUSHER takes integer arguments only.
+    let rc = unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0, 0, 0) };
+    if rc == 0 {
+        report.push("marked an I/O flusher (PR_SET_IO_FLUSHER)".into());
+    } else {
+        let e = std::io::Error::last_os_error();
+        let why = match e.raw_os_error() {
+            Some(libc::EPERM) => " (needs CAP_SYS_RESOURCE)",
+            Some(libc::EINVAL) => " (needs Linux 5.6 or later)",
+            _ => "",
+        };
+        report.push(format!(
+            "NOT marked an I/O flusher: PR_SET_IO_FLUSHER: {e}{why}; allocations may wait \
+             on reclaim that needs this server's own I/O"
+        ));
+    }
+    report.push(format!(
+        "request buffers preallocated ({} MiB, server-wide, inside the request memory budget) \
+         and recycled",
+        super::limits::SWAP_PREALLOCATED_BYTES >> 20
+    ));
+    uzram::memory::set_swap_reserve_bytes(SWAP_RESERVE_BYTES);
+    report.push(format!(
+        "each device's slot table faulted in at start, and a reserve of {} MiB of zsmalloc \
+         frames kept faulted in for writes under memory pressure",
+        SWAP_RESERVE_BYTES >> 20
+    ));
+    report
+}

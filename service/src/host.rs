@@ -1,0 +1,356 @@
+//! A running server as a type: [`Host::start`] creates the configured devices and every
+//! frontend they get, in the order that leaves nothing behind when a step fails, and
+//! [`Host::stop`] takes them down in the reverse order, bounded in time whatever clients do.
+//!
+//! # Start order
+//! The swap preparations (before any thread exists: the I/O-flusher mark is inherited by the
+//! threads created afterwards), the ublk driver check (before anything is created), the
+//! devices, the NBD server (its failure to bind leaves no block device behind), each device's
+//! block device and vhost-user socket, then its control socket (which names them), the class
+//! socket (`hot_add`, `hot_remove`), the policy thread, the metrics endpoint.
+//!
+//! # Stop order
+//! The policy thread, the metrics endpoint, the class socket (no `hot_add` or `hot_remove`
+//! from then on), the devices' control sockets, vhost-user front ends (their guests see I/O
+//! errors from then on) and block devices (their requests in flight complete first), the NBD
+//! server, the devices.
+
+use crate::config::ServeConfig;
+use crate::devices::{Devices, Served, ServerFrontends};
+use crate::frontend::control::{self, ControlServer, HotPlug};
+use crate::frontend::metrics::{
+    self,
+    http::{MetricsLimits, MetricsServer, MetricsSource},
+};
+use crate::frontend::nbd::{Export, Listen, Server, ServerConfig, Tls, TlsFiles, TlsMode};
+use crate::frontend::ublk::UblkConfig;
+use crate::frontend::unix_socket::{self, SocketId};
+use crate::frontend::vhost_user::{self, VhostUserConfig};
+use crate::policy::{DevicePolicy, PolicyRunner, PolicySet, ProcPressure};
+use anyhow::{bail, Context, Result};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use uzram::clock::SystemClock;
+use uzram::BlockDevice;
+
+/// Total RAM from /proc/meminfo.
+pub fn ram_bytes() -> Result<u64> {
+    ram_bytes_from(Path::new("/proc/meminfo"))
+}
+
+/// Total RAM from a meminfo file.
+pub fn ram_bytes_from(path: &Path) -> Result<u64> {
+    let meminfo =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    for line in meminfo.lines() {
+        if let Some(rest) = line.strip_prefix("MemTotal:") {
+            let kib: u64 = rest
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .context("parsing MemTotal")?;
+            return Ok(kib * 1024);
+        }
+    }
+    bail!("no MemTotal in {}", path.display())
+}
+
+/// The directory for sockets: /run/uzram as root, $XDG_RUNTIME_DIR/uzram otherwise, else
+/// /tmp/uzram-UID (created and checked by `unix_socket::ensure_private_dir`: ours, 0700).
+pub fn default_socket_dir() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 {
+        return PathBuf::from("/run/uzram");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d).join("uzram"),
+        _ => PathBuf::from(format!("/tmp/uzram-{uid}")),
+    }
+}
+
+/// The NBD server's settings from the configuration: limits and TLS. Warns on stderr about a
+/// TCP address off loopback without TLS.
+pub fn server_config(cfg: &ServeConfig) -> Result<ServerConfig> {
+    let mut sc = ServerConfig::default();
+    if cfg.swap {
+        sc = sc.for_swap();
+    }
+    if let Some(n) = cfg.max_connections {
+        sc.limits.max_connections = n;
+    }
+    if let Some(n) = cfg.max_inflight_bytes {
+        sc.limits.max_inflight_bytes = n;
+    }
+    sc.limits.validate()?;
+    let mode: TlsMode = cfg.tls.as_deref().unwrap_or("off").parse()?;
+    if mode != TlsMode::Off {
+        let (Some(cert), Some(key)) = (&cfg.tls_cert, &cfg.tls_key) else {
+            bail!(
+                "--tls={} needs --tls-cert and --tls-key",
+                cfg.tls.as_deref().unwrap_or("")
+            );
+        };
+        if cfg.listen.is_none() {
+            bail!("--tls is for TCP: give --listen too (the unix socket is owner-only)");
+        }
+        let files = TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: cfg.tls_client_ca.clone(),
+        };
+        sc.tls = Some(Tls::load(mode, &files).context("loading the TLS credentials")?);
+    } else if cfg.tls_cert.is_some() || cfg.tls_key.is_some() || cfg.tls_client_ca.is_some() {
+        bail!("TLS certificates given but --tls is off: add --tls=on or --tls=require");
+    }
+    if let Some(addr) = cfg.listen {
+        if !addr.ip().is_loopback() && mode == TlsMode::Off {
+            eprintln!(
+                "uzram: warning: listening on {addr} without TLS: anyone who can reach it can \
+                 read and write the device; use --tls=require (or a loopback address)"
+            );
+        }
+    }
+    Ok(sc)
+}
+
+/// A running server: its devices, the NBD server, the class socket, the policy thread and
+/// the metrics endpoint. Dropping it without [`Host::stop`] leaves the threads running.
+pub struct Host {
+    registry: Arc<Devices>,
+    served: Vec<Arc<Served>>,
+    class: ControlServer,
+    class_path: PathBuf,
+    runner: PolicyRunner,
+    metrics: Option<MetricsServer>,
+    swap_report: Option<Vec<String>>,
+    ublk_config: UblkConfig,
+    vhost_config: VhostUserConfig,
+}
+
+impl std::fmt::Debug for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Host")
+            .field("class_path", &self.class_path)
+            .field("devices", &self.served.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Host {
+    /// Starts the server the configuration describes (see the module's start order).
+    pub fn start(cfg: &ServeConfig, server_config: ServerConfig) -> Result<Host> {
+        let swap_report = cfg.swap.then(crate::frontend::swap::prepare);
+        if cfg.devices.iter().any(|d| d.ublk) {
+            crate::frontend::ublk::check_driver()?;
+        }
+        let ram = ram_bytes()?;
+        let mut devices = Vec::new();
+        let mut listen = Vec::new();
+        let mut exports = Vec::new();
+        let mut policies = Vec::new();
+        let mut socket_dir = None;
+        for spec in &cfg.devices {
+            let device = Arc::new(spec.build(ram)?);
+            let socket = match &spec.socket {
+                Some(p) => {
+                    unix_socket::check_socket_parent(p)?;
+                    p.clone()
+                }
+                None => {
+                    let dir = default_socket_dir();
+                    unix_socket::ensure_private_dir(&dir)?;
+                    dir.join(format!("{}.sock", spec.name))
+                }
+            };
+            let dir = socket.parent().unwrap_or(Path::new(".")).to_path_buf();
+            socket_dir.get_or_insert_with(|| dir.clone());
+            exports.push(Export {
+                name: spec.name.clone(),
+                description: format!(
+                    "uzram {} ({}, {} pages)",
+                    spec.name,
+                    device.comp_algorithm(),
+                    spec.page_size_bytes
+                ),
+                device: Arc::clone(&device) as Arc<dyn BlockDevice>,
+            });
+            listen.push(Listen::Unix {
+                path: socket,
+                export: spec.name.clone(),
+            });
+            let policy = Arc::new(DevicePolicy::new(spec.name.clone(), Arc::clone(&device)));
+            if let Some(p) = &spec.policy {
+                policy
+                    .store(p)
+                    .with_context(|| format!("device {}: policy", spec.name))?;
+            }
+            policies.push(Arc::clone(&policy));
+            devices.push((spec, device, dir, policy));
+        }
+        if let Some(addr) = cfg.listen {
+            listen.push(Listen::Tcp(addr));
+        }
+        // The server's class socket, zram's /sys/class/zram-control: beside the first device's.
+        let socket_dir = socket_dir.context("no devices")?;
+
+        let server = Arc::new(
+            Server::start(exports, &listen, server_config).context("starting the NBD server")?,
+        );
+        // The frontends every device of the server gets (a device added by hot_add too).
+        let ublk_config = UblkConfig {
+            swap: cfg.swap,
+            ..UblkConfig::default()
+        };
+        let vhost_config = VhostUserConfig {
+            swap: cfg.swap,
+            ..VhostUserConfig::default()
+        };
+        let policy_set = PolicySet::new(policies);
+        let registry = Arc::new(Devices::new(
+            Arc::clone(&server),
+            policy_set.clone(),
+            ServerFrontends {
+                dir: socket_dir.clone(),
+                ublk: cfg
+                    .devices
+                    .iter()
+                    .any(|d| d.ublk)
+                    .then(|| ublk_config.clone()),
+                vhost: cfg
+                    .devices
+                    .iter()
+                    .any(|d| d.vhost_user)
+                    .then(|| vhost_config.clone()),
+            },
+        ));
+        // Each device's block device and vhost-user socket: after the NBD server, before its
+        // control socket (which names them).
+        let mut served = Vec::new();
+        for (spec, device, dir, policy) in devices {
+            let name = &spec.name;
+            let ctl = control::socket_path(&dir, name);
+            served.push(
+                registry
+                    .add_configured(
+                        name,
+                        device,
+                        &ctl,
+                        spec.ublk.then(|| ublk_config.clone()),
+                        spec.vhost_user
+                            .then(|| (vhost_user::socket_path(&dir, name), vhost_config.clone())),
+                        policy,
+                    )
+                    .with_context(|| format!("device {name}"))?,
+            );
+        }
+        let class_path = control::class_socket_path(&socket_dir);
+        let class =
+            ControlServer::start_class(&class_path, Arc::clone(&registry) as Arc<dyn HotPlug>)
+                .with_context(|| format!("starting the control socket {}", class_path.display()))?;
+        // One thread runs every device's policies (all off unless configured or stored).
+        let runner = PolicyRunner::start_shared(
+            policy_set,
+            Arc::new(SystemClock::new()),
+            Arc::new(ProcPressure::new()),
+            crate::policy::TICK,
+        )
+        .context("starting the policy thread")?;
+        // The metrics endpoint reads the devices' attributes in this process.
+        let metrics = match cfg.metrics_listen {
+            Some(addr) => {
+                let registry = Arc::clone(&registry);
+                let source: MetricsSource =
+                    Arc::new(move || Ok(metrics::render(&registry.metrics()?)));
+                Some(
+                    MetricsServer::start(
+                        addr,
+                        cfg.metrics_allow_remote,
+                        source,
+                        MetricsLimits::default(),
+                    )
+                    .with_context(|| format!("serving metrics on {addr}"))?,
+                )
+            }
+            None => None,
+        };
+        Ok(Host {
+            registry,
+            served,
+            class,
+            class_path,
+            runner,
+            metrics,
+            swap_report,
+            ublk_config,
+            vhost_config,
+        })
+    }
+
+    /// The devices configured at start (not those added by `hot_add`).
+    pub fn served(&self) -> &[Arc<Served>] {
+        &self.served
+    }
+
+    /// The NBD URIs of the exports, `(export, uri)`.
+    pub fn uris(&self) -> Vec<(String, String)> {
+        self.registry.server().uris()
+    }
+
+    /// The class socket (`hot_add`, `hot_remove`).
+    pub fn class_path(&self) -> &Path {
+        &self.class_path
+    }
+
+    /// Where the metrics endpoint listens.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(|m| m.local_addr())
+    }
+
+    /// What the swap preparations did, a line per step (`None`: not serving swap). Also
+    /// faults in the heap's reserve for the request paths: call once, after start, when
+    /// everything the start allocates is allocated.
+    pub fn finish_swap_setup(&self) -> Option<&[String]> {
+        let report = self.swap_report.as_deref()?;
+        crate::frontend::swap::fault_in_heap_reserve();
+        Some(report)
+    }
+
+    /// The queues and depth of a ublk device (for the start's banner).
+    pub fn ublk_config(&self) -> &UblkConfig {
+        &self.ublk_config
+    }
+
+    /// The queues of a vhost-user device (for the start's banner).
+    pub fn vhost_config(&self) -> &VhostUserConfig {
+        &self.vhost_config
+    }
+
+    /// A function listing every socket file the server made that is still its own, for an
+    /// exit that cannot wait for [`Host::stop`] (a second signal): the caller removes them.
+    pub fn socket_files_fn(&self) -> impl Fn() -> Vec<(PathBuf, SocketId)> + Send + 'static {
+        let registry = Arc::clone(&self.registry);
+        let class_file = self.class.socket_file();
+        move || {
+            let mut sockets = registry.server().socket_files();
+            sockets.extend(registry.socket_files());
+            sockets.push(class_file.clone());
+            sockets
+        }
+    }
+
+    /// Stops everything (see the module's stop order). Returns the block devices removed.
+    pub fn stop(self) -> Vec<PathBuf> {
+        self.runner.stop();
+        if let Some(m) = self.metrics {
+            m.stop();
+        }
+        self.class.stop();
+        drop(self.served);
+        let removed = self.registry.stop();
+        self.registry.server().shutdown();
+        removed
+    }
+}

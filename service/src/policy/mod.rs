@@ -1,0 +1,513 @@
+//! Automatic policies: what kernel zram leaves to cron jobs and Android's userspace, done by
+//! the server itself, per device, off by default (see `docs/policies.md`).
+//!
+//! - **idle aging** (`idle_age_s`): each period, `idle N`: pages not accessed for N seconds
+//!   are marked idle, the others lose the mark;
+//! - **writeback** (`writeback_age_s`, `writeback_type`): each period, pages idle that long
+//!   are written back with the batched engine (`writeback idle`); when memory is short (the
+//!   host's PSI `some avg10` above `pressure_avg10`, or `mem_used_total` above
+//!   `mem_used_watermark`) pages idle `writeback_pressure_age_s` go at once; everything the
+//!   policy writes is bounded by `writeback_budget` per `writeback_budget_period_s`, kept in
+//!   the device's own `writeback_limit` as Android keeps its daily budget;
+//! - **recompression** (`recompress_age_s`): pages idle that long are recompressed with the
+//!   recompression algorithms (`recompress type=idle`);
+//! - **compaction** (`compact_ratio`): when `mem_used_total / compr_data_size` is above the
+//!   ratio, `compact`;
+//! - **zoned GC** (`gc_free_zones`): when fewer zones are empty, `gc`.
+//!
+//! A policy does only what a user could do through the device's public interface (the same
+//! calls the attributes make), from one thread per server ([`PolicyRunner`]) that runs the
+//! policies of every device in turn: one action at a time, so the policies never take more
+//! than one core, and a second writeback never queues behind the first (a policy finding
+//! the device busy, `EAGAIN`, tries again next period). Each policy counts its runs, the
+//! pages it acted on and its errors, with the last one (`policy_stat`).
+//!
+//! # Locks
+//! [`DevicePolicy::config`] (the settings, taken for a moment by the control socket and by
+//! the runner, which clones them), [`DevicePolicy::counters`] (a moment, by the runner and
+//! by readers) and [`DevicePolicy::schedule`] (the runner only; held across the device's
+//! calls, so it is taken before any device lock and nothing is taken under it but the
+//! device's own). Never two of them at once.
+
+pub mod config;
+pub mod pressure;
+
+pub use config::{PolicyConfig, WritebackType, POLICY_KEYS};
+pub use pressure::{ManualPressure, PressureSource, ProcPressure};
+
+use parking_lot::{Condvar, Mutex};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+use uzram::clock::Clock;
+use uzram::device::{Device, IdleCutoff, RecompressSpec};
+use uzram::error::{errno_name, Error, ErrorKind, Result};
+use uzram::writeback::{WritebackMode, WritebackSpec};
+
+/// How often the runner thread wakes to look at the clock: the resolution of every period and
+/// age, and the longest a stop waits for an idle runner.
+pub const TICK: Duration = Duration::from_secs(1);
+
+/// The policies, in the order a period runs them and `policy_stat` lists them: writeback
+/// first (the oldest pages leave RAM before recompression spends CPU on them), idle aging
+/// after the policies that re-mark with their own ages (so the marks left for a user's
+/// `writeback idle` follow `idle_age_s`), compaction after everything that freed memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// `writeback_age_s` and the pressure trigger.
+    Writeback,
+    /// `recompress_age_s`.
+    Recompress,
+    /// `idle_age_s`.
+    Idle,
+    /// `compact_ratio`.
+    Compact,
+    /// `gc_free_zones`.
+    Gc,
+}
+
+impl PolicyKind {
+    /// Every policy, in order.
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::Writeback,
+        PolicyKind::Recompress,
+        PolicyKind::Idle,
+        PolicyKind::Compact,
+        PolicyKind::Gc,
+    ];
+
+    /// Its name in `policy_stat`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Writeback => "writeback",
+            PolicyKind::Recompress => "recompress",
+            PolicyKind::Idle => "idle",
+            PolicyKind::Compact => "compact",
+            PolicyKind::Gc => "gc",
+        }
+    }
+
+    /// Whether `config` turns it on.
+    pub fn is_on(self, config: &PolicyConfig) -> bool {
+        match self {
+            PolicyKind::Writeback => config.writeback_age_secs.is_some(),
+            PolicyKind::Recompress => config.recompress_age_secs.is_some(),
+            PolicyKind::Idle => config.idle_age_secs.is_some(),
+            PolicyKind::Compact => config.compact_ratio.is_some(),
+            PolicyKind::Gc => config.gc_free_zones.is_some(),
+        }
+    }
+}
+
+/// One policy's counters (a line of `policy_stat`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyCounters {
+    /// Times the policy acted (an action that failed counts too).
+    pub runs: u64,
+    /// Pages acted on: marked idle (idle pages after the run), written back, recompressed to
+    /// a smaller object, freed by compaction, or relocated by GC (in 4 KiB units, as
+    /// `bd_stat`).
+    pub pages: u64,
+    /// Runs that failed.
+    pub errors: u64,
+    /// The last failure: errno name and message.
+    pub last_error: Option<String>,
+}
+
+/// When the runner last did what (its clock's readings).
+#[derive(Debug, Default)]
+struct Schedule {
+    /// The last periodic run.
+    last_period: Option<Duration>,
+    /// The last writeback on pressure.
+    last_pressure: Option<Duration>,
+    /// The last look at memory pressure.
+    last_check: Option<Duration>,
+    /// The start of the current writeback budget period.
+    budget_start: Option<Duration>,
+}
+
+/// True when `period` has passed since `last` (or nothing happened yet).
+fn elapsed(last: Option<Duration>, now: Duration, period: Duration) -> bool {
+    match last {
+        None => true,
+        Some(t) => now >= t + period,
+    }
+}
+
+/// How often memory pressure is looked at between periods: the window of `some avg10`, so
+/// each look sees a figure mostly new.
+pub const PRESSURE_CHECK_INTERVAL: Duration = Duration::from_secs(10);
+
+/// A device's policies: its settings, counters and schedule.
+#[derive(Debug)]
+pub struct DevicePolicy {
+    name: String,
+    device: Arc<Device>,
+    config: Mutex<PolicyConfig>,
+    counters: Mutex<[PolicyCounters; 5]>,
+    schedule: Mutex<Schedule>,
+}
+
+impl DevicePolicy {
+    /// The policies of `device` (named `name` in messages), all off.
+    pub fn new(name: impl Into<String>, device: Arc<Device>) -> DevicePolicy {
+        DevicePolicy {
+            name: name.into(),
+            device,
+            config: Mutex::new(PolicyConfig::default()),
+            counters: Mutex::new(Default::default()),
+            schedule: Mutex::new(Schedule::default()),
+        }
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// The settings.
+    pub fn config(&self) -> PolicyConfig {
+        self.config.lock().clone()
+    }
+
+    /// Replaces the settings. The next period starts from the runner's next tick.
+    pub fn set_config(&self, config: PolicyConfig) {
+        *self.config.lock() = config;
+    }
+
+    /// `policy` read: every key, one per line.
+    pub fn show(&self) -> String {
+        self.config().show()
+    }
+
+    /// `policy` write: applies `key=value` tokens (see [`config`]); `EINVAL` changes nothing.
+    pub fn store(&self, text: &str) -> Result<()> {
+        let mut c = self.config.lock();
+        *c = c.with(text)?;
+        Ok(())
+    }
+
+    /// The counters of `kind`.
+    pub fn counters(&self, kind: PolicyKind) -> PolicyCounters {
+        self.counters.lock()[kind as usize].clone()
+    }
+
+    /// `policy_stat`: a line per policy in [`PolicyKind::ALL`]'s order: name, `on` or `off`,
+    /// runs, pages, errors (`%8llu` each) and the last error (`-` for none).
+    pub fn show_stat(&self) -> String {
+        let config = self.config();
+        let counters = self.counters.lock().clone();
+        let mut s = String::new();
+        for k in PolicyKind::ALL {
+            let c = &counters[k as usize];
+            s.push_str(&format!(
+                "{:<10} {:<3} {:8} {:8} {:8} {}\n",
+                k.name(),
+                if k.is_on(&config) { "on" } else { "off" },
+                c.runs,
+                c.pages,
+                c.errors,
+                c.last_error.as_deref().unwrap_or("-")
+            ));
+        }
+        s
+    }
+
+    fn record(&self, kind: PolicyKind, result: Result<u64>) {
+        let mut all = self.counters.lock();
+        let c = &mut all[kind as usize];
+        c.runs += 1;
+        match result {
+            Ok(pages) => c.pages += pages,
+            Err(e) => {
+                c.errors += 1;
+                c.last_error = Some(format!("{}: {}", errno_name(e.errno()), e.message()));
+            }
+        }
+    }
+
+    /// Runs whatever is due at `now` (the runner's clock): the periodic policies once per
+    /// `period_s`, and writeback at once (at most once per period) when memory is short.
+    /// Does nothing on an uninitialised device. `quit` is checked between actions.
+    pub fn run_due(&self, now: Duration, pressure: &dyn PressureSource, quit: &dyn Fn() -> bool) {
+        let config = self.config();
+        if !config.any_on() || !self.device.is_initialised() {
+            return;
+        }
+        let mut sched = self.schedule.lock();
+        let period = Duration::from_secs(config.period_secs);
+        let periodic = elapsed(sched.last_period, now, period);
+        let mut short = None;
+        if config.writeback_age_secs.is_some()
+            && (periodic || elapsed(sched.last_check, now, PRESSURE_CHECK_INTERVAL))
+        {
+            sched.last_check = Some(now);
+            short = self.memory_short(&config, pressure);
+        }
+        let pressured = short.is_some() && elapsed(sched.last_pressure, now, period);
+        if !periodic && !pressured {
+            return;
+        }
+        if periodic {
+            sched.last_period = Some(now);
+        }
+        if let Some(wb_age) = config.writeback_age_secs {
+            let age = if short.is_some() {
+                sched.last_pressure = Some(now);
+                config.writeback_pressure_age_secs.min(wb_age)
+            } else {
+                wb_age
+            };
+            if let Some(budget) = config.writeback_budget_bytes {
+                let budget_period = Duration::from_secs(config.writeback_budget_period_secs);
+                if elapsed(sched.budget_start, now, budget_period) {
+                    sched.budget_start = Some(now);
+                    self.device.set_writeback_limit_enable(true);
+                    self.device.set_writeback_limit(budget / 4096);
+                }
+            }
+            self.writeback(&config, age);
+        }
+        if !periodic || quit() {
+            return;
+        }
+        if let Some(age) = config.recompress_age_secs {
+            self.recompress(&config, age);
+        }
+        if let Some(age) = config.idle_age_secs {
+            self.device.mark_idle(IdleCutoff::OlderThanSecs(age));
+            self.record(PolicyKind::Idle, Ok(self.device.idle_pages()));
+        }
+        if quit() {
+            return;
+        }
+        if let Some(ratio) = config.compact_ratio {
+            let s = self.device.stats();
+            if s.compr_data_size_bytes > 0
+                && s.mem_used_total_bytes as f64 > ratio * s.compr_data_size_bytes as f64
+            {
+                let freed = self.device.compact();
+                self.record(PolicyKind::Compact, Ok(freed));
+            }
+        }
+        if let Some(min_empty) = config.gc_free_zones {
+            if let Some(z) = self.device.zone_stats() {
+                if z.empty < min_empty {
+                    let r = self.device.gc().map(|g| g.bytes_relocated.div_ceil(4096));
+                    self.record(PolicyKind::Gc, r);
+                }
+            }
+        }
+    }
+
+    /// Why memory is short, if it is: PSI above `pressure_avg10`, or `mem_used_total` above
+    /// `mem_used_watermark`. A PSI file that cannot be read counts as an error of the
+    /// writeback policy (and as no pressure).
+    fn memory_short(&self, config: &PolicyConfig, pressure: &dyn PressureSource) -> Option<String> {
+        if let Some(w) = config.mem_used_watermark_bytes {
+            let used = self.device.stats().mem_used_total_bytes;
+            if used > w {
+                return Some(format!("mem_used_total {used} > {w}"));
+            }
+        }
+        if let Some(limit) = config.pressure_some_avg10 {
+            match pressure.memory_some_avg10() {
+                Ok(p) if p > limit => return Some(format!("memory some avg10 {p} > {limit}")),
+                Ok(_) => {}
+                Err(e) => {
+                    let mut all = self.counters.lock();
+                    let c = &mut all[PolicyKind::Writeback as usize];
+                    c.errors += 1;
+                    c.last_error = Some(format!("{}: {}", errno_name(e.errno()), e.message()));
+                }
+            }
+        }
+        None
+    }
+
+    /// Marks pages idle `age` seconds and writes back those of the configured type. A device
+    /// busy with another writeback or recompression (`EAGAIN`) or a spent budget is not an
+    /// error: the policy tries again next period.
+    fn writeback(&self, config: &PolicyConfig, age: u64) {
+        let dev = &self.device;
+        if config.writeback_budget_bytes.is_some()
+            && dev.writeback_limit_enable()
+            && dev.writeback_limit() == 0
+        {
+            return;
+        }
+        let mode = match config.writeback_type {
+            WritebackType::Idle => WritebackMode::Idle,
+            WritebackType::HugeIdle => WritebackMode::HugeIdle,
+            WritebackType::Huge => WritebackMode::Huge,
+        };
+        if mode != WritebackMode::Huge {
+            dev.mark_idle(IdleCutoff::OlderThanSecs(age));
+        }
+        let r = dev.writeback_with_progress(&WritebackSpec::mode(mode), &mut |_| {});
+        let r = match r {
+            Err(e) if e.kind() == ErrorKind::Again => return,
+            Err(e) => Err(e),
+            Ok(report) => match report.error {
+                // The budget ran out during the pass: what fitted is written.
+                Some(e)
+                    if e.kind() == ErrorKind::Io
+                        && dev.writeback_limit_enable()
+                        && dev.writeback_limit() < 1 =>
+                {
+                    Ok(report.written)
+                }
+                Some(e) => Err(Error::new(
+                    e.kind(),
+                    format!("{} ({} pages written)", e.message(), report.written),
+                )),
+                None => Ok(report.written),
+            },
+        };
+        self.record(PolicyKind::Writeback, r);
+    }
+
+    /// Marks pages idle `age` seconds and recompresses them.
+    fn recompress(&self, config: &PolicyConfig, age: u64) {
+        self.device.mark_idle(IdleCutoff::OlderThanSecs(age));
+        let spec = RecompressSpec {
+            idle: true,
+            max_pages: config.recompress_max_pages,
+            ..RecompressSpec::default()
+        };
+        match self.device.recompress(&spec) {
+            Err(e) if e.kind() == ErrorKind::Again => {}
+            r => self.record(PolicyKind::Recompress, r.map(|r| r.recompressed)),
+        }
+    }
+}
+
+/// Runs, at the clock's `now`, whatever is due for each of `policies` (see
+/// [`DevicePolicy::run_due`]): what the runner thread does at each tick, and what a test
+/// calls after moving a [`ManualClock`](uzram::clock::ManualClock).
+pub fn run_due(
+    policies: &[Arc<DevicePolicy>],
+    clock: &dyn Clock,
+    pressure: &dyn PressureSource,
+    quit: &dyn Fn() -> bool,
+) {
+    for p in policies {
+        if quit() {
+            return;
+        }
+        p.run_due(clock.now(), pressure, quit);
+    }
+}
+
+/// The devices whose policies a [`PolicyRunner`] runs, shared with the server that adds and
+/// removes devices while it runs (`hot_add`, `hot_remove`).
+#[derive(Clone, Default)]
+pub struct PolicySet(Arc<Mutex<Vec<Arc<DevicePolicy>>>>);
+
+impl std::fmt::Debug for PolicySet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicySet")
+            .field("devices", &self.0.lock().len())
+            .finish()
+    }
+}
+
+impl PolicySet {
+    /// A set of these policies.
+    pub fn new(policies: Vec<Arc<DevicePolicy>>) -> PolicySet {
+        PolicySet(Arc::new(Mutex::new(policies)))
+    }
+
+    /// Adds a device's policies.
+    pub fn add(&self, policy: Arc<DevicePolicy>) {
+        self.0.lock().push(policy);
+    }
+
+    /// Removes device `name`'s policies (an action under way on it finishes).
+    pub fn remove(&self, name: &str) {
+        self.0.lock().retain(|p| p.name() != name);
+    }
+
+    /// The policies now.
+    pub fn snapshot(&self) -> Vec<Arc<DevicePolicy>> {
+        self.0.lock().clone()
+    }
+}
+
+/// The policy thread of a server: one for every device. Dropping it stops it.
+#[derive(Debug)]
+pub struct PolicyRunner {
+    quit: Arc<(Mutex<bool>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PolicyRunner {
+    /// Starts the thread: every `tick` (of real time) it runs what is due at `clock`'s
+    /// reading. A stop interrupts the wait at once, and the policies between actions.
+    pub fn start(
+        policies: Vec<Arc<DevicePolicy>>,
+        clock: Arc<dyn Clock>,
+        pressure: Arc<dyn PressureSource>,
+        tick: Duration,
+    ) -> std::io::Result<PolicyRunner> {
+        Self::start_shared(PolicySet::new(policies), clock, pressure, tick)
+    }
+
+    /// As [`start`](Self::start), over a list the server changes as devices are added and
+    /// removed (`hot_add`, `hot_remove`): each tick runs the devices listed then (the lock is
+    /// held only to copy the list).
+    pub fn start_shared(
+        policies: PolicySet,
+        clock: Arc<dyn Clock>,
+        pressure: Arc<dyn PressureSource>,
+        tick: Duration,
+    ) -> std::io::Result<PolicyRunner> {
+        let quit = Arc::new((Mutex::new(false), Condvar::new()));
+        let q = Arc::clone(&quit);
+        let thread = std::thread::Builder::new()
+            .name("uzram-policy".into())
+            .spawn(move || {
+                let stopping = || *q.0.lock();
+                loop {
+                    let now = policies.snapshot();
+                    run_due(&now, &*clock, &*pressure, &stopping);
+                    let mut stop = q.0.lock();
+                    if !*stop {
+                        q.1.wait_for(&mut stop, tick);
+                    }
+                    if *stop {
+                        return;
+                    }
+                }
+            })?;
+        Ok(PolicyRunner {
+            quit,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread: at once when it waits; after the action under way otherwise (a
+    /// writeback pass, bounded by `writeback_budget`; a compaction; a GC run).
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        let Some(t) = self.thread.take() else { return };
+        *self.quit.0.lock() = true;
+        self.quit.1.notify_all();
+        let _ = t.join();
+    }
+}
+
+impl Drop for PolicyRunner {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}
