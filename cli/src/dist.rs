@@ -51,7 +51,7 @@ pub fn package_files(cmd: clap::Command, args: PackageFilesArgs) -> Result<()> {
     }
     write(
         &args.dir.join("uzram.toml"),
-        uzram::config::DEFAULT_CONFIG_TOML.as_bytes(),
+        uzram_service::config::DEFAULT_CONFIG_TOML.as_bytes(),
     )?;
     Ok(())
 }
