@@ -2,22 +2,26 @@
 //!
 //! A [`Store`] owns the slot table, the allocator pool, the codec, the counters and the
 //! writeback target, all private. Every change of a slot's state is one of its methods, made
-//! under the slot's lock:
+//! under the slot's lock, one file per concept:
 //!
-//! - the page paths: [`prepare`](Store::prepare) (compress and allocate, outside the lock) then
+//! - the page paths (this file): [`prepare`](Store::prepare) (compress and allocate, outside the lock) then
 //!   publish ([`write_page`](Store::write_page)), [`read_page`](Store::read_page),
 //!   [`write_partial`](Store::write_partial) (read-modify-write), [`release`](Store::release)
 //!   and [`free_page`](Store::free_page) (zram's `zram_free_page`, with the allocator object
 //!   freed at once or through the deferred-free queue);
 //! - idle marking ([`mark_idle`](Store::mark_idle));
-//! - writeback's steps: [`mark_pp`](Store::mark_pp) and [`clear_pp`](Store::clear_pp) (the
-//!   PP_SLOT ticket), [`copy_candidate`](Store::copy_candidate), and
-//!   [`finish_writeback`](Store::finish_writeback), which frees the object and points the slot
-//!   at its backing location (`set_written_back`);
-//! - GC's [`repoint`](crate::zoned::GcOwner::repoint) of a slot to a relocated record.
+//! - multi-page objects (`multi.rs`): [`write_run`](Store::write_run) and the reads of a shared
+//!   object through the per-thread cache;
+//! - post-processing's steps (`pp.rs`): [`mark_pp`](Store::mark_pp) and
+//!   [`clear_pp`](Store::clear_pp) (the PP_SLOT ticket), [`copy_candidate`](Store::copy_candidate),
+//!   and [`finish_writeback`](Store::finish_writeback), which frees the object and points the
+//!   slot at its backing location (`set_written_back`); the same for a multi-page object;
+//! - recompression's step (`recompress.rs`): a candidate replaced by a smaller object;
+//! - GC (`gc.rs`): running it, and [`repoint`](crate::zoned::GcOwner::repoint) of a slot to a
+//!   relocated record.
 //!
-//! The layers: `device` (settings, the init lock, attributes, request splitting) and
-//! `writeback` (candidates, the batched engine) call the store; the store calls
+//! The layers: `device` (settings, the init lock, attributes, request splitting),
+//! `writeback` (the batched engine), `recompress` and `pp` (the candidate scan) call the store; the store calls
 //! [`slot`](crate::slot), [`zsmalloc`](crate::zsmalloc), [`compress`](crate::compress) and its
 //! writeback target ([`WbTarget`]: the bitmap store or the [zoned store](crate::zoned) over a
 //! [backing device](crate::backing)). Nothing here knows about requests, attributes or
@@ -41,12 +45,16 @@
 
 mod bitmap;
 mod codecs;
+mod gc;
+mod multi;
+mod pp;
 mod recompress;
 mod stats;
 mod target;
 mod train_dict;
 
 pub use codecs::GenStat;
+use multi::RunWhere;
 pub(crate) use recompress::Outcome;
 pub use stats::{MetaStats, StatsSnapshot};
 pub use train_dict::{TrainReport, TrainSpec};
@@ -57,7 +65,6 @@ pub use target::BackingLayout;
 pub(crate) use bitmap::BlockIndex;
 pub(crate) use target::{BitmapTarget, WbTarget, ZonedTarget};
 
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,36 +74,12 @@ use crate::compress::{fill_same, same_filled_word};
 use crate::error::{Error, ErrorKind, Result};
 use crate::slot::{SlotFlags, SlotGuard, SlotIndex, SlotState, SlotTable};
 use crate::units::units_per_page;
-use crate::zoned::{GcOwner, GcReport, ZoneLoc, ZoneStats, GC_QUEUE_DEPTH};
 use crate::zsmalloc::{DeferredStats, Handle, PoolStats, ZsPool, POOL_PAGE_BYTES};
 use stats::StoreStats;
 use target::WbPin;
 
 /// Most pages a multi-page object spans (64 KiB of 4 KiB pages).
 pub(crate) const MAX_MULTI_PAGES: usize = 16;
-
-/// A thread's last decompressed multi-page object, so reads of its neighbouring pages
-/// decompress it once: `key` is `(store id, where, multi_frees)` when `run` holds it.
-#[derive(Default)]
-struct RunCache {
-    key: Option<(u64, RunWhere, u64)>,
-    run: Vec<u8>,
-    /// Leading bytes of `run` decompressed (a prefix when the codec could stop early).
-    valid_bytes: usize,
-    /// The blocks of a written-back object, as read.
-    raw: Vec<u8>,
-}
-
-/// Where a multi-page object lives: its handle in RAM, or its backing location.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RunWhere {
-    Handle(u64),
-    Backing(u64),
-}
-
-thread_local! {
-    static RUN_CACHE: RefCell<RunCache> = RefCell::new(RunCache::default());
-}
 
 /// Which slots [`Store::mark_idle`] marks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -334,140 +317,6 @@ impl Store {
         }
         self.pool.write(handle, src);
         Ok(handle)
-    }
-
-    /// Stores an aligned run of [`multi_pages`](Self::multi_pages) pages starting at slot
-    /// `first` (a multiple of it), written at once (`data`: the run), compressed as one object
-    /// that every slot of the group points into (MULTI). `dst`: at least
-    /// `compress_bound(run size)` bytes of scratch. A run whose pages are all same-filled is
-    /// stored page by page; one that does not compress below its pages' worth of memory is
-    /// stored as raw (HUGE) or same-filled pages, without compressing them again. The
-    /// group's slots are locked in ascending order (as every multi-slot path locks them), so
-    /// the run replaces them all at once; a failure leaves the old contents.
-    pub(crate) fn write_run(
-        &self,
-        first: SlotIndex,
-        data: &[u8],
-        dst: &mut [u8],
-        limit_pages: u64,
-    ) -> Result<()> {
-        let n = self.multi_pages;
-        let page = self.page_size_bytes;
-        debug_assert!(n > 1 && first.0 % n as u64 == 0 && data.len() == n * page);
-        let per_page = |dst: &mut [u8]| {
-            for (k, p) in data.chunks(page).enumerate() {
-                self.write_page(SlotIndex(first.0 + k as u64), p, dst, limit_pages)?;
-            }
-            Ok(())
-        };
-        if data.chunks(page).all(|p| same_filled_word(p).is_some()) {
-            return per_page(dst);
-        }
-        let comp_len = self.codecs.primary().compress(data, dst)?;
-        if comp_len >= self.huge_run_bytes {
-            // Compressing the pages one by one again would be wasted: a page that compressed
-            // alone below the huge threshold would save the run at least as much (compressing
-            // the whole is no worse than its parts, up to the codec's expansion of the
-            // others: zstd stores incompressible blocks raw, lz4 adds a byte per 255), and
-            // the run saved less. So its pages are stored raw (HUGE), or same-filled.
-            for (k, p) in data.chunks(page).enumerate() {
-                let prepared = match same_filled_word(p) {
-                    Some(word) => Prepared::Same(word),
-                    None => Prepared::Object {
-                        handle: self.store_object(p, limit_pages)?,
-                        size_bytes: page,
-                        huge: true,
-                    },
-                };
-                let mut g = self.slots.lock(SlotIndex(first.0 + k as u64));
-                self.publish(&mut g, prepared);
-            }
-            return Ok(());
-        }
-        let handle = self.store_object(&dst[..comp_len], limit_pages)?;
-        let mut guards: [Option<SlotGuard<'_>>; MAX_MULTI_PAGES] = Default::default();
-        for (k, g) in guards.iter_mut().take(n).enumerate() {
-            *g = Some(self.slots.lock(SlotIndex(first.0 + k as u64)));
-        }
-        // Releasing every slot of the group drops every reference to its previous object.
-        for g in guards.iter_mut().flatten() {
-            self.release_slot(g, Free::Sync);
-        }
-        self.group_refs[(first.0 / n as u64) as usize].store(n as u8, Ordering::Relaxed);
-        let now = self.now_secs();
-        for g in guards.iter_mut().flatten() {
-            g.set_handle(handle.to_raw(), comp_len, SlotFlags::MULTI, 0);
-            g.touch(now);
-        }
-        let s = &self.stats;
-        StoreStats::add(&s.compr_data_size_bytes, comp_len as u64);
-        StoreStats::add(&s.pages_stored, n as u64);
-        StoreStats::add(&s.multi_objects, 1);
-        StoreStats::add(&s.multi_pages, n as u64);
-        Ok(())
-    }
-
-    /// Copies page `k` of the multi-page object `handle`, compressed by codec id `codec`, into
-    /// `out`, decompressing it unless this thread's [`RunCache`] holds it. The caller holds the
-    /// lock of a slot pointing at it.
-    fn read_multi(&self, handle: Handle, codec: u8, k: usize, out: &mut [u8]) -> Result<()> {
-        // Loaded after the slot lock was taken: a handle freed and reused since the cache was
-        // filled has moved this counter (see `multi_frees`).
-        let frees = self.multi_frees.load(Ordering::Acquire);
-        self.with_run_cache(
-            RunWhere::Handle(handle.to_raw()),
-            frees,
-            k,
-            out,
-            |run, _, want| {
-                let codec = self.codecs.get(codec)?;
-                self.pool
-                    .read(handle, |obj| codec.decompress_prefix(obj, run, want))
-            },
-        )
-    }
-
-    /// Copies page `k` of the multi-page object at `at` into `out`: from this thread's
-    /// [`RunCache`] if it holds the object, as of `frees` (the `multi_frees` seen under the
-    /// lock of a slot pointing at it), at least up to that page; else after `fill`
-    /// decompressed it into the cache's run (`fill` gets the run, a scratch buffer and the
-    /// bytes wanted, and returns the leading bytes it made valid).
-    ///
-    /// A first read of an object decompresses only up to its page (a codec that can stop
-    /// early: lz4; a random 4 KiB read then decodes half a run on average); a later read of
-    /// the same object past that prefix decompresses it whole, so a sequential pass costs one
-    /// page more than a whole decompression, never a decompression per page.
-    fn with_run_cache(
-        &self,
-        at: RunWhere,
-        frees: u64,
-        k: usize,
-        out: &mut [u8],
-        fill: impl FnOnce(&mut [u8], &mut Vec<u8>, usize) -> Result<usize>,
-    ) -> Result<()> {
-        let run_bytes = self.multi_pages * self.page_size_bytes;
-        let page = self.page_size_bytes;
-        let need = (k + 1) * page;
-        RUN_CACHE.with(|cache| {
-            let mut c = cache.borrow_mut();
-            let c = &mut *c;
-            let key = Some((self.id, at, frees));
-            let same = c.key == key;
-            if !same || c.valid_bytes < need {
-                StoreStats::add(&self.stats.run_cache_misses, 1);
-                let want = if same { run_bytes } else { need };
-                c.key = None;
-                if c.run.len() < run_bytes {
-                    c.run.resize(run_bytes, 0);
-                }
-                c.valid_bytes = fill(&mut c.run[..run_bytes], &mut c.raw, want)?;
-                c.key = key;
-            } else {
-                StoreStats::add(&self.stats.run_cache_hits, 1);
-            }
-            out.copy_from_slice(&c.run[k * page..need]);
-            Ok(())
-        })
     }
 
     /// Stores a whole page: [`prepare`](Self::prepare)s it outside the slot lock, then
@@ -831,310 +680,8 @@ impl Store {
         self.target.as_ref()
     }
 
-    /// Selects slot `index` for writeback (zram's `scan_slots_for_writeback`, one slot): if it
-    /// holds an object in RAM, is not selected yet, and `accepts` its state, sets PP_SLOT under
-    /// its lock and returns the object's size. Empty, same-filled and written-back slots are
-    /// never selected.
-    pub(crate) fn mark_pp(
-        &self,
-        index: SlotIndex,
-        accepts: impl Fn(&SlotState) -> bool,
-    ) -> Option<usize> {
-        // Look without the lock first, so empty slots cost nothing (and their table pages stay
-        // uncommitted); decide again under the lock. A page of a multi-page object is marked
-        // like any other; writeback takes the object only when every page pointing into it is
-        // marked ([`copy_run`](Self::copy_run)).
-        let st = self.slots.entry(index).state_unlocked();
-        if st.is_empty() || st.has(SlotFlags::SAME) || st.has(SlotFlags::WB) {
-            return None;
-        }
-        let mut g = self.slots.lock(index);
-        let st = g.state();
-        if st.is_empty()
-            || st.has(SlotFlags::SAME)
-            || st.has(SlotFlags::WB)
-            || st.has(SlotFlags::PP_SLOT)
-            || !accepts(&st)
-        {
-            return None;
-        }
-        g.set_flags(SlotFlags::PP_SLOT);
-        Some(st.size_bytes())
-    }
-
-    /// Clears PP_SLOT of one slot, under its lock (zram's `release_pp_slot`); for a page of a
-    /// multi-page object in RAM, of every page pointing into it (one lock at a time): the
-    /// object goes only with all of them, so none may keep a mark that would keep it from the
-    /// next writeback's scan.
-    pub(crate) fn clear_pp(&self, index: SlotIndex) {
-        let mut g = self.slots.lock(index);
-        let st = g.state();
-        g.clear_flags(SlotFlags::PP_SLOT);
-        drop(g);
-        if self.multi_pages > 1 && st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
-            self.clear_run_pp(self.group_first(index));
-        }
-    }
-
-    /// Clears PP_SLOT of every page of the group starting at `first` that points into its
-    /// multi-page object in RAM (at most one per group), one lock at a time.
-    pub(crate) fn clear_run_pp(&self, first: SlotIndex) {
-        for k in 0..self.multi_pages as u64 {
-            let mut g = self.slots.lock(SlotIndex(first.0 + k));
-            let st = g.state();
-            if st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
-                g.clear_flags(SlotFlags::PP_SLOT);
-            }
-        }
-    }
-
-    /// Copies writeback candidate `index` into `out` under its lock, if it still has PP_SLOT:
-    /// the object as stored when `as_stored` (or when it is a raw HUGE page), else the page
-    /// decompressed. `None` when the slot is no longer a candidate; the slot is then left
-    /// without PP_SLOT (an object that does not decompress is not written back either).
-    pub(crate) fn copy_candidate(
-        &self,
-        index: SlotIndex,
-        out: &mut [u8],
-        as_stored: bool,
-    ) -> Option<Copied> {
-        let mut g = self.slots.lock(index);
-        let st = g.state();
-        if !st.has(SlotFlags::PP_SLOT) {
-            return None;
-        }
-        let Some(raw) = st.handle_raw().filter(|_| !st.has(SlotFlags::MULTI)) else {
-            g.clear_flags(SlotFlags::PP_SLOT);
-            return None;
-        };
-        let handle = Handle::from_raw(raw).expect("a PP_SLOT slot holds an object");
-        let huge = st.has(SlotFlags::HUGE);
-        let len_bytes = self.pool.read(handle, |obj| {
-            if as_stored || huge {
-                out[..obj.len()].copy_from_slice(obj);
-                Some(obj.len())
-            } else {
-                let page = &mut out[..self.page_size_bytes];
-                let codec = self.codecs.get(st.codec()).ok()?;
-                codec.decompress(obj, page).ok().map(|()| page.len())
-            }
-        });
-        let Some(len_bytes) = len_bytes else {
-            g.clear_flags(SlotFlags::PP_SLOT);
-            return None;
-        };
-        Some(Copied {
-            handle: raw,
-            len_bytes,
-            codec: st.codec(),
-            huge,
-        })
-    }
-
-    /// Finishes a page whose write to `location` completed (`set_written_back`): under the
-    /// slot's lock, if the slot still has PP_SLOT and still holds object `handle`, frees the
-    /// object, points the slot at `location` (WB; size, HUGE/INCOMPRESSIBLE and priority
-    /// kept) and commits the location to the target, and returns `true`. Otherwise (the slot
-    /// was read, overwritten or discarded while the write was in flight) clears PP_SLOT and
-    /// returns `false`: the caller gives the location back. Counts `bd_writes` either way.
-    pub(crate) fn finish_writeback(&self, index: SlotIndex, handle: u64, location: u64) -> bool {
-        StoreStats::add(&self.stats.bd_writes, 1);
-        let mut g = self.slots.lock(index);
-        let st = g.state();
-        let Some(target) = self.target.as_ref() else {
-            // Writeback runs only with a target: nothing was written, nothing changes.
-            g.clear_flags(SlotFlags::PP_SLOT);
-            return false;
-        };
-        if !st.has(SlotFlags::PP_SLOT) || st.handle_raw() != Some(handle) {
-            g.clear_flags(SlotFlags::PP_SLOT);
-            return false;
-        }
-        self.release_object(index, st, Free::Sync);
-        let mut keep = SlotFlags::NONE;
-        for f in [SlotFlags::HUGE, SlotFlags::INCOMPRESSIBLE] {
-            if st.has(f) {
-                keep = keep | f;
-            }
-        }
-        g.set_wb(location, st.size_bytes(), keep, st.codec());
-        target.commit(location, 1);
-        true
-    }
-
-    /// Whether slot `index` holds a page of a multi-page object in RAM (a look without its
-    /// lock, for writeback to choose its path: [`copy_run`](Self::copy_run) decides again).
-    pub(crate) fn is_multi(&self, index: SlotIndex) -> bool {
-        let st = self.slots.entry(index).state_unlocked();
-        st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB)
-    }
-
-    /// The first slot of the multi-page group holding `index`.
-    pub(crate) fn group_first(&self, index: SlotIndex) -> SlotIndex {
-        SlotIndex(index.0 - index.0 % self.multi_pages as u64)
-    }
-
-    /// Locks every slot of the multi-page group starting at `first`, in ascending order (the
-    /// order of every path holding several slot locks).
-    fn lock_group(&self, first: SlotIndex) -> [Option<SlotGuard<'_>>; MAX_MULTI_PAGES] {
-        let mut guards: [Option<SlotGuard<'_>>; MAX_MULTI_PAGES] = Default::default();
-        for (k, g) in guards.iter_mut().take(self.multi_pages).enumerate() {
-            *g = Some(self.slots.lock(SlotIndex(first.0 + k as u64)));
-        }
-        guards
-    }
-
-    /// Copies the multi-page object of the group holding writeback candidate `index` into
-    /// `out` (the object as stored: it is written back compressed whatever
-    /// `compressed_writeback` says, since its pages share it), under the group's locks, if
-    /// every slot still pointing into it has PP_SLOT: the rule is that an object goes only
-    /// when all its live pages were selected. Otherwise (or if it is gone) clears PP_SLOT on
-    /// the group and returns `None`. `out` is at least a run.
-    pub(crate) fn copy_run(&self, index: SlotIndex, out: &mut [u8]) -> Option<Copied> {
-        let first = self.group_first(index);
-        let mut guards = self.lock_group(first);
-        let mut handle = None;
-        let mut all_marked = true;
-        for g in guards.iter().flatten() {
-            let st = g.state();
-            if st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
-                handle = Some(st);
-                all_marked &= st.has(SlotFlags::PP_SLOT);
-            }
-        }
-        let copied = handle.filter(|_| all_marked).map(|st| {
-            let h = Handle::from_raw(st.value).expect("a MULTI slot holds an object");
-            let len = self.pool.read(h, |obj| {
-                out[..obj.len()].copy_from_slice(obj);
-                obj.len()
-            });
-            Copied {
-                handle: st.value,
-                len_bytes: len,
-                codec: st.codec(),
-                huge: false,
-            }
-        });
-        if copied.is_none() {
-            for g in guards.iter_mut().flatten() {
-                let st = g.state();
-                if st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
-                    g.clear_flags(SlotFlags::PP_SLOT);
-                }
-            }
-        }
-        copied
-    }
-
-    /// Finishes a multi-page object whose write to `location` completed: under the locks of
-    /// the group starting at `first`, if every slot still pointing at object `handle` has
-    /// PP_SLOT (none was read, overwritten or freed meanwhile; pages broken out of it are
-    /// not its any more), frees the object and points those slots at `location` (WB and
-    /// MULTI, size and codec kept; the group's reference count stays), commits the location,
-    /// and returns how many slots now point there. Otherwise clears PP_SLOT on the group and
-    /// returns `None`: the caller gives the location back. Counts `bd_writes` (in blocks)
-    /// either way.
-    pub(crate) fn finish_run_writeback(
-        &self,
-        first: SlotIndex,
-        handle: u64,
-        location: u64,
-    ) -> Option<u64> {
-        let mut guards = self.lock_group(first);
-        let mut live = 0u64;
-        let mut all_marked = true;
-        let mut obj = None;
-        for g in guards.iter().flatten() {
-            let st = g.state();
-            if st.has(SlotFlags::MULTI) && st.handle_raw() == Some(handle) {
-                live += 1;
-                all_marked &= st.has(SlotFlags::PP_SLOT);
-                obj = Some(st);
-            }
-        }
-        let target = self.target.as_ref();
-        let (Some(st), Some(target), true) = (obj, target, all_marked) else {
-            for g in guards.iter_mut().flatten() {
-                if g.state().handle_raw() == Some(handle) {
-                    g.clear_flags(SlotFlags::PP_SLOT);
-                }
-            }
-            if let Some(st) = obj {
-                let blocks = WbTarget::run_blocks(st.size_bytes(), self.page_size_bytes);
-                StoreStats::add(&self.stats.bd_writes, blocks);
-            }
-            return None;
-        };
-        let s = &self.stats;
-        let blocks = WbTarget::run_blocks(st.size_bytes(), self.page_size_bytes);
-        StoreStats::add(&s.bd_writes, blocks);
-        debug_assert_eq!(
-            u64::from(
-                self.group_refs[(first.0 / self.multi_pages as u64) as usize]
-                    .load(Ordering::Relaxed)
-            ),
-            live
-        );
-        // The handle may come back for another object: the caches of this one go first.
-        self.multi_frees.fetch_add(1, Ordering::Release);
-        self.pool
-            .free(Handle::from_raw(handle).expect("a MULTI slot holds an object"));
-        StoreStats::sub(&s.compr_data_size_bytes, st.size_bytes() as u64);
-        StoreStats::sub(&s.multi_objects, 1);
-        StoreStats::sub(&s.multi_pages, live);
-        StoreStats::add(&s.multi_wb_objects, 1);
-        StoreStats::add(&s.multi_wb_pages, live);
-        StoreStats::add(&s.multi_wb_blocks, blocks);
-        for g in guards.iter_mut().flatten() {
-            let gs = g.state();
-            if gs.has(SlotFlags::MULTI) && gs.handle_raw() == Some(handle) {
-                g.set_wb(location, st.size_bytes(), SlotFlags::MULTI, st.codec());
-            }
-        }
-        target.commit(location, blocks);
-        Some(live)
-    }
-
     // ---------------------------------------------------------------------------------------
     // The zoned target's GC.
-
-    /// The zoned store, with the zoned layout.
-    fn zoned(&self) -> Option<&ZonedTarget> {
-        match self.target.as_ref()? {
-            WbTarget::Zoned(z) => Some(z),
-            WbTarget::Bitmap(_) => None,
-        }
-    }
-
-    /// Runs zoned-store GC over every eligible victim, with a queue of its own on the store's
-    /// backing (see [`crate::zoned::gc`]). `ENODEV` without a zoned target.
-    pub(crate) fn gc(&self) -> Result<GcReport> {
-        self.gc_with_progress(&mut |_, _| {})
-    }
-
-    /// Like [`gc`](Self::gc), calling `progress(reclaimed, victims)` as each victim zone is
-    /// reset (see [`crate::zoned::ZoneStore::gc_with_progress`]).
-    pub(crate) fn gc_with_progress(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<GcReport> {
-        let zoned = self.zoned().ok_or_else(|| {
-            Error::new(
-                ErrorKind::NoDevice,
-                "gc needs a zoned backing store (backing_layout=zoned and backing_dev)",
-            )
-        })?;
-        let store = zoned.store();
-        let mut queue = store.backing().new_queue(GC_QUEUE_DEPTH)?;
-        store.gc_with_progress(self, queue.as_mut(), usize::MAX, progress)
-    }
-
-    /// Whether the zoned store is short of empty zones (false without one).
-    pub(crate) fn needs_gc(&self) -> bool {
-        self.zoned().is_some_and(|z| z.store().needs_gc())
-    }
-
-    /// The zoned store's counters (`zone_stat`), with the zoned layout.
-    pub(crate) fn zone_stats(&self) -> Option<ZoneStats> {
-        Some(self.zoned()?.store().stats())
-    }
 
     // ---------------------------------------------------------------------------------------
     // The pool and the counters.
@@ -1296,48 +843,5 @@ impl Store {
         if let Some(z) = self.zoned() {
             z.store().check();
         }
-    }
-}
-
-impl GcOwner for Store {
-    /// Under the slot lock: if the slot is WB at `old`, point it at `new` (size, flags,
-    /// priority and access time kept: a move is not an access) and call `moved`.
-    ///
-    /// A record of a written-back multi-page object names the first slot of its group, and
-    /// every slot of the group still pointing at it moves together, under the group's locks.
-    fn repoint(&self, slot: u64, old: ZoneLoc, new: ZoneLoc, moved: &dyn Fn()) -> bool {
-        if self.multi_pages > 1 {
-            let first = SlotIndex(slot);
-            if first.0 % self.multi_pages as u64 == 0
-                && first.0 + self.multi_pages as u64 <= self.slots.len()
-            {
-                let mut guards = self.lock_group(first);
-                let mut any = false;
-                for g in guards.iter_mut().flatten() {
-                    let st = g.state();
-                    if st.wb_location() == Some(old.to_raw()) {
-                        if !any && st.has(SlotFlags::MULTI) {
-                            // A thread may cache another object that was at `new` before GC
-                            // moved it away: keys made from now on differ.
-                            self.multi_frees.fetch_add(1, Ordering::Release);
-                        }
-                        g.set_wb(new.to_raw(), st.size_bytes(), st.flags(), st.codec());
-                        any = true;
-                    }
-                }
-                if any {
-                    moved();
-                }
-                return any;
-            }
-        }
-        let mut g = self.slots.lock(SlotIndex(slot));
-        let st = g.state();
-        if st.wb_location() != Some(old.to_raw()) {
-            return false;
-        }
-        g.set_wb(new.to_raw(), st.size_bytes(), st.flags(), st.codec());
-        moved();
-        true
     }
 }
