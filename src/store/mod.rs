@@ -71,7 +71,9 @@ use std::time::Duration;
 
 use crate::clock::Clock;
 use crate::compress::{fill_same, same_filled_word};
-use crate::error::{Error, ErrorKind, Result};
+#[cfg(any(test, feature = "testing"))]
+use crate::error::ErrorKind;
+use crate::error::{Error, Result};
 use crate::slot::{SlotFlags, SlotGuard, SlotIndex, SlotState, SlotTable};
 use crate::units::units_per_page;
 use crate::zsmalloc::{DeferredStats, Handle, PoolStats, ZsPool, POOL_PAGE_BYTES};
