@@ -5,7 +5,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 use uzram_testkit::nbd::RawClient;
-use uzram_testkit::process::{is_root, proc_field, require, run};
+use uzram_testkit::process::{assert_private, is_root, proc_field, require, run};
 use uzram_testkit::serve::{stderr, stdout, uzram_bin, Running, Serve};
 use uzram_testkit::vm::mem_total_bytes;
 
@@ -32,8 +32,7 @@ fn ctl_shows_and_stores_attributes_with_zrams_errnos() {
     require("qemu-img");
     let r = Serve::args(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]).start();
     let ctl_sock = r.dir().join("zram0.ctl");
-    let mode = std::fs::metadata(&ctl_sock).unwrap().permissions().mode();
-    assert_eq!(mode & 0o777, 0o600, "control socket mode {mode:o}");
+    assert_private(&ctl_sock);
 
     // Show, exactly as sysfs reads.
     let o = r.ctl(&["disksize"]);
@@ -455,8 +454,7 @@ fn hot_add_and_hot_remove_as_zram_control() {
     require("qemu-img");
     let r = Serve::args(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]).start();
     let class = r.dir().join("zram-control");
-    let mode = std::fs::metadata(&class).unwrap().permissions().mode();
-    assert_eq!(mode & 0o777, 0o600, "class socket mode {mode:o}");
+    assert_private(&class);
 
     // `cat /sys/class/zram-control/hot_add`: the new id, an uninitialised device.
     let o = r.ctl(&["hot_add"]);

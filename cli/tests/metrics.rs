@@ -275,28 +275,22 @@ fn ctl_and_http_metrics_pass_promtool_and_equal_the_attributes() {
 
 #[test]
 fn metrics_stay_on_loopback_unless_allowed() {
-    let e = Serve::args(&[
+    let remote = [
         "--socket",
         "{dir}/zram0.sock",
         "--disksize",
         "1M",
         "--metrics-listen",
         "0.0.0.0:0",
-    ])
-    .try_start()
-    .expect_err("refused")
-    .stderr;
+    ];
+    let e = Serve::args(&remote)
+        .try_start()
+        .expect_err("refused")
+        .stderr;
     assert!(e.contains("not a loopback address"), "{e}");
-    let r = Serve::args(&[
-        "--socket",
-        "{dir}/zram0.sock",
-        "--disksize",
-        "1M",
-        "--metrics-listen",
-        "0.0.0.0:0",
-        "--metrics-allow-remote",
-    ])
-    .start();
+    let r = Serve::args(&remote)
+        .arg(&["--metrics-allow-remote"])
+        .start();
     let url = r.metrics_url();
     let port = url.rsplit(':').next().unwrap().trim_end_matches("/metrics");
     let out = curl(&[&format!("http://127.0.0.1:{port}/metrics")]);

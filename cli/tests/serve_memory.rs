@@ -23,7 +23,7 @@ use uzram_bench::corpus::Corpus;
 use uzram_nbd_proto::{CMD_READ, CMD_WRITE};
 use uzram_testkit::nbd::RawClient;
 use uzram_testkit::process::{proc_field, require, run};
-use uzram_testkit::serve::{uzram_bin, Running, Serve};
+use uzram_testkit::serve::{corpus, Running, Serve};
 
 const MIB: u64 = 1 << 20;
 /// The device and fill.
@@ -51,18 +51,7 @@ const QUIET: std::time::Duration = std::time::Duration::from_millis(2500);
 /// The corpus (`uzram corpus`, every program it knows), made once per build directory.
 fn corpus_path() -> &'static Path {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("serve_memory");
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("pages.bin");
-        if Corpus::load(&path).is_err() {
-            run(Command::new(uzram_bin())
-                .arg("corpus")
-                .arg("--out")
-                .arg(&path));
-        }
-        path
-    })
+    PATH.get_or_init(|| corpus("pages.bin", &[], |p| Corpus::load(p).is_ok()))
 }
 
 /// `FILL_BYTES` of corpus pages, in order, starting over when they run out.

@@ -2,11 +2,11 @@
 //! of that connection only; other clients go on; no acknowledged write is lost; no panic.
 
 use std::io::{Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use uzram::BlockDevice;
 use uzram_nbd_proto::*;
 use uzram_testkit::nbd::{RawClient, Served};
 use uzram_testkit::pages::pattern;
+use uzram_testkit::process::assert_private;
 
 const MIB: u64 = 1 << 20;
 
@@ -24,8 +24,7 @@ fn assert_still_serving(srv: &Served) {
 #[test]
 fn socket_is_private() {
     let srv = Served::new(MIB);
-    let mode = std::fs::metadata(&srv.socket).unwrap().permissions().mode();
-    assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
+    assert_private(&srv.socket);
 }
 
 #[test]

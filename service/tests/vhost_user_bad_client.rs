@@ -106,6 +106,26 @@ fn memfd(bytes: u64) -> File {
     f
 }
 
+/// An indirect descriptor table of a 4 KiB write as Linux sends it: the header at `hdr`, the
+/// data at `data`, the status byte at `status`, each descriptor chained to the next.
+fn indirect_write_table(hdr: u64, data: u64, status: u64) -> Vec<u8> {
+    let mut table = Vec::new();
+    for (i, (a, l, f)) in [
+        (hdr, 16u32, F_NEXT),
+        (data, 4096, F_NEXT),
+        (status, 1, F_WRITE),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        table.extend_from_slice(&a.to_le_bytes());
+        table.extend_from_slice(&l.to_le_bytes());
+        table.extend_from_slice(&f.to_le_bytes());
+        table.extend_from_slice(&((i + 1) as u16).to_le_bytes());
+    }
+    table
+}
+
 /// One descriptor: guest address, length, flags (`F_NEXT` is added by [`Guest::submit`]).
 #[derive(Clone, Copy)]
 struct Desc(u64, u32, u16);
@@ -703,20 +723,7 @@ fn bad_requests_get_errors() {
     let (hdr, status) = g.header(0, T_OUT, 8);
     let data = pattern(4096, 42);
     g.write_mem(req_area(0) + DATA_OFF, &data);
-    let mut table = Vec::new();
-    for (i, (a, l, f)) in [
-        (hdr, 16u32, F_NEXT),
-        (req_area(0) + DATA_OFF, 4096, F_NEXT),
-        (status, 1, F_WRITE),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        table.extend_from_slice(&a.to_le_bytes());
-        table.extend_from_slice(&l.to_le_bytes());
-        table.extend_from_slice(&f.to_le_bytes());
-        table.extend_from_slice(&((i + 1) as u16).to_le_bytes());
-    }
+    let mut table = indirect_write_table(hdr, req_area(0) + DATA_OFF, status);
     g.write_mem(ind, &table);
     let (_, len) = g.submit(0, &[Desc(ind, 48, F_INDIRECT)]);
     assert_eq!((g.status(0), len), (S_OK, 1), "a good indirect request");
@@ -874,20 +881,7 @@ fn requests_allocate_nothing() {
             let (hdr, status) = g.header(q, T_OUT, sector + 512);
             let at = req_area(q) + DATA_OFF;
             g.write_mem(at, &data[..4096]);
-            let mut table = Vec::new();
-            for (i, (a, l, f)) in [
-                (hdr, 16u32, F_NEXT),
-                (at, 4096, F_NEXT),
-                (status, 1, F_WRITE),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                table.extend_from_slice(&a.to_le_bytes());
-                table.extend_from_slice(&l.to_le_bytes());
-                table.extend_from_slice(&f.to_le_bytes());
-                table.extend_from_slice(&((i + 1) as u16).to_le_bytes());
-            }
+            let table = indirect_write_table(hdr, at, status);
             let ind = at + 0x20000;
             g.write_mem(ind, &table);
             let (_, len) = g.submit(q, &[Desc(ind, 48, F_INDIRECT)]);

@@ -117,6 +117,17 @@ pub fn proc_field(path: &str, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {field} in {path}"))
 }
 
+/// Asserts that only its owner may read or write `path` (mode 0600): a socket that is the
+/// device.
+pub fn assert_private(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "{} mode {mode:o}", path.display());
+}
+
 /// Whether this process runs as root.
 pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.

@@ -29,6 +29,33 @@ pub fn uzram_bin() -> PathBuf {
     bin
 }
 
+/// A page corpus of real programs' memory, `uzram corpus ARGS`, made once per build directory
+/// (in `target/tmp/corpus/NAME`) and kept for the next run; made again when `valid` refuses
+/// the file there (a corpus of an older format). Written under another name and renamed, so a
+/// run stopped half-way never leaves a corpus that looks complete.
+pub fn corpus(name: &str, args: &[&str], valid: impl Fn(&Path) -> bool) -> PathBuf {
+    static MAKING: Mutex<()> = Mutex::new(());
+    let _one_at_a_time = MAKING.lock().unwrap_or_else(|e| e.into_inner());
+    let target = uzram_bin()
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .to_path_buf();
+    let dir = target.join("tmp").join("corpus");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    if !valid(&path) {
+        let part = dir.join(format!("{name}.{}.part", std::process::id()));
+        run(Command::new(uzram_bin())
+            .arg("corpus")
+            .args(args)
+            .arg("--out")
+            .arg(&part));
+        std::fs::rename(&part, &path).unwrap();
+    }
+    path
+}
+
 /// `uzram ctl --dir DIR ARGS...` against the server whose directory is `dir`.
 pub fn ctl_in(dir: &Path, args: &[&str]) -> Output {
     Command::new(uzram_bin())
