@@ -293,29 +293,16 @@ fn a_config_with_an_unknown_attribute_is_refused_by_name() {
         ),
     )
     .unwrap();
-    let out = Command::new(uzram_bin())
-        .args(["serve", "--config", cfg.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let e = stderr(&out);
+    let e = Serve::args(&["--config", cfg.to_str().unwrap()])
+        .refused()
+        .stderr;
     assert!(
         e.contains("no_such_attribute") && e.contains("ENOENT"),
         "{e}"
     );
     assert!(!dir.path().join("zram0.sock").exists());
     // Device flags and a file do not mix.
-    let out = Command::new(uzram_bin())
-        .args([
-            "serve",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--disksize",
-            "1M",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
+    Serve::args(&["--config", cfg.to_str().unwrap(), "--disksize", "1M"]).refused();
 }
 
 #[test]

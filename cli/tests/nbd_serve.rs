@@ -7,7 +7,7 @@ use uzram_nbd_proto::*;
 use uzram_testkit::nbd::RawClient;
 use uzram_testkit::pages::pattern;
 use uzram_testkit::process::{require, run};
-use uzram_testkit::serve::{uzram_bin, Running, Serve};
+use uzram_testkit::serve::{Running, Serve};
 
 /// Starts `uzram serve --disksize 64M --socket DIR/zram0.sock EXTRA`; waits until it serves.
 fn serve(extra: &[&str]) -> Running {
@@ -72,13 +72,11 @@ fn sigint_answers_requests_in_flight_then_stops() {
 #[test]
 fn serve_refuses_a_socket_in_use() {
     let r = serve(&[]);
-    let out = Command::new(uzram_bin())
-        .args(["serve", "--disksize", "1M", "--socket"])
-        .arg(r.socket("zram0"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
+    let socket = r.socket("zram0");
+    let e = Serve::args(&["--disksize", "1M", "--socket", socket.to_str().unwrap()])
+        .refused()
+        .stderr;
+    assert!(e.contains("in use"), "{e}");
     assert!(
         r.socket("zram0").exists(),
         "the running server's socket must stay"

@@ -10,7 +10,7 @@ use uzram_nbd_proto::*;
 use uzram_testkit::nbd::RawClient;
 use uzram_testkit::pages::pattern;
 use uzram_testkit::process::{require, run};
-use uzram_testkit::serve::{uzram_bin, Running, Serve};
+use uzram_testkit::serve::{Running, Serve};
 use uzram_testkit::tls::{make_creds, Creds};
 
 /// `uzram serve` of a 64 MiB device on a unix socket and TCP with TLS `tls` and the server's
@@ -167,42 +167,24 @@ fn optional_tls_lets_clients_choose() {
 
 #[test]
 fn tls_needs_its_files_and_tcp() {
-    let out = Command::new(uzram_bin())
-        .args([
-            "serve",
-            "--disksize",
-            "1M",
-            "--tls=require",
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --tls-cert and --tls-key"));
+    let e = Serve::args(&[
+        "--disksize",
+        "1M",
+        "--tls=require",
+        "--listen",
+        "127.0.0.1:0",
+    ])
+    .refused()
+    .stderr;
+    assert!(e.contains("needs --tls-cert and --tls-key"), "{e}");
     let t = tempfile::tempdir().unwrap();
     let bogus = t.path().join("bogus.pem");
     std::fs::write(&bogus, "not a certificate\n").unwrap();
-    let out = Command::new(uzram_bin())
-        .args([
-            "serve",
-            "--disksize",
-            "1M",
-            "--tls=on",
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--tls-cert")
-        .arg(&bogus)
-        .arg("--tls-key")
-        .arg(&bogus)
-        .arg("--socket")
-        .arg(t.path().join("s.sock"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("bogus.pem"),
-        "{out:?}"
-    );
+    let bogus = bogus.to_str().unwrap();
+    let e = Serve::args(&["--disksize", "1M", "--tls=on", "--listen", "127.0.0.1:0"])
+        .arg(&["--tls-cert", bogus, "--tls-key", bogus])
+        .arg(&["--socket", "{dir}/s.sock"])
+        .refused()
+        .stderr;
+    assert!(e.contains("bogus.pem"), "{e}");
 }

@@ -386,13 +386,10 @@ fn a_socket_directory_writable_by_others_is_refused() {
     let open = dir.path().join("open");
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let out = Command::new(uzram_bin())
-        .args(["serve", "--disksize", "16M", "--socket"])
-        .arg(open.join("zram0.sock"))
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let socket = open.join("zram0.sock");
+    let err = Serve::args(&["--disksize", "16M", "--socket", socket.to_str().unwrap()])
+        .refused()
+        .stderr;
     assert!(err.contains("writable by others"), "{err}");
 }
 

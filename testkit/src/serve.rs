@@ -99,6 +99,8 @@ pub struct Serve {
 /// A `uzram serve` that exited before it served.
 #[derive(Debug)]
 pub struct Failed {
+    /// How it exited.
+    pub status: ExitStatus,
     /// What it printed on its standard output.
     pub stdout: String,
     /// What it printed on its standard error.
@@ -154,6 +156,18 @@ impl Serve {
         }
     }
 
+    /// Starts it and expects it to refuse: to exit with an error before it serves. Returns
+    /// what it printed.
+    pub fn refused(self) -> Failed {
+        match self.try_start() {
+            Ok(r) => panic!("uzram serve served: {:?}", r.lines()),
+            Err(f) => {
+                assert!(!f.status.success(), "exit 0 without serving: {f:?}");
+                f
+            }
+        }
+    }
+
     /// Starts it and waits for its line `serving`; `Err` with its output if it exits first.
     pub fn try_start(self) -> Result<Running, Failed> {
         let dir = match self.dir {
@@ -195,17 +209,22 @@ impl Serve {
             let stderr = std::fs::File::create(dir.path().join("stderr")).unwrap();
             let mut child = cmd.stderr(stderr).spawn().unwrap();
             let (lines, serving) = read_until_serving(&mut child);
-            let log = std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default();
             if serving {
                 return Ok(Running { child, dir, lines });
             }
-            kill(&mut child);
+            // It closed its output: it is exiting. Its status, or killed after 20 s.
+            let status = wait_timeout(&mut child, Duration::from_secs(20)).unwrap_or_else(|| {
+                kill(&mut child);
+                child.wait().unwrap()
+            });
+            let log = std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default();
             if !self.prefix.is_empty() && log.contains("Text file busy") && tries < 5 {
                 std::thread::sleep(Duration::from_millis(200));
                 continue;
             }
             let lines = lines.lock().unwrap();
             return Err(Failed {
+                status,
                 stdout: lines.iter().map(|l| format!("{l}\n")).collect(),
                 stderr: log,
             });
