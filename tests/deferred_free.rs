@@ -23,12 +23,17 @@ fn deferred_cols(dev: &Device) -> Vec<u64> {
         .collect()
 }
 
+/// A device of `pages` whose deferred-free queue holds `capacity` objects.
+fn device(pages: u64, capacity: usize) -> Device {
+    DeviceBuilder::pages(pages)
+        .with(move |d| d.debug_set_deferred_capacity(capacity))
+        .build()
+}
+
 #[test]
 fn discard_clears_the_slot_now_and_defers_the_memory() {
     // Capacity 1024: 64 discarded pages stay queued (no worker wake-up below 512).
-    let dev = DeviceBuilder::pages(64)
-        .with(move |d| d.debug_set_deferred_capacity(1024))
-        .build();
+    let dev = device(64, 1024);
     fill(&dev, 64);
     let full = dev.stats();
     assert_eq!(full.pages_stored, 64);
@@ -59,9 +64,7 @@ fn discard_clears_the_slot_now_and_defers_the_memory() {
 
 #[test]
 fn the_worker_drains_at_half_full_and_a_full_queue_frees_synchronously() {
-    let dev = DeviceBuilder::pages(256)
-        .with(move |d| d.debug_set_deferred_capacity(16))
-        .build();
+    let dev = device(256, 16);
     fill(&dev, 256);
     for i in 0..256u64 {
         dev.discard(i * PAGE as u64, PAGE as u64).unwrap();
@@ -81,9 +84,7 @@ fn the_worker_drains_at_half_full_and_a_full_queue_frees_synchronously() {
 
 #[test]
 fn free_notify_releases_like_discard() {
-    let dev = DeviceBuilder::pages(8)
-        .with(move |d| d.debug_set_deferred_capacity(1024))
-        .build();
+    let dev = device(8, 1024);
     fill(&dev, 8);
     dev.slot_free_notify(3).unwrap();
     dev.slot_free_notify(3).unwrap(); // an empty slot: counted, nothing to free
@@ -101,9 +102,7 @@ fn free_notify_releases_like_discard() {
 
 #[test]
 fn a_write_at_mem_limit_first_frees_what_is_queued() {
-    let dev = DeviceBuilder::pages(64)
-        .with(move |d| d.debug_set_deferred_capacity(1024))
-        .build();
+    let dev = device(64, 1024);
     fill(&dev, 32);
     let used = dev.stats().mem_used_total_bytes;
     dev.attr_store("mem_limit", &used.to_string()).unwrap();
@@ -119,9 +118,7 @@ fn a_write_at_mem_limit_first_frees_what_is_queued() {
 
 #[test]
 fn compact_and_reset_drain_the_queue() {
-    let dev = DeviceBuilder::pages(64)
-        .with(move |d| d.debug_set_deferred_capacity(1024))
-        .build();
+    let dev = device(64, 1024);
     fill(&dev, 64);
     dev.discard(0, 32 * PAGE as u64).unwrap();
     assert_eq!(deferred_cols(&dev)[5], 32);

@@ -3,9 +3,17 @@
 //! server counting the work; off a terminal nothing, or with `-v` the server's `uzram: LINE`
 //! lines on stderr; nothing on stdout either way.
 
-use std::process::Command;
+use std::process::{Command, Output};
 use uzram_testkit::process::{require, run};
 use uzram_testkit::serve::{uzram_bin, Serve};
+
+/// `CMD` run on a real pseudo-terminal (`script -qec CMD /dev/null`): what it wrote there.
+fn on_terminal(cmd: &str) -> Output {
+    Command::new("script")
+        .args(["-qec", cmd, "/dev/null"])
+        .output()
+        .unwrap()
+}
 
 #[test]
 fn long_operations_show_a_bar_on_a_terminal_and_nothing_elsewhere() {
@@ -62,11 +70,7 @@ socket = "{{dir}}/zram0.sock"
     let o = s.ctl(&["idle", "all"]);
     assert!(o.status.success(), "{o:?}");
     let mm = s.show("zram0", "mm_stat");
-    let cmd = format!("{bin} ctl --dir {dir} writeback idle");
-    let o = Command::new("script")
-        .args(["-qec", &cmd, "/dev/null"])
-        .output()
-        .unwrap();
+    let o = on_terminal(&format!("{bin} ctl --dir {dir} writeback idle"));
     assert!(o.status.success(), "{o:?}");
     let tty = String::from_utf8_lossy(&o.stdout).into_owned();
     let bd_writes: u64 = s
@@ -100,21 +104,13 @@ socket = "{{dir}}/zram0.sock"
     // of the pool first so there is something to free), or a cleared spinner when there is
     // nothing; either way the exit status and no `uzram: ` lines.
     run(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 4M", &s.uri("zram0")]));
-    let cmd = format!("{bin} ctl --dir {dir} compact 1");
-    let o = Command::new("script")
-        .args(["-qec", &cmd, "/dev/null"])
-        .output()
-        .unwrap();
+    let o = on_terminal(&format!("{bin} ctl --dir {dir} compact 1"));
     assert!(o.status.success(), "{o:?}");
     let tty = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(!tty.contains("uzram: compact: started"), "{tty:?}");
 
     // A short attribute on a terminal: no bar, its text as always.
-    let cmd = format!("{bin} ctl --dir {dir} disksize");
-    let o = Command::new("script")
-        .args(["-qec", &cmd, "/dev/null"])
-        .output()
-        .unwrap();
+    let o = on_terminal(&format!("{bin} ctl --dir {dir} disksize"));
     assert!(o.status.success(), "{o:?}");
     assert_eq!(
         String::from_utf8_lossy(&o.stdout).trim(),
@@ -122,11 +118,7 @@ socket = "{{dir}}/zram0.sock"
     );
     // A failure on a terminal: the errno, the message, no bar left behind (gc needs a
     // zoned store).
-    let cmd = format!("{bin} ctl --dir {dir} gc 1");
-    let o = Command::new("script")
-        .args(["-qec", &cmd, "/dev/null"])
-        .output()
-        .unwrap();
+    let o = on_terminal(&format!("{bin} ctl --dir {dir} gc 1"));
     assert_eq!(o.status.code(), Some(libc::ENODEV), "{o:?}");
     let tty = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(tty.contains("No such device (ENODEV)"), "{tty:?}");

@@ -34,9 +34,9 @@ fn promtool_check(text: &str) {
     );
 }
 
-/// The value of `name{device="dev"}` in `text`.
-fn sample(text: &str, name: &str, dev: &str) -> u64 {
-    let prefix = format!("{name}{{device=\"{dev}\"}} ");
+/// The value of the sample `name{LABELS}` in `text`.
+fn sample_of(text: &str, name: &str, labels: &str) -> u64 {
+    let prefix = format!("{name}{{{labels}}} ");
     text.lines()
         .find_map(|l| l.strip_prefix(&prefix))
         .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
@@ -44,14 +44,14 @@ fn sample(text: &str, name: &str, dev: &str) -> u64 {
         .unwrap()
 }
 
+/// The value of `name{device="dev"}` in `text`.
+fn sample(text: &str, name: &str, dev: &str) -> u64 {
+    sample_of(text, name, &format!("device=\"{dev}\""))
+}
+
 /// The value of `name{device="dev",policy="policy"}` in `text`.
 fn policy_sample(text: &str, name: &str, dev: &str, policy: &str) -> u64 {
-    let prefix = format!("{name}{{device=\"{dev}\",policy=\"{policy}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
-        .parse()
-        .unwrap()
+    sample_of(text, name, &format!("device=\"{dev}\",policy=\"{policy}\""))
 }
 
 fn column(attr_text: &str, i: usize) -> u64 {

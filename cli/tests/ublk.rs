@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use uzram_testkit::pages::PAGE;
 use uzram_testkit::process::{host_program, run_stdout as run, wait_timeout};
 use uzram_testkit::serve::{ctl_in, Running, Serve};
-use uzram_testkit::vm::{mem_total_bytes, vmstat, Hog};
+use uzram_testkit::vm::{mem_total_bytes, swap_under_hog};
 
 const UZRAM: &str = env!("CARGO_BIN_EXE_uzram");
 
@@ -344,46 +344,18 @@ fn start_sysrq_helper() -> Child {
         .unwrap()
 }
 
-/// Swap on `dev`: `mkswap`, `swapon`, then a memory hog 1.5 times the guest's RAM of
+/// Swap on `dev`: `mkswap`, `swapon`, then a memory hog 1.05 times the guest's RAM of
 /// same-filled, compressible and random pages, pushed out by pressure and `MADV_PAGEOUT`,
 /// every page verified, twice with different contents; swap really used (pswpout, pswpin);
 /// `swapoff`. [`sysrq_helper`] watches meanwhile.
 fn swap_hog(dev: &Path) {
-    let ram = mem_total_bytes();
-    run(Command::new("mkswap").arg(dev));
-    // -d (--discard): freed swap slots are discarded, so the device drops their pages.
-    run(Command::new("swapon").arg("-d").arg(dev));
-    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
-    assert!(swaps.contains(dev.to_str().unwrap()), "{swaps}");
-    eprintln!("swap on {}", dev.display());
-    let (out0, in0) = (vmstat("pswpout"), vmstat("pswpin"));
+    let pages = (mem_total_bytes() * 21 / 20) as usize / PAGE;
     let mut helper = start_sysrq_helper();
-    let pages = (ram * 21 / 20) as usize / PAGE;
-    let mut hog = Hog::new(pages);
-    for v in 1..=2 {
-        let t = Instant::now();
-        hog.fill(v);
-        hog.page_out();
-        let bad = hog.bad_pages(v);
-        println!(
-            "swap on {} round {v}: {pages} pages ({} MiB, RAM {} MiB), {:.1} s, pswpout {} \
-             pswpin {}",
-            dev.display(),
-            (pages * PAGE) >> 20,
-            ram >> 20,
-            t.elapsed().as_secs_f64(),
-            vmstat("pswpout") - out0,
-            vmstat("pswpin") - in0
-        );
-        assert_eq!(bad, 0, "{bad} bad pages in round {v} on {}", dev.display());
-    }
+    let (out, inn) = swap_under_hog(dev, pages, true, true);
     let _ = helper.kill();
     let _ = helper.wait();
-    let (out, inn) = (vmstat("pswpout") - out0, vmstat("pswpin") - in0);
     assert!(out as usize > pages / 2, "pswpout {out} for {pages} pages");
     assert!(inn > 0, "pswpin {inn}");
-    drop(hog);
-    run(Command::new("swapoff").arg(dev));
 }
 
 /// Swap on /dev/ublkb0 (`serve --swap`, docs/ublk.md "Swap on ublk"): [`swap_hog`], and reset

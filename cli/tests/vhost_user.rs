@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use uzram_testkit::pages::PAGE;
 use uzram_testkit::process::{host_program, proc_field, run_stdout as run, wait_timeout};
-use uzram_testkit::vm::{mem_total_bytes, vmstat, Hog};
+use uzram_testkit::vm::{mem_total_bytes, swap_under_hog};
 
 const UZRAM: &str = env!("CARGO_BIN_EXE_uzram");
 const DISK_BYTES: u64 = 256 << 20;
@@ -373,36 +373,13 @@ fn disk_serials() -> Vec<String> {
 /// really used, both ways. (The server is outside the guest: the guest's memory pressure
 /// cannot stall it, unlike a swap server inside the machine it serves.)
 fn guest_swap(dev: &Path) {
-    run(Command::new("mkswap").arg(dev));
-    run(Command::new("swapon").arg(dev));
-    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
-    assert!(swaps.contains(dev.to_str().unwrap()), "{swaps}");
-    let ram = mem_total_bytes();
-    let (out0, in0) = (vmstat("pswpout"), vmstat("pswpin"));
     // 1.25 times RAM: well past it (about half the hog is out at any time, with the
     // initramfs's files in RAM), and small enough for TCG on a loaded machine (1.5 times a
     // 640 MiB guest took 9 minutes a round there).
-    let pages = (ram * 5 / 4) as usize / PAGE;
-    let mut hog = Hog::new(pages);
-    for v in 1..=2 {
-        let t = Instant::now();
-        hog.fill(v);
-        let bad = hog.bad_pages(v);
-        println!(
-            "swap round {v}: {pages} pages ({} MiB, RAM {} MiB), {} s, pswpout {} pswpin {}",
-            (pages * PAGE) >> 20,
-            ram >> 20,
-            t.elapsed().as_secs(),
-            vmstat("pswpout") - out0,
-            vmstat("pswpin") - in0
-        );
-        assert_eq!(bad, 0, "{bad} bad pages in round {v}");
-    }
-    let (out, inn) = (vmstat("pswpout") - out0, vmstat("pswpin") - in0);
+    let pages = (mem_total_bytes() * 5 / 4) as usize / PAGE;
+    let (out, inn) = swap_under_hog(dev, pages, false, false);
     assert!(out as usize > pages / 4, "pswpout {out} for {pages} pages");
     assert!(inn > 0, "pswpin {inn}");
-    drop(hog);
-    run(Command::new("swapoff").arg(dev));
 }
 
 /// The second guest: fio writing to zram1 when its QEMU is killed.

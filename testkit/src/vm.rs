@@ -10,12 +10,12 @@
 //! VM, passes its output through, and fails the test unless the inner run passed.
 
 use std::ffi::OsStr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
 use crate::pages::{fill_page, swap_mix, PAGE};
-use crate::process::proc_field;
+use crate::process::{proc_field, run};
 
 /// `scripts/zoned-vm` options for a device that completes I/O after 100 us from a timer, with
 /// 4 request slots and no I/O scheduler: there Linux 6.1 reorders several writes in flight to
@@ -220,4 +220,46 @@ impl Drop for Hog {
         // SAFETY: the mapping made in `new`, not used after this.
         unsafe { libc::munmap(self.ptr.cast(), self.pages * PAGE) };
     }
+}
+
+/// Swap on `dev` under memory pressure: `mkswap`, `swapon` (with `--discard` if `discard`:
+/// freed swap slots are discarded, so the device drops their pages), then a [`Hog`] of
+/// `pages` pages filled and checked twice (versions 1 and 2; after each fill the whole hog is
+/// pushed out with `MADV_PAGEOUT` if `page_out`), every page verified; then `swapoff`. Returns
+/// the pages swapped out and in meanwhile (`pswpout`, `pswpin`).
+pub fn swap_under_hog(dev: &Path, pages: usize, discard: bool, page_out: bool) -> (u64, u64) {
+    run(Command::new("mkswap").arg(dev));
+    let mut swapon = Command::new("swapon");
+    if discard {
+        swapon.arg("--discard");
+    }
+    run(swapon.arg(dev));
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    assert!(swaps.contains(dev.to_str().unwrap()), "{swaps}");
+    let ram = mem_total_bytes();
+    let (out0, in0) = (vmstat("pswpout"), vmstat("pswpin"));
+    let mut hog = Hog::new(pages);
+    for v in 1..=2 {
+        let t = Instant::now();
+        hog.fill(v);
+        if page_out {
+            hog.page_out();
+        }
+        let bad = hog.bad_pages(v);
+        println!(
+            "swap on {} round {v}: {pages} pages ({} MiB, RAM {} MiB), {:.1} s, pswpout {} \
+             pswpin {}",
+            dev.display(),
+            (pages * PAGE) >> 20,
+            ram >> 20,
+            t.elapsed().as_secs_f64(),
+            vmstat("pswpout") - out0,
+            vmstat("pswpin") - in0
+        );
+        assert_eq!(bad, 0, "{bad} bad pages in round {v} on {}", dev.display());
+    }
+    drop(hog);
+    let swapped = (vmstat("pswpout") - out0, vmstat("pswpin") - in0);
+    run(Command::new("swapoff").arg(dev));
+    swapped
 }
