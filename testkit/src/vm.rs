@@ -222,7 +222,7 @@ impl Drop for Hog {
     }
 }
 
-/// Swap on `dev` under memory pressure: `mkswap`, `swapon` (with `--discard` if `discard`:
+/// Swap on `dev` under memory pressure: `mkswap`, `swapon` (with `-d`, discard, if `discard`:
 /// freed swap slots are discarded, so the device drops their pages), then a [`Hog`] of
 /// `pages` pages filled and checked twice (versions 1 and 2; after each fill the whole hog is
 /// pushed out with `MADV_PAGEOUT` if `page_out`), every page verified; then `swapoff`. Returns
@@ -231,7 +231,7 @@ pub fn swap_under_hog(dev: &Path, pages: usize, discard: bool, page_out: bool) -
     run(Command::new("mkswap").arg(dev));
     let mut swapon = Command::new("swapon");
     if discard {
-        swapon.arg("--discard");
+        swapon.arg("-d");
     }
     run(swapon.arg(dev));
     let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
