@@ -30,7 +30,7 @@ use std::sync::Arc;
 use uzram::device::{Device, DeviceConfig};
 use uzram::error::{Error, Result};
 use uzram::BlockDevice;
-use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram_service::frontend::nbd::{Export, Server};
 use uzram_service::frontend::ublk::{UblkConfig, UblkExport};
 
 /// The targets, in the order they run and appear.
@@ -227,17 +227,7 @@ pub fn guest(opts: &GuestBenchOptions) -> Result<()> {
     })?);
     let dir = crate::nbd::tempfile_dir()?;
     let socket = dir.path.join("zram0.sock");
-    let server = Server::start(
-        vec![Export::new("zram0", Arc::clone(&device))],
-        &[Listen::Unix {
-            path: socket.clone(),
-            export: "zram0".into(),
-        }],
-        ServerConfig {
-            log_errors: false,
-            ..ServerConfig::default()
-        },
-    )?;
+    let server = Server::start_unix(Export::new("zram0", Arc::clone(&device)), socket.clone())?;
     let ublk = UblkExport::start("zram0", Arc::clone(&device), &UblkConfig::default())?;
     let nbd = NbdClient::connect(&socket)?;
     let disks: [PathBuf; 3] = [

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use uzram::device::{Device, DeviceConfig};
 use uzram::error::{Error, Result};
 use uzram::BlockDevice;
-use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram_service::frontend::nbd::{Export, Server};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -290,16 +290,9 @@ fn have(program: &str) -> bool {
 /// `uzram serve` runs (in this process): the guard that stops it, and the target `name`.
 fn serve_device(dir: &Path, name: &'static str, device: Arc<Device>) -> Result<(Guard, Target)> {
     let socket = dir.join(format!("{name}.sock"));
-    let server = Server::start(
-        vec![Export::new("zram0", device as Arc<dyn BlockDevice>)],
-        &[Listen::Unix {
-            path: socket.clone(),
-            export: "zram0".into(),
-        }],
-        ServerConfig {
-            log_errors: false,
-            ..ServerConfig::default()
-        },
+    let server = Server::start_unix(
+        Export::new("zram0", device as Arc<dyn BlockDevice>),
+        socket.clone(),
     )?;
     let target = Target {
         name,

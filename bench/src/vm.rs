@@ -38,7 +38,7 @@ use std::sync::Arc;
 use uzram::device::{Device, DeviceConfig};
 use uzram::error::{Error, Result};
 use uzram::BlockDevice;
-use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram_service::frontend::nbd::{Export, Server};
 use uzram_service::frontend::vhost_user::{VhostUserConfig, VhostUserExport};
 
 /// What to run (`bench vm` and `bench blk`: one guest, fio at each point on three devices).
@@ -135,16 +135,9 @@ pub fn run(opts: &GuestBenchOptions) -> Result<serde_json::Value> {
         ..Default::default()
     })?);
     let nbd_socket = dir.path.join("zram0.sock");
-    let _server = Server::start(
-        vec![Export::new("zram0", Arc::clone(&device))],
-        &[Listen::Unix {
-            path: nbd_socket.clone(),
-            export: "zram0".into(),
-        }],
-        ServerConfig {
-            log_errors: false,
-            ..ServerConfig::default()
-        },
+    let _server = Server::start_unix(
+        Export::new("zram0", Arc::clone(&device)),
+        nbd_socket.clone(),
     )?;
     let vhost_socket = dir.path.join("zram0.vhost.sock");
     let _vhost = VhostUserExport::start(

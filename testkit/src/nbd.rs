@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uzram::device::Device;
 use uzram_nbd_proto::*;
-use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
+use uzram_service::frontend::nbd::{Export, Server};
 
 use crate::device::DeviceBuilder;
 
@@ -34,18 +34,8 @@ impl Served {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("zram0.sock");
         let device = Arc::new(DeviceBuilder::bytes(size_bytes).build());
-        let server = Server::start(
-            vec![Export::new("zram0", device.clone())],
-            &[Listen::Unix {
-                path: socket.clone(),
-                export: "zram0".into(),
-            }],
-            ServerConfig {
-                log_errors: false,
-                ..ServerConfig::default()
-            },
-        )
-        .expect("server starts");
+        let server = Server::start_unix(Export::new("zram0", device.clone()), socket.clone())
+            .expect("server starts");
         Served {
             server: Some(server),
             dir,

@@ -272,6 +272,17 @@ pub enum Endpoint {
 }
 
 impl Server {
+    /// Serves one export on the unix socket `path`, with the default limits and without
+    /// logging what clients do wrong: the server of a benchmark or a test.
+    pub fn start_unix(export: Export, path: PathBuf) -> Result<Server> {
+        let name = export.name.clone();
+        let config = ServerConfig {
+            log_errors: false,
+            ..ServerConfig::default()
+        };
+        Server::start(vec![export], &[Listen::Unix { path, export: name }], config)
+    }
+
     /// Binds every listener and starts serving `exports`. A unix listener's default export
     /// (the empty name) is the one named in its [`Listen::Unix`]; TCP's is the first export.
     pub fn start(exports: Vec<Export>, listen: &[Listen], config: ServerConfig) -> Result<Server> {
