@@ -286,17 +286,20 @@ fn slot_changed_while_in_flight_keeps_new_data_and_releases_the_block() {
     backing.on_submit(None);
 }
 
-fn faulty_file(dir: &tempfile::TempDir, blocks: u64) -> Arc<FaultyBacking<FileBacking>> {
-    Arc::new(FaultyBacking::new(file_backing(dir, blocks, Engine::Uring)))
+/// A device of `n` pages, version 1 written, over a fault-injecting backing file of 512 blocks
+/// (io_uring) in a directory kept as long as the device.
+fn faulty_device(n: u64) -> (tempfile::TempDir, Arc<FaultyBacking<FileBacking>>, Device) {
+    let dir = real_tmpdir();
+    let backing = Arc::new(FaultyBacking::new(file_backing(&dir, 512, Engine::Uring)));
+    let dev = device_over(n, backing.clone());
+    fill(&dev, n, 1);
+    (dir, backing, dev)
 }
 
 #[test]
 fn eio_in_the_middle_of_a_batch_keeps_pages_in_ram_and_refunds_the_limit() {
-    let dir = real_tmpdir();
-    let backing = faulty_file(&dir, 512);
     let n = 256;
-    let dev = device_over(n, backing.clone());
-    fill(&dev, n, 1);
+    let (_dir, backing, dev) = faulty_device(n);
     dev.set_writeback_limit_enable(true);
     dev.set_writeback_limit(10_000);
     // Pool of 32, runs of up to 16: fail the 3rd and 7th writes (each up to 16 pages).
@@ -328,11 +331,8 @@ fn eio_in_the_middle_of_a_batch_keeps_pages_in_ram_and_refunds_the_limit() {
 #[test]
 fn torn_and_short_writes_are_never_success() {
     for kind in [FaultKind::Torn, FaultKind::Short] {
-        let dir = real_tmpdir();
-        let backing = faulty_file(&dir, 512);
         let n = 64;
-        let dev = device_over(n, backing.clone());
-        fill(&dev, n, 1);
+        let (_dir, backing, dev) = faulty_device(n);
         // Every write fails this way: nothing may become WB.
         backing.set_plan(FaultPlan::new().fail_writes_randomly(1, kind, 7));
         let e = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap_err();
@@ -377,11 +377,8 @@ fn enospc_from_a_full_bitmap_stops_and_loses_nothing() {
 
 #[test]
 fn enospc_from_the_device_stops_and_loses_nothing() {
-    let dir = real_tmpdir();
-    let backing = faulty_file(&dir, 512);
     let n = 128;
-    let dev = device_over(n, backing.clone());
-    fill(&dev, n, 1);
+    let (_dir, backing, dev) = faulty_device(n);
     backing.set_plan(FaultPlan::new().no_space_after_bytes(40 * PAGE as u64));
     let e = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NoSpace);

@@ -24,6 +24,12 @@ fn serve(args: &[&str], env: &[(&str, String)]) -> Result<Running, (String, Stri
     serve.try_start().map_err(|f| (f.stdout, f.stderr))
 }
 
+/// Asserts that `uzram serve` printed `text` before "serving".
+fn assert_said(r: &Running, text: &str) {
+    let banner = banner(r);
+    assert!(banner.contains(text), "{text:?} not in:\n{banner}");
+}
+
 /// What `uzram serve` printed before "serving".
 fn banner(r: &Running) -> String {
     r.banner().iter().map(|l| format!("{l}\n")).collect()
@@ -107,23 +113,12 @@ fn the_manuals_example_configures_what_zram_generator_would() {
         r.show("zram0", "disksize").trim()
     );
     // What zram-generator would have done next, said on stdout.
-    assert!(
-        banner(&r).contains(
-            "zram0: zram-generator would make it swap: mkswap DEV && swapon --priority 100 DEV"
-        ),
-        "{}",
-        banner(&r)
+    assert_said(
+        &r,
+        "zram0: zram-generator would make it swap: mkswap DEV && swapon --priority 100 DEV",
     );
-    assert!(
-        banner(&r).contains("recompress type=idle"),
-        "{}",
-        banner(&r)
-    );
-    assert!(
-        banner(&r).contains("zram1: zram-generator would make a file system and mount it: mkfs.ext2 DEV && mount -o discard DEV /run/compressed-mount-point"),
-        "{}",
-        banner(&r)
-    );
+    assert_said(&r, "recompress type=idle");
+    assert_said(&r, "zram1: zram-generator would make a file system and mount it: mkfs.ext2 DEV && mount -o discard DEV /run/compressed-mount-point");
     r.stop();
 
     // On a host with more RAM than host-memory-limit (9048 MiB), zram0 is left out.
@@ -138,7 +133,7 @@ fn the_manuals_example_configures_what_zram_generator_would() {
         ),
     ];
     let r = serve(&["--zram-generator-conf", conf.to_str().unwrap()], &env).unwrap();
-    assert!(banner(&r).contains("zram0: not created"), "{}", banner(&r));
+    assert_said(&r, "zram0: not created");
     assert!(!r.dir().join("zram0.ctl").exists());
     // 16000 MiB / 10.
     assert_eq!(
@@ -203,18 +198,11 @@ fn drop_ins_follow_zram_generators_precedence() {
         pages(782.0 * 0.8 * MIB as f64)
     );
     assert!(!r.dir().join("zram1.ctl").exists(), "{}", banner(&r));
-    assert!(
-        banner(&r).contains(
-            "zram2: zram-generator would make it swap: mkswap DEV && swapon --priority 200 DEV,"
-        ),
-        "{}",
-        banner(&r)
+    assert_said(
+        &r,
+        "zram2: zram-generator would make it swap: mkswap DEV && swapon --priority 200 DEV,",
     );
-    assert!(
-        banner(&r).contains("swapon --priority 100 --options discard DEV"),
-        "{}",
-        banner(&r)
-    );
+    assert_said(&r, "swapon --priority 100 --options discard DEV");
     r.stop();
 }
 
@@ -243,11 +231,7 @@ fn the_kernel_command_line_turns_devices_off_and_on() {
         r.show("zram0", "disksize").trim(),
         pages(3912.5 * MIB as f64)
     );
-    assert!(
-        banner(&r).contains("swapon --priority 100"),
-        "{}",
-        banner(&r)
-    );
+    assert_said(&r, "swapon --priority 100");
     r.stop();
 
     // No configuration and no option: an error naming where zram-generator looks.
