@@ -12,6 +12,15 @@ use uzram_testkit::process::{require, run};
 
 const MIB: u64 = 1 << 20;
 
+/// A directory with `src.img`: `size` bytes of [`pattern`] `seed` (returned too), to copy into
+/// an export and back out to `back.img`.
+fn images(size: u64, seed: u64) -> (tempfile::TempDir, Vec<u8>) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(size as usize, seed);
+    std::fs::write(dir.path().join("src.img"), &data).unwrap();
+    (dir, data)
+}
+
 #[test]
 fn qemu_img_info_shows_the_export() {
     require("qemu-img");
@@ -28,11 +37,8 @@ fn qemu_img_convert_round_trips() {
     require("qemu-img");
     let size = 24 * MIB;
     let srv = Served::new(size);
-    let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("src.img");
-    let back = dir.path().join("back.img");
-    let data = pattern(size as usize, 1);
-    std::fs::write(&src, &data).unwrap();
+    let (dir, data) = images(size, 1);
+    let (src, back) = (dir.path().join("src.img"), dir.path().join("back.img"));
     // Into the export (-n: the target exists), then out of it into a new file.
     run(Command::new("qemu-img")
         .args(["convert", "-n", "-f", "raw", "-O", "raw"])
@@ -170,11 +176,8 @@ fn nbdcopy_with_four_connections_round_trips() {
     require("nbdcopy");
     let size = 48 * MIB;
     let srv = Served::new(size);
-    let dir = tempfile::tempdir().unwrap();
-    let src = dir.path().join("src.img");
-    let back = dir.path().join("back.img");
-    let data = pattern(size as usize, 2);
-    std::fs::write(&src, &data).unwrap();
+    let (dir, data) = images(size, 2);
+    let (src, back) = (dir.path().join("src.img"), dir.path().join("back.img"));
     std::fs::write(&back, b"").unwrap();
     run(Command::new("nbdcopy")
         .args(["--connections=4", "--requests=16", "--flush"])
