@@ -264,17 +264,13 @@ fn slot_changed_while_in_flight_keeps_new_data_and_releases_the_block() {
     dev.set_writeback_limit(100);
     // While page 0's write is in flight, overwrite page 0 (once).
     let weak = Arc::downgrade(&dev);
-    let mut fired = false;
-    backing.on_submit(Some(Box::new(move |_| {
-        if !fired {
-            fired = true;
-            let d = weak.upgrade().unwrap();
-            d.write_at(&page(0, 2), 0).unwrap();
-            // One writeback at a time.
-            let e = d.attr_store("writeback", "huge").unwrap_err();
-            assert_eq!(e.errno(), libc::EAGAIN);
-        }
-    })));
+    backing.on_first_submit(move |_| {
+        let d = weak.upgrade().unwrap();
+        d.write_at(&page(0, 2), 0).unwrap();
+        // One writeback at a time.
+        let e = d.attr_store("writeback", "huge").unwrap_err();
+        assert_eq!(e.errno(), libc::EAGAIN);
+    });
     let r = dev.writeback(&WritebackSpec::pages(0, 0)).unwrap();
     assert_eq!((r.written, r.changed), (0, 1));
     // The block went back, the charge stayed, the I/O counted.
@@ -472,14 +468,10 @@ fn block_reserved_for_a_skipped_candidate_is_released_at_the_end() {
     // flight, page 6 is overwritten: when its turn comes it is skipped, and the block the loop
     // had already reserved for it must go back when the loop ends.
     let weak = Arc::downgrade(&dev);
-    let mut fired = false;
-    backing.on_submit(Some(Box::new(move |_| {
-        if !fired {
-            fired = true;
-            let d = weak.upgrade().unwrap();
-            d.write_at(&page(6, 2), 6 * PAGE as u64).unwrap();
-        }
-    })));
+    backing.on_first_submit(move |_| {
+        let d = weak.upgrade().unwrap();
+        d.write_at(&page(6, 2), 6 * PAGE as u64).unwrap();
+    });
     let r = dev
         .writeback(&WritebackSpec::pages(2, 2).and(None, 6, 6))
         .unwrap();

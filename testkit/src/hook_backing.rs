@@ -39,6 +39,16 @@ impl HookBacking {
         *self.on_submit.lock().unwrap() = hook;
     }
 
+    /// Runs `hook` once, after the next submit (then no hook is set).
+    pub fn on_first_submit(&self, hook: impl FnOnce(u64) + Send + 'static) {
+        let mut hook = Some(hook);
+        self.on_submit(Some(Box::new(move |offset| {
+            if let Some(h) = hook.take() {
+                h(offset);
+            }
+        })));
+    }
+
     /// The next `n` waits on any of its queues fail with `EIO` (the writes themselves were
     /// done, synchronously).
     pub fn fail_next_waits(&self, n: u32) {
