@@ -248,10 +248,11 @@ struct FreeArgs {
     /// Page corpus (from `uzram corpus`); built with default settings if missing.
     #[arg(long, default_value = DEFAULT_CORPUS)]
     corpus: PathBuf,
-    /// Pages to fill and release (the corpus's non-same-filled pages, cycled); default: each
+    /// Pages to fill and release (the corpus's non-same-filled pages, cycled), comma separated
+    /// for several sizes (the short critical section is measured at the first); default: each
     /// of them once.
-    #[arg(long)]
-    pages: Option<usize>,
+    #[arg(long, value_delimiter = ',')]
+    pages: Vec<usize>,
     /// Releasing thread counts, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     threads: Vec<usize>,

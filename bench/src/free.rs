@@ -51,8 +51,10 @@ pub const RANGE_BYTES: usize = 2 << 20;
 pub struct FreeBenchOptions {
     /// Algorithm the device compresses with.
     pub codec: String,
-    /// Pages to fill (the corpus's non-same-filled pages, cycled); `None`: all of them once.
-    pub pages: Option<usize>,
+    /// Page counts to fill and release, one after the other (the corpus's non-same-filled
+    /// pages, cycled); empty: all of them once. The short critical section is measured at the
+    /// first.
+    pub pages: Vec<usize>,
     /// Releasing thread counts to measure.
     pub threads: Vec<usize>,
     /// Timing repetitions (the median is reported).
@@ -63,7 +65,7 @@ impl Default for FreeBenchOptions {
     fn default() -> Self {
         FreeBenchOptions {
             codec: "lz4".into(),
-            pages: None,
+            pages: Vec::new(),
             threads: vec![1, 2],
             repeats: 5,
         }
@@ -99,6 +101,8 @@ struct Release {
     held_bytes: u64,
     /// `mem_used_total` when full.
     full_bytes: u64,
+    /// Slots of the deferred-free queue when the callers returned (it grows during a release).
+    queue_slots_at_return: u64,
     /// Duration of each `discard` call.
     range_ms: Vec<f64>,
     deferred: DeferredStats,
@@ -169,6 +173,7 @@ fn release_once(
         Ok((start, all, start.elapsed()))
     })?;
     let held_bytes = dev.stats().mem_used_total_bytes;
+    let queue_slots_at_return = dev.deferred_stats().capacity;
     dev.flush_deferred();
     let back = start.elapsed();
     let cpu_ms = (process_cpu_secs() - cpu0) * 1e3;
@@ -185,6 +190,7 @@ fn release_once(
         back_ms: ms(back),
         held_bytes,
         full_bytes,
+        queue_slots_at_return,
         range_ms,
         deferred: dev.deferred_stats(),
     })
@@ -200,6 +206,7 @@ struct ReleaseSummary {
     memory_back_ms: f64,
     held_at_return_bytes: f64,
     full_bytes: f64,
+    queue_slots_at_return: f64,
     queued: u64,
     fallback_contended: u64,
     fallback_full: u64,
@@ -221,6 +228,7 @@ fn summarise(runs: &[Release]) -> ReleaseSummary {
         memory_back_ms: m(|r| r.back_ms),
         held_at_return_bytes: m(|r| r.held_bytes as f64),
         full_bytes: m(|r| r.full_bytes as f64),
+        queue_slots_at_return: m(|r| r.queue_slots_at_return as f64),
         queued: last.queued,
         fallback_contended: last.fallback_contended,
         fallback_full: last.fallback_full,
@@ -282,8 +290,12 @@ pub fn run(corpus: &Corpus, opts: &FreeBenchOptions) -> Result<serde_json::Value
             "the corpus has no pages that are not same-filled",
         ));
     }
-    let n = opts.pages.unwrap_or(work.len());
-    if n == 0 {
+    let sizes = if opts.pages.is_empty() {
+        vec![work.len()]
+    } else {
+        opts.pages.clone()
+    };
+    if sizes.contains(&0) {
         return Err(Error::invalid("--pages must not be 0"));
     }
     if opts.threads.is_empty() || opts.threads.contains(&0) {
@@ -291,12 +303,14 @@ pub fn run(corpus: &Corpus, opts: &FreeBenchOptions) -> Result<serde_json::Value
             "--threads takes thread counts of at least 1",
         ));
     }
-    let pages: Vec<&[u8]> = (0..n).map(|i| work[i % work.len()]).collect();
+    let cycled = |n: usize| -> Vec<&[u8]> { (0..n).map(|i| work[i % work.len()]).collect() };
     let reps = opts.repeats.max(1);
 
-    // 1. Release: sync and deferred, per thread count, alternating so drift hits both.
-    let mut by_threads = Vec::new();
+    // 1. Release: sync and deferred, per page count and thread count, alternating so drift
+    // hits both.
+    let mut by_pages = Vec::new();
     let mut table = Table::new(&[
+        "pages",
         "threads",
         "free",
         "release ms",
@@ -305,67 +319,79 @@ pub fn run(corpus: &Corpus, opts: &FreeBenchOptions) -> Result<serde_json::Value
         "CPU ms",
         "memory back ms",
         "held at return MiB",
+        "queue slots at return",
         "queued/fallback",
     ]);
-    for &t in &opts.threads {
-        let (mut sync, mut deferred) = (Vec::new(), Vec::new());
-        for rep in 0..reps {
-            if rep % 2 == 0 {
-                sync.push(release_once(&pages, ps, &opts.codec, t, false)?);
-                deferred.push(release_once(&pages, ps, &opts.codec, t, true)?);
-            } else {
-                deferred.push(release_once(&pages, ps, &opts.codec, t, true)?);
-                sync.push(release_once(&pages, ps, &opts.codec, t, false)?);
+    for &n in &sizes {
+        let pages = cycled(n);
+        let mut by_threads = Vec::new();
+        for &t in &opts.threads {
+            let (mut sync, mut deferred) = (Vec::new(), Vec::new());
+            for rep in 0..reps {
+                if rep % 2 == 0 {
+                    sync.push(release_once(&pages, ps, &opts.codec, t, false)?);
+                    deferred.push(release_once(&pages, ps, &opts.codec, t, true)?);
+                } else {
+                    deferred.push(release_once(&pages, ps, &opts.codec, t, true)?);
+                    sync.push(release_once(&pages, ps, &opts.codec, t, false)?);
+                }
             }
+            let paired = |g: fn(&Release) -> f64| {
+                let ratios: Vec<f64> = sync
+                    .iter()
+                    .zip(&deferred)
+                    .map(|(s, d)| g(d) / g(s))
+                    .collect();
+                median(&ratios)
+            };
+            let release_ratio = paired(|r| r.wall_ms);
+            let cpu_ratio = paired(|r| r.cpu_ms);
+            let memory_back_ratio = paired(|r| r.back_ms);
+            let (s, d) = (summarise(&sync), summarise(&deferred));
+            for (name, m) in [("sync", &s), ("deferred", &d)] {
+                table.row(vec![
+                    n.to_string(),
+                    t.to_string(),
+                    name.into(),
+                    f(m.release_ms),
+                    f(m.range_p50_ms),
+                    f(m.range_p99_ms),
+                    f(m.cpu_ms),
+                    f(m.memory_back_ms),
+                    f(m.held_at_return_bytes / (1 << 20) as f64),
+                    format!("{:.0}", m.queue_slots_at_return),
+                    format!("{}/{}", m.queued, m.fallback_contended + m.fallback_full),
+                ]);
+            }
+            by_threads.push(json!({
+                "pages": n,
+                "threads": t,
+                "release_ms_sync": s.release_ms,
+                "release_ms_deferred": d.release_ms,
+                "release_ratio": release_ratio,
+                "cpu_ms_sync": s.cpu_ms,
+                "cpu_ms_deferred": d.cpu_ms,
+                "cpu_ratio": cpu_ratio,
+                "range_p50_ms_sync": s.range_p50_ms,
+                "range_p99_ms_sync": s.range_p99_ms,
+                "range_p50_ms_deferred": d.range_p50_ms,
+                "range_p99_ms_deferred": d.range_p99_ms,
+                "memory_back_ms_sync": s.memory_back_ms,
+                "memory_back_ms_deferred": d.memory_back_ms,
+                "memory_back_ratio": memory_back_ratio,
+                "sync": s,
+                "deferred": d,
+            }));
         }
-        let paired = |g: fn(&Release) -> f64| {
-            let ratios: Vec<f64> = sync
-                .iter()
-                .zip(&deferred)
-                .map(|(s, d)| g(d) / g(s))
-                .collect();
-            median(&ratios)
-        };
-        let release_ratio = paired(|r| r.wall_ms);
-        let cpu_ratio = paired(|r| r.cpu_ms);
-        let (s, d) = (summarise(&sync), summarise(&deferred));
-        for (name, m) in [("sync", &s), ("deferred", &d)] {
-            table.row(vec![
-                t.to_string(),
-                name.into(),
-                f(m.release_ms),
-                f(m.range_p50_ms),
-                f(m.range_p99_ms),
-                f(m.cpu_ms),
-                f(m.memory_back_ms),
-                f(m.held_at_return_bytes / (1 << 20) as f64),
-                format!("{}/{}", m.queued, m.fallback_contended + m.fallback_full),
-            ]);
-        }
-        by_threads.push(json!({
-            "threads": t,
-            "release_ms_sync": s.release_ms,
-            "release_ms_deferred": d.release_ms,
-            "release_ratio": release_ratio,
-            "cpu_ms_sync": s.cpu_ms,
-            "cpu_ms_deferred": d.cpu_ms,
-            "cpu_ratio": cpu_ratio,
-            "range_p50_ms_sync": s.range_p50_ms,
-            "range_p99_ms_sync": s.range_p99_ms,
-            "range_p50_ms_deferred": d.range_p50_ms,
-            "range_p99_ms_deferred": d.range_p99_ms,
-            "memory_back_ms_sync": s.memory_back_ms,
-            "memory_back_ms_deferred": d.memory_back_ms,
-            "sync": s,
-            "deferred": d,
-        }));
+        by_pages.push(json!({"pages": n, "by_threads": by_threads}));
     }
     println!(
-        "release of {n} pages ({} MiB) in {} KiB ranges, median of {reps}:\n{}",
-        (n * ps) >> 20,
+        "release in {} KiB ranges ({ps}-byte pages), median of {reps}:\n{}",
         RANGE_BYTES >> 10,
         table.render()
     );
+    let n = sizes[0];
+    let pages = cycled(n);
 
     // 2. The short critical section, 2 threads.
     let codec = compress::new_codec(&opts.codec, CodecParams::default())?;
@@ -434,12 +460,13 @@ pub fn run(corpus: &Corpus, opts: &FreeBenchOptions) -> Result<serde_json::Value
     ]);
     println!("{}", t2.render());
 
-    let first = &by_threads[0];
+    let first = &by_pages[0]["by_threads"][0];
     let doc = json!({
         "bench": "free",
         "codec": opts.codec,
         "page_size_bytes": ps,
         "pages": n,
+        "page_counts": sizes,
         "range_bytes": RANGE_BYTES,
         "repeats": reps,
         "threads": opts.threads,
@@ -454,40 +481,50 @@ pub fn run(corpus: &Corpus, opts: &FreeBenchOptions) -> Result<serde_json::Value
         "range_p99_ms_deferred": first["range_p99_ms_deferred"],
         "memory_back_ms_sync": first["memory_back_ms_sync"],
         "memory_back_ms_deferred": first["memory_back_ms_deferred"],
+        "memory_back_ratio": first["memory_back_ratio"],
         "short_lock_speedup": short_lock_speedup,
         "short_lock_free_ms": short_ms,
         "under_lock_free_ms": locked_ms,
         "short_lock_speedup_huge": short_lock_speedup_huge,
         "short_lock_free_ms_huge": short_huge_ms,
         "under_lock_free_ms_huge": locked_huge_ms,
-        "by_threads": by_threads,
+        "by_threads": by_pages[0]["by_threads"],
+        "by_pages": by_pages,
         "targets": {
             "release_ratio_max": 1.0 / 3.0,
             "cpu_ratio_max": 1.05,
+            "memory_back_ratio_max": 1.0,
             "short_lock_speedup_min": 1.15,
         },
     });
-    let mut summary = Table::new(&["figure", "value", "target"]);
-    for (k, target) in [
-        ("release_ratio", "<= 0.333"),
-        ("cpu_ratio", "<= 1.05"),
-        ("short_lock_speedup", ">= 1.15"),
-    ] {
-        summary.row(vec![
-            format!("{k} ({} thread(s))", opts.threads[0]),
-            f(doc[k].as_f64().unwrap_or(f64::NAN)),
-            target.into(),
-        ]);
-    }
-    for v in doc["by_threads"].as_array().into_iter().flatten().skip(1) {
-        for k in ["release_ratio", "cpu_ratio"] {
+    let mut summary = Table::new(&["figure", "pages", "threads", "value", "target"]);
+    for v in doc["by_pages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|p| p["by_threads"].as_array().into_iter().flatten())
+    {
+        for (k, target) in [
+            ("release_ratio", "<= 0.333"),
+            ("cpu_ratio", "<= 1.05"),
+            ("memory_back_ratio", "<= 1.0"),
+        ] {
             summary.row(vec![
-                format!("{k} ({} threads)", v["threads"]),
+                k.into(),
+                v["pages"].to_string(),
+                v["threads"].to_string(),
                 f(v[k].as_f64().unwrap_or(f64::NAN)),
-                String::new(),
+                target.into(),
             ]);
         }
     }
+    summary.row(vec![
+        "short_lock_speedup".into(),
+        n.to_string(),
+        "2".into(),
+        f(short_lock_speedup),
+        ">= 1.15".into(),
+    ]);
     println!("{}", summary.render());
     Ok(doc)
 }
@@ -511,16 +548,28 @@ mod tests {
             &corpus,
             &FreeBenchOptions {
                 repeats: 1,
+                pages: vec![300, 1200],
                 threads: vec![1, 2],
                 ..Default::default()
             },
         )
         .unwrap();
+        let by_pages = doc["by_pages"].as_array().unwrap();
+        assert_eq!(by_pages.len(), 2);
+        assert_eq!(by_pages[1]["pages"], 1200);
+        for p in by_pages {
+            for t in p["by_threads"].as_array().unwrap() {
+                for k in ["release_ratio", "cpu_ratio", "memory_back_ratio"] {
+                    assert!(t[k].as_f64().is_some_and(|v| v > 0.0), "{k}: {t}");
+                }
+            }
+        }
         for k in [
             "release_ms_sync",
             "release_ms_deferred",
             "release_ratio",
             "cpu_ratio",
+            "memory_back_ratio",
             "short_lock_speedup",
         ] {
             assert!(doc[k].as_f64().is_some_and(|v| v > 0.0), "{k}: {doc}");

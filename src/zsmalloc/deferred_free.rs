@@ -1,82 +1,112 @@
-//! The deferred-free queue (upstream's `zs_free_deferred()`, 2026).
+//! The deferred-free queue (upstream's `zs_free_deferred()`, 2026), grown past upstream's bound.
 //!
 //! Freeing an object costs a class lock and, when its zspage empties, returning pages. On a
 //! release path (TRIM of a range, a swap area's pages freed on process exit) that cost lands on
 //! the releasing task. [`DeferredQueue`] lets such a caller hand the handle over instead: it is
-//! freed later, in a batch, by a background worker (woken once the queue holds
-//! [`DEFERRED_WAKE_ITEMS`] items or is half full, whichever comes first) or by
+//! freed later, in blocks, by a background worker (woken once the queue holds
+//! [`DEFERRED_WAKE_ITEMS`] items, or half its resting capacity if that is smaller) or by
 //! [`DeferredQueue::drain`] (the pool's `flush()`), which also runs when the pool is dropped.
 //!
 //! The queue is generic over its items (the pool queues `Handle`s, the loom model plain
-//! integers) and never frees anything itself: draining calls a closure on each item.
+//! integers) and never frees anything itself: draining calls a closure on each block of items.
+//!
+//! # Blocks
+//!
+//! Items live in *blocks* of `block_items` slots ([`DEFERRED_BLOCK_ITEMS`] for the pool): the
+//! block being filled (`current`), a list of full blocks, and a list of *spare* (empty) blocks.
+//! A block's buffer is allocated, and its pages touched, by the worker; an enqueue never
+//! allocates, it only moves a spare block in when `current` is full. So the queue's size is
+//! not fixed: it is the blocks the worker has made. The worker keeps at least twice as many
+//! spare blocks as queued ones (checked before each block it frees), so while releasers outrun
+//! it the queue triples ahead of them, and a release of any size is queued whole
+//! unless the worker falls that far behind (then enqueues fall back to freeing
+//! synchronously until it catches up). At rest the queue keeps `rest_blocks` blocks
+//! (upstream's budget, [`DEFERRED_FREE_BUDGET_BYTES`] of released pages); a worker drain that
+//! leaves the queue empty frees the blocks beyond that.
+//!
+//! Bound: every queued item is an object the pool still holds, and the worker allocates only
+//! while the blocks would not exceed three times those holding pending items (queued or in its
+//! batch), so the queue takes at most three slots per pending object plus its resting blocks
+//! (docs/zsmalloc.md, "Deferred free").
 //!
 //! # Protocol
 //!
 //! - **Enqueue** ([`try_enqueue`](DeferredQueue::try_enqueue)) only *try*-locks the queue. If
-//!   the lock is busy (another enqueuer, or a drainer swapping the buffer out) or the queue
-//!   holds `capacity` items, the item is handed back and the caller frees it synchronously: a
-//!   caller never waits for the queue, and the queue never grows past its capacity.
-//! - **Wake**: the enqueue that finds the queue at its wake mark (`wake_at`: the smaller of
-//!   [`DEFERRED_WAKE_ITEMS`] and half the capacity) or past it after its push, and no wake
-//!   already requested (`wake_requested`), asks its caller to [`wake`](DeferredQueue::wake) the
-//!   worker. The worker clears `wake_requested` *before* it drains, so items arriving during a
-//!   drain can request the next one; a wake is recorded under the signal mutex, which the
-//!   worker checks before sleeping, so none is lost.
-//! - **Drain** takes the drain mutex (one drainer at a time; it owns the spare buffer), swaps
-//!   the queue's buffer with the empty spare under the queue lock (the only time a drainer holds
-//!   it: O(1)), then frees the batch *with only the drain mutex held*. Buffers keep their
-//!   capacity, so steady-state enqueues never allocate.
+//!   the lock is busy (another enqueuer, or a drainer taking blocks), the queue holds
+//!   `max_items`, or `current` is full and no spare block is left, the item is handed back and
+//!   the caller frees it synchronously: a caller never waits for the queue and never
+//!   allocates.
+//! - **Wake**: the enqueue that finds the queue at its wake mark (`wake_at`) or past it after
+//!   its push, and no wake already requested (`wake_requested`), asks its caller to
+//!   [`wake`](DeferredQueue::wake) the worker. The worker clears `wake_requested` *before* it
+//!   drains, so items arriving during a drain can request the next one; a wake is recorded under
+//!   the signal mutex, which the worker checks before sleeping, so none is lost. An enqueue
+//!   refused for want of a spare block needs no wake of its own: with no spare block, every
+//!   block is either queued (at least one full block: past the wake mark, so a wake is
+//!   requested or the worker is draining, and it grows the queue before its next block) or in
+//!   a drainer's batch (which returns its blocks as it frees them).
+//! - **Drain** takes the drain mutex (one drainer at a time), takes every queued block (full
+//!   ones and `current`) under the queue lock (O(1): a list head and a block), then frees them
+//!   oldest first *with only the drain mutex held*, giving each block back to the spare list
+//!   (under the queue lock, O(1)) as soon as it is empty. The worker's drain
+//!   ([`drain_resizing`](DeferredQueue::drain_resizing)) also grows the spare list before each
+//!   block and shrinks the queue back to its resting blocks when it ends with the queue empty;
+//!   allocation and deallocation happen with no queue lock held.
 //! - **Flush** is a drain. Because a drainer holds the drain mutex until its whole batch is
 //!   freed, a drain that returns has freed everything enqueued before it was called: each such
-//!   item was either in the queue when this drain swapped it out, or in the batch of an earlier
+//!   item was either queued when this drain took the blocks, or in the batch of an earlier
 //!   drain that finished before this one got the drain mutex.
 //!
-//! Exactly once: an item is in exactly one place at a time (handed back to the caller, in the
-//! queue's buffer, or in one drainer's batch), moved between them under the lock that protects
+//! Exactly once: an item is in exactly one place at a time (handed back to the caller, in a
+//! queued block, or in one drainer's batch), moved between them under the lock that protects
 //! both ends, and a batch is emptied by the drainer that took it. The loom model
-//! (`loom_model` below, run by `scripts/test` with `--cfg loom`) checks this with a worker,
-//! enqueuers and a flusher in every interleaving within its bounds.
+//! (`loom_model` below, run by `scripts/test` with `--cfg loom`) checks this with a worker that
+//! grows and shrinks the queue, enqueuers and a flusher in every interleaving within its bounds.
 //!
 //! # Locks
 //!
 //! | lock | protects |
 //! |------|----------|
-//! | `queue` | the pending items (`Vec`), `queued` is bumped under it |
-//! | `drain` | the spare buffer, i.e. the batch being freed; held for the whole batch |
+//! | `queue` | the queued blocks, the spare blocks, the item count; `queued` is bumped under it |
+//! | `drain` | nothing but the right to drain: held for a whole batch |
 //! | `signal` | the worker's `wake` and `stop` flags (with `cond`) |
 //!
 //! Order: `drain` → `queue`. `signal` is never held with another. The closure given to `drain`
 //! runs with `drain` held and must not call back into this queue.
 
 #[cfg(loom)]
-use loom::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 #[cfg(loom)]
 use loom::sync::{Condvar, Mutex, MutexGuard};
+use std::mem::MaybeUninit;
 // loom's `Mutex::try_lock` returns std's `TryLockResult`.
 #[cfg(not(loom))]
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 #[cfg(loom)]
 use std::sync::TryLockError;
 #[cfg(not(loom))]
 use std::sync::{Condvar, Mutex, MutexGuard, TryLockError};
 
-/// The queue's budget in *uncompressed* bytes: 128 MiB, upstream's choice (its capacity is
-/// `128 MiB >> PAGE_SHIFT` handles). Each queued handle stands for one page that was released,
-/// so at most this much released data waits for its memory to come back; 32768 entries
-/// (256 KiB of handles per buffer) for 4 KiB pages, 2048 for 64 KiB pages.
+/// The queue's resting budget in *uncompressed* bytes: 128 MiB, upstream's whole capacity (its
+/// queue holds `128 MiB >> PAGE_SHIFT` handles). Each queued handle stands for one page that
+/// was released; the queue keeps blocks for this many at rest (32768 handles, 128 KiB of
+/// handle indices, for 4 KiB pages; 2048 for 64 KiB pages) and grows past it during a larger
+/// release.
 pub const DEFERRED_FREE_BUDGET_BYTES: usize = 128 << 20;
 
-/// The worker is woken once this many items wait (or the queue is half full, if that comes
-/// first): 1024 handles, two 2 MiB discards of 4 KiB pages. Before issue 14 it waited for half
-/// the capacity (16384 handles), so during a release larger than the queue it started late,
-/// the queue filled while it freed its first batch, and a fifth of the frees fell back to the
-/// releasing callers (`uzram bench free` at 100,000 pages). Woken this early it drains while
-/// the releasers still enqueue, in batches large enough that the frame allocator drops emptied
-/// zspages in whole batches (`page_alloc::DROP_BATCH_PAGES`), for one wake-up (a futex call)
-/// per 1024 handles.
+/// Slots per block: 1024 handles (4 KiB of handle indices: one page), two 2 MiB discards of
+/// 4 KiB pages. A block is the
+/// unit the worker allocates, frees and gives back, and the granularity at which it looks at
+/// the queue's growth.
+pub const DEFERRED_BLOCK_ITEMS: usize = 1024;
+
+/// The worker is woken once this many items wait (or half the resting capacity, if that comes
+/// first): 1024 handles, one block. Woken this early it drains while the releasers still
+/// enqueue, in batches large enough that the frame allocator drops emptied zspages in whole
+/// batches (`page_alloc::DROP_BATCH_PAGES`), for one wake-up (a futex call) per 1024 handles.
 pub const DEFERRED_WAKE_ITEMS: usize = 1024;
 
-/// The default capacity (entries) for a pool of `page_size_bytes` pages.
+/// The default resting capacity (items) for a pool of `page_size_bytes` pages.
 pub fn default_capacity(page_size_bytes: usize) -> usize {
     DEFERRED_FREE_BUDGET_BYTES / page_size_bytes
 }
@@ -88,7 +118,8 @@ pub struct DeferredStats {
     pub queued: u64,
     /// Items freed synchronously because the queue lock was busy.
     pub fallback_contended: u64,
-    /// Items freed synchronously because the queue was full.
+    /// Items freed synchronously because the queue had no free slot (no spare block yet, or at
+    /// its maximum).
     pub fallback_full: u64,
     /// Drain passes (worker or flush) that freed at least one item.
     pub drains: u64,
@@ -98,7 +129,7 @@ pub struct DeferredStats {
     pub pending: u64,
     /// Worker wake-ups requested (crossings of the wake mark).
     pub wakeups: u64,
-    /// Capacity in items.
+    /// Slots the queue's blocks hold now (it grows during large releases and shrinks back).
     pub capacity: u64,
 }
 
@@ -111,22 +142,112 @@ struct Signal {
     stop: bool,
 }
 
-/// A bounded queue of items to free later; see the module docs.
+/// A block of slots: a buffer of fixed capacity (it never reallocates: nobody pushes into a
+/// full block) and the link of the list it is on.
+#[derive(Debug)]
+struct Block<T> {
+    items: Vec<T>,
+    next: Option<Box<Block<T>>>,
+}
+
+impl<T> Block<T> {
+    /// An empty block of `slots` slots whose pages are touched, so the enqueues that fill it
+    /// take no page faults.
+    fn new(slots: usize) -> Box<Block<T>> {
+        let mut items = Vec::with_capacity(slots);
+        for slot in items.spare_capacity_mut() {
+            *slot = MaybeUninit::zeroed();
+        }
+        Box::new(Block { items, next: None })
+    }
+}
+
+/// A singly linked list of blocks (a stack: O(1) push and pop, never allocates).
+#[derive(Debug)]
+struct BlockList<T> {
+    head: Option<Box<Block<T>>>,
+    len: usize,
+}
+
+impl<T> Default for BlockList<T> {
+    fn default() -> Self {
+        BlockList { head: None, len: 0 }
+    }
+}
+
+impl<T> BlockList<T> {
+    fn push(&mut self, mut block: Box<Block<T>>) {
+        block.next = self.head.take();
+        self.head = Some(block);
+        self.len += 1;
+    }
+
+    fn pop(&mut self) -> Option<Box<Block<T>>> {
+        let mut block = self.head.take()?;
+        self.head = block.next.take();
+        self.len -= 1;
+        Some(block)
+    }
+
+    /// The list in the opposite order (the oldest of a stack of full blocks first).
+    fn reversed(mut self) -> BlockList<T> {
+        let mut out = BlockList::default();
+        while let Some(b) = self.pop() {
+            out.push(b);
+        }
+        out
+    }
+}
+
+impl<T> Drop for BlockList<T> {
+    /// Iteratively: a long list dropped recursively could overflow the stack.
+    fn drop(&mut self) {
+        while self.pop().is_some() {}
+    }
+}
+
+/// What the queue lock protects.
+#[derive(Debug)]
+struct Pending<T> {
+    /// The block being filled (`None` once a drainer took it and no enqueue has needed one).
+    current: Option<Box<Block<T>>>,
+    /// Full blocks, newest first.
+    full: BlockList<T>,
+    /// Empty blocks, ready to become `current`.
+    spare: BlockList<T>,
+    /// Items in `current` and `full`.
+    len: usize,
+}
+
+impl<T> Pending<T> {
+    /// Blocks holding queued items.
+    fn queued_blocks(&self) -> usize {
+        self.full.len + usize::from(self.current.is_some())
+    }
+}
+
+/// A queue of items to free later; see the module docs.
 #[derive(Debug)]
 pub(crate) struct DeferredQueue<T> {
-    /// Items the queue holds at most (at least 2).
-    capacity: usize,
+    /// Slots per block (at least 1).
+    block_items: usize,
+    /// Blocks kept at rest (at least 2).
+    rest_blocks: usize,
+    /// Items the queue holds at most (its blocks never exceed what that needs, twice over).
+    max_items: usize,
     /// The enqueue that brings the length to this (or past it) requests a drain.
     wake_at: usize,
-    /// The queue lock and the pending items. Enqueuers only try-lock it.
-    queue: Mutex<Vec<T>>,
-    /// The drain mutex and the spare buffer (the batch being freed while it is held).
-    drain: Mutex<Vec<T>>,
+    /// The queue lock: the queued and spare blocks. Enqueuers only try-lock it.
+    queue: Mutex<Pending<T>>,
+    /// The drain mutex: one drainer at a time, for its whole batch.
+    drain: Mutex<()>,
     /// A wake-up was requested and the worker has not started draining since. Lets enqueuers
     /// past the wake mark skip the signal mutex.
     wake_requested: AtomicBool,
     signal: Mutex<Signal>,
     cond: Condvar,
+    /// Blocks allocated (queued, spare, or in a drainer's batch).
+    blocks: AtomicUsize,
     queued: AtomicU64,
     fallback_contended: AtomicU64,
     fallback_full: AtomicU64,
@@ -142,17 +263,43 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<T> DeferredQueue<T> {
-    /// A queue holding up to `capacity` items (raised to 2, so half full is at least 1).
+    /// A queue resting at `capacity` slots (raised to 2) that grows without a set maximum: in
+    /// blocks of [`DEFERRED_BLOCK_ITEMS`], or of half the capacity if that is smaller.
     pub(crate) fn new(capacity: usize) -> DeferredQueue<T> {
         let capacity = capacity.max(2);
+        let block_items = DEFERRED_BLOCK_ITEMS.min(capacity / 2);
+        DeferredQueue::with_blocks(block_items, capacity.div_ceil(block_items), usize::MAX)
+    }
+
+    /// A queue of `rest_blocks` (raised to 2) blocks of `block_items` (raised to 1) slots at
+    /// rest, holding at most `max_items` items. Its blocks are allocated here.
+    pub(crate) fn with_blocks(
+        block_items: usize,
+        rest_blocks: usize,
+        max_items: usize,
+    ) -> DeferredQueue<T> {
+        let block_items = block_items.max(1);
+        let rest_blocks = rest_blocks.max(2);
+        let mut spare = BlockList::default();
+        for _ in 0..rest_blocks {
+            spare.push(Block::new(block_items));
+        }
         DeferredQueue {
-            capacity,
-            wake_at: (capacity / 2).min(DEFERRED_WAKE_ITEMS),
-            queue: Mutex::new(Vec::new()),
-            drain: Mutex::new(Vec::new()),
+            block_items,
+            rest_blocks,
+            max_items,
+            wake_at: (rest_blocks * block_items / 2).clamp(1, DEFERRED_WAKE_ITEMS),
+            queue: Mutex::new(Pending {
+                current: None,
+                full: BlockList::default(),
+                spare,
+                len: 0,
+            }),
+            drain: Mutex::new(()),
             wake_requested: AtomicBool::new(false),
             signal: Mutex::new(Signal::default()),
             cond: Condvar::new(),
+            blocks: AtomicUsize::new(rest_blocks),
             queued: AtomicU64::new(0),
             fallback_contended: AtomicU64::new(0),
             fallback_full: AtomicU64::new(0),
@@ -162,15 +309,15 @@ impl<T> DeferredQueue<T> {
         }
     }
 
-    /// The capacity in items.
-    #[cfg(all(test, not(loom)))]
+    /// Slots the queue's blocks hold now.
     pub(crate) fn capacity(&self) -> usize {
-        self.capacity
+        self.blocks.load(Ordering::Relaxed) * self.block_items
     }
 
-    /// Queues `item` if the queue lock is free right now and the queue is not full; otherwise
-    /// hands it back (`Err`), and the caller must free it itself. `Ok(true)`: the queue reached
-    /// its wake mark and the caller must call [`wake`](Self::wake).
+    /// Queues `item` if the queue lock is free right now and the queue has a free slot;
+    /// otherwise hands it back (`Err`), and the caller must free it itself. `Ok(true)`: the
+    /// queue reached its wake mark and the caller must call [`wake`](Self::wake). Never
+    /// allocates.
     pub(crate) fn try_enqueue(&self, item: T) -> Result<bool, T> {
         let mut q = match self.queue.try_lock() {
             Ok(q) => q,
@@ -180,13 +327,26 @@ impl<T> DeferredQueue<T> {
                 return Err(item);
             }
         };
-        if q.len() >= self.capacity {
+        let room = q
+            .current
+            .as_ref()
+            .is_some_and(|b| b.items.len() < self.block_items);
+        if q.len >= self.max_items || (!room && q.spare.len == 0) {
             drop(q);
             self.fallback_full.fetch_add(1, Ordering::Relaxed);
             return Err(item);
         }
-        q.push(item);
-        let len = q.len();
+        if !room {
+            let fresh = q.spare.pop().expect("a spare block (checked above)");
+            if let Some(full) = q.current.replace(fresh) {
+                q.full.push(full);
+            }
+        }
+        let current = q.current.as_mut().expect("a current block (just ensured)");
+        debug_assert!(current.items.len() < current.items.capacity());
+        current.items.push(item);
+        q.len += 1;
+        let len = q.len;
         // Under the queue lock, so a drainer (which takes the items under it) counts them as
         // drained only after they were counted as queued.
         self.queued.fetch_add(1, Ordering::Relaxed);
@@ -230,29 +390,112 @@ impl<T> DeferredQueue<T> {
         }
     }
 
-    /// Frees (with `free`) everything queued when it is called, and waits for a drain already
-    /// in progress; returns how many items it freed itself. Blocking: for the worker and for
-    /// `flush`, never for a release path.
-    pub(crate) fn drain(&self, mut free: impl FnMut(T)) -> usize {
-        let mut batch = lock(&self.drain);
-        debug_assert!(batch.is_empty(), "a previous drain left items behind");
-        std::mem::swap(&mut *lock(&self.queue), &mut *batch);
-        let n = batch.len();
-        for item in batch.drain(..) {
-            free(item);
+    /// Frees (with `free`, called on each block's items, oldest block first) everything queued
+    /// when it is called, and waits for a drain already in progress; returns how many items it
+    /// freed itself. Blocking: for `flush`, never for a release path.
+    pub(crate) fn drain(&self, free: impl FnMut(&[T])) -> usize {
+        self.drain_inner(free, false)
+    }
+
+    /// The worker's [`drain`](Self::drain): also keeps twice as many spare blocks as queued
+    /// ones (allocating before each block it frees), and, if the queue is empty when it ends, frees
+    /// the blocks beyond the resting ones.
+    pub(crate) fn drain_resizing(&self, free: impl FnMut(&[T])) -> usize {
+        self.drain_inner(free, true)
+    }
+
+    fn drain_inner(&self, mut free: impl FnMut(&[T]), resize: bool) -> usize {
+        let _drainer = lock(&self.drain);
+        if resize {
+            self.grow();
+        }
+        let mut batch = {
+            let mut q = lock(&self.queue);
+            let mut batch = std::mem::take(&mut q.full);
+            if let Some(current) = q.current.take() {
+                batch.push(current);
+            }
+            q.len = 0;
+            batch
+        }
+        .reversed();
+        let mut n = 0;
+        while let Some(mut block) = batch.pop() {
+            if resize {
+                self.grow();
+            }
+            free(&block.items);
+            n += block.items.len();
+            self.drained
+                .fetch_add(block.items.len() as u64, Ordering::Relaxed);
+            block.items.clear();
+            lock(&self.queue).spare.push(block);
         }
         if n > 0 {
             self.drains.fetch_add(1, Ordering::Relaxed);
-            self.drained.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        if resize {
+            self.shrink();
         }
         n
     }
 
-    /// Heap bytes the queue's two buffers (the queue and the batch being freed) take when
-    /// full: the most it holds (a buffer never grows past `capacity` items, as an enqueue into
-    /// a full queue is refused). Not measured, so reading it never contends with enqueuers.
-    pub(crate) fn max_heap_bytes(&self) -> usize {
-        2 * self.capacity.next_power_of_two() * std::mem::size_of::<T>()
+    /// Tops the spare list up to twice the queued blocks (at least the resting number), within
+    /// what `max_items` can use. The blocks are made with no lock but the drain mutex.
+    fn grow(&self) {
+        let want = {
+            let q = lock(&self.queue);
+            let queued = q.queued_blocks();
+            let most = (self.max_items.div_ceil(self.block_items))
+                .saturating_add(1)
+                .saturating_mul(2)
+                .max(self.rest_blocks);
+            let room = most.saturating_sub(self.blocks.load(Ordering::Relaxed));
+            (2 * queued)
+                .max(self.rest_blocks)
+                .saturating_sub(q.spare.len)
+                .min(room)
+        };
+        if want == 0 {
+            return;
+        }
+        let mut fresh = BlockList::default();
+        for _ in 0..want {
+            fresh.push(Block::new(self.block_items));
+        }
+        self.blocks.fetch_add(want, Ordering::Relaxed);
+        let mut q = lock(&self.queue);
+        while let Some(b) = fresh.pop() {
+            q.spare.push(b);
+        }
+    }
+
+    /// If nothing is queued, frees the spare blocks beyond the resting number (outside the
+    /// queue lock). Called by the worker with the drain mutex held, so no block is in a batch.
+    fn shrink(&self) {
+        let extra = {
+            let mut q = lock(&self.queue);
+            if q.len > 0 {
+                return;
+            }
+            let mut extra = BlockList::default();
+            while q.queued_blocks() + q.spare.len > self.rest_blocks {
+                match q.spare.pop() {
+                    Some(b) => extra.push(b),
+                    None => break,
+                }
+            }
+            extra
+        };
+        self.blocks.fetch_sub(extra.len, Ordering::Relaxed);
+        drop(extra);
+    }
+
+    /// Heap bytes the queue's blocks take now (touched: blocks are made with their pages
+    /// touched). Read without the queue lock, so it never contends with enqueuers.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.blocks.load(Ordering::Relaxed)
+            * (self.block_items * std::mem::size_of::<T>() + std::mem::size_of::<Block<T>>())
     }
 
     /// The counters. Exact when no queue operation is in flight.
@@ -267,7 +510,7 @@ impl<T> DeferredQueue<T> {
             drained,
             pending: queued.saturating_sub(drained),
             wakeups: self.wakeups.load(Ordering::Relaxed),
-            capacity: self.capacity as u64,
+            capacity: self.capacity() as u64,
         }
     }
 }
@@ -278,12 +521,31 @@ mod tests {
     use std::collections::HashSet;
     use std::sync::Arc;
 
+    impl<T> DeferredQueue<T> {
+        /// Blocks on the lists (no drainer running) against the `blocks` count.
+        fn check_blocks(&self) {
+            let q = lock(&self.queue);
+            assert_eq!(
+                q.queued_blocks() + q.spare.len,
+                self.blocks.load(Ordering::Relaxed),
+                "blocks on the lists vs counted"
+            );
+        }
+    }
+
     #[test]
     fn capacity_follows_the_page_size() {
         assert_eq!(default_capacity(4096), 32768);
         assert_eq!(default_capacity(16384), 8192);
         assert_eq!(default_capacity(65536), 2048);
         assert_eq!(DeferredQueue::<u32>::new(0).capacity(), 2);
+        let q = DeferredQueue::<u32>::new(32768);
+        assert_eq!((q.block_items, q.rest_blocks, q.wake_at), (1024, 32, 1024));
+        assert_eq!(q.capacity(), 32768);
+        assert_eq!(
+            q.heap_bytes(),
+            32 * (4096 + std::mem::size_of::<Block<u32>>())
+        );
     }
 
     #[test]
@@ -294,9 +556,10 @@ mod tests {
             wakes,
             [false, false, false, true, false, false, false, false]
         );
+        // No spare block left, and nobody has grown the queue.
         assert_eq!(q.try_enqueue(8), Err(8));
         let mut freed = Vec::new();
-        assert_eq!(q.drain(|i| freed.push(i)), 8);
+        assert_eq!(q.drain(|b| freed.extend_from_slice(b)), 8);
         assert_eq!(freed, (0..8).collect::<Vec<_>>());
         let s = q.stats();
         assert_eq!(
@@ -305,6 +568,7 @@ mod tests {
         );
         // The wake was never consumed by a worker, so no second one is requested.
         assert!((0..8).all(|i| !q.try_enqueue(i).unwrap()));
+        q.check_blocks();
     }
 
     #[test]
@@ -319,6 +583,62 @@ mod tests {
     }
 
     #[test]
+    fn a_maximum_refuses_with_spare_blocks_left() {
+        let q = DeferredQueue::with_blocks(2, 4, 5);
+        assert!((0..5).all(|i| q.try_enqueue(i).is_ok()));
+        assert_eq!(q.try_enqueue(5), Err(5));
+        assert_eq!(q.stats().fallback_full, 1);
+        // Growing never goes past what the maximum can use (twice over).
+        q.grow();
+        assert!(q.capacity() <= 2 * 2 * 4, "{}", q.capacity());
+        q.check_blocks();
+    }
+
+    /// The worker's drain grows the queue ahead of the queued blocks and shrinks it back to
+    /// its resting blocks once it ends with the queue empty; blocks are never lost or counted
+    /// twice.
+    #[test]
+    fn the_worker_grows_the_queue_and_shrinks_it_back() {
+        let q = DeferredQueue::new(8); // blocks of 4, 2 at rest
+        assert!((0..8).all(|i| q.try_enqueue(i).is_ok()));
+        assert!(q.try_enqueue(8).is_err());
+        q.grow();
+        assert_eq!(
+            q.capacity(),
+            24,
+            "twice as many spare blocks as queued ones"
+        );
+        q.check_blocks();
+        assert!((8..24).all(|i| q.try_enqueue(i).is_ok()));
+        assert!(q.try_enqueue(24).is_err());
+        let mut freed = Vec::new();
+        // Before its batch the worker grows to 12 spare blocks (6 queued); it ends with the
+        // queue empty and shrinks back to 2 blocks.
+        assert_eq!(q.drain_resizing(|b| freed.extend_from_slice(b)), 24);
+        assert_eq!(freed, (0..24).collect::<Vec<_>>(), "oldest block first");
+        assert_eq!(q.capacity(), 8);
+        q.check_blocks();
+        assert_eq!(
+            q.heap_bytes(),
+            2 * (4 * 4 + std::mem::size_of::<Block<i32>>())
+        );
+        // A drain that leaves items queued keeps the blocks.
+        assert!((0..8).all(|i| q.try_enqueue(i).is_ok()));
+        q.grow();
+        assert!((8..12).all(|i| q.try_enqueue(i).is_ok()));
+        let before = q.capacity();
+        q.drain_inner(
+            |_| {
+                q.try_enqueue(99).unwrap();
+            },
+            true,
+        );
+        assert!(q.capacity() >= before);
+        assert_eq!(q.stats().pending, 3, "enqueued during the drain");
+        q.check_blocks();
+    }
+
+    #[test]
     fn worker_wait_sees_wake_and_stop() {
         let q = DeferredQueue::<u32>::new(4);
         q.wake();
@@ -327,20 +647,26 @@ mod tests {
         assert!(!q.wait_for_work());
     }
 
-    /// Enqueuers, a worker and flushers on real threads: every item is freed exactly once.
+    /// Enqueuers, a worker (growing and shrinking the queue) and flushers on real threads:
+    /// every item is freed exactly once.
     #[test]
     fn threads_free_every_item_exactly_once() {
         let q = Arc::new(DeferredQueue::new(64));
         let freed = Arc::new(std::sync::Mutex::new(HashSet::new()));
         let free = {
             let freed = freed.clone();
-            move |i: u64| assert!(freed.lock().unwrap().insert(i), "{i} freed twice")
+            move |b: &[u64]| {
+                let mut f = freed.lock().unwrap();
+                for &i in b {
+                    assert!(f.insert(i), "{i} freed twice");
+                }
+            }
         };
         let worker = {
             let (q, free) = (q.clone(), free.clone());
             std::thread::spawn(move || {
                 while q.wait_for_work() {
-                    q.drain(&free);
+                    q.drain_resizing(&free);
                 }
             })
         };
@@ -353,7 +679,7 @@ mod tests {
                         match q.try_enqueue(item) {
                             Ok(true) => q.wake(),
                             Ok(false) => {}
-                            Err(item) => free(item),
+                            Err(item) => free(&[item]),
                         }
                         if i % 5000 == 0 {
                             q.drain(&free);
@@ -370,6 +696,7 @@ mod tests {
         assert_eq!(s.pending, 0);
         assert_eq!(s.queued, s.drained);
         assert_eq!(s.queued + s.fallback_contended + s.fallback_full, 60_000);
+        q.check_blocks();
     }
 }
 
@@ -378,7 +705,6 @@ mod tests {
 #[cfg(all(test, loom))]
 mod loom_model {
     use super::*;
-    use loom::sync::atomic::AtomicUsize;
     use loom::sync::Arc;
     use loom::thread;
 
@@ -398,6 +724,9 @@ mod loom_model {
             let was = self.live[i].fetch_sub(1, Ordering::Relaxed);
             assert_eq!(was, 1, "item {i} freed twice");
         }
+        fn free_block(&self, b: &[usize]) {
+            b.iter().for_each(|&i| self.free(i));
+        }
         fn leaked(&self) -> Vec<usize> {
             (0..self.live.len())
                 .filter(|&i| self.live[i].load(Ordering::Relaxed) != 0)
@@ -413,21 +742,33 @@ mod loom_model {
         }
     }
 
+    /// The pool's worker: drains, growing the queue before each block and shrinking it when it
+    /// ends empty.
     fn worker(q: Arc<DeferredQueue<usize>>, pool: Arc<Pool>) -> thread::JoinHandle<()> {
         thread::spawn(move || {
             while q.wait_for_work() {
-                q.drain(|i| pool.free(i));
+                q.drain_resizing(|b| pool.free_block(b));
             }
         })
     }
 
-    /// Two releasers (two items each, capacity 2: half full at 1, so wake-ups, full-queue and
-    /// contended fallbacks all happen) race the worker; then flush and stop, as `Drop` does.
-    /// Every item is freed exactly once, and the flush leaves nothing pending.
+    /// After everything stopped: the blocks on the lists are the blocks counted.
+    fn blocks_consistent(q: &DeferredQueue<usize>) {
+        let p = lock(&q.queue);
+        assert_eq!(
+            p.queued_blocks() + p.spare.len,
+            q.blocks.load(Ordering::Relaxed)
+        );
+    }
+
+    /// Two releasers (two items each; blocks of one item, two at rest, so the queue is full
+    /// after two items: wake-ups, growth by the worker, no-spare and contended fallbacks all
+    /// happen) race the worker; then flush and stop, as `Drop` does. Every item is freed
+    /// exactly once, the flush leaves nothing pending, and no block is lost.
     #[test]
-    fn enqueue_drain_fallback_flush() {
+    fn enqueue_grow_drain_fallback_flush() {
         loom::model(|| {
-            let q = Arc::new(DeferredQueue::new(2));
+            let q = Arc::new(DeferredQueue::with_blocks(1, 2, usize::MAX));
             let pool = Arc::new(Pool::new(4));
             let w = worker(q.clone(), pool.clone());
             let releasers: Vec<_> = (0..2)
@@ -442,11 +783,32 @@ mod loom_model {
             for r in releasers {
                 r.join().unwrap();
             }
-            q.drain(|i| pool.free(i));
+            q.drain(|b| pool.free_block(b));
             assert_eq!(pool.leaked(), Vec::<usize>::new());
             assert_eq!(q.stats().pending, 0);
             q.stop();
             w.join().unwrap();
+            blocks_consistent(&q);
+        });
+    }
+
+    /// One releaser queues three items (more than the resting blocks) while the worker grows
+    /// and shrinks the queue: the items and blocks the worker moves under the releaser's feet
+    /// are neither lost nor freed twice; a flush afterwards leaves nothing.
+    #[test]
+    fn grow_and_shrink_race_an_enqueuer() {
+        loom::model(|| {
+            let q = Arc::new(DeferredQueue::with_blocks(1, 2, usize::MAX));
+            let pool = Arc::new(Pool::new(3));
+            let w = worker(q.clone(), pool.clone());
+            for i in 0..3 {
+                release(&q, &pool, i);
+            }
+            q.drain(|b| pool.free_block(b));
+            assert_eq!(pool.leaked(), Vec::<usize>::new());
+            q.stop();
+            w.join().unwrap();
+            blocks_consistent(&q);
         });
     }
 
@@ -456,14 +818,14 @@ mod loom_model {
     #[test]
     fn flush_waits_for_the_workers_batch() {
         loom::model(|| {
-            let q = Arc::new(DeferredQueue::new(2));
+            let q = Arc::new(DeferredQueue::with_blocks(1, 2, usize::MAX));
             let pool = Arc::new(Pool::new(2));
             let w = worker(q.clone(), pool.clone());
-            release(&q, &pool, 0); // half full: wakes the worker
+            release(&q, &pool, 0); // the wake mark is 1: wakes the worker
             let flusher = {
                 let (q, pool) = (q.clone(), pool.clone());
                 thread::spawn(move || {
-                    q.drain(|i| pool.free(i));
+                    q.drain(|b| pool.free_block(b));
                     // Item 0 was queued before this flush began.
                     assert_eq!(
                         pool.live[0].load(Ordering::Relaxed),
@@ -474,7 +836,7 @@ mod loom_model {
             };
             release(&q, &pool, 1);
             flusher.join().unwrap();
-            q.drain(|i| pool.free(i));
+            q.drain(|b| pool.free_block(b));
             assert_eq!(pool.leaked(), Vec::<usize>::new());
             q.stop();
             w.join().unwrap();

@@ -20,8 +20,8 @@
 //! - `class`: a class at run time: its lock and what it protects.
 //! - `compact`: compaction.
 //! - `run`: objects larger than a pool page (whole pages plus a tail object).
-//! - `deferred_free`: the bounded queue behind [`ZsPool::free_deferred`], drained by a worker
-//!   thread (owned by [`ZsPool`], sharing the pool proper, [`PoolCore`], through an `Arc`;
+//! - `deferred_free`: the queue behind [`ZsPool::free_deferred`] (growing in blocks the worker
+//!   allocates), drained by a worker thread (owned by [`ZsPool`], sharing the pool proper, [`PoolCore`], through an `Arc`;
 //!   `ZsPool` derefs to it for every other operation).
 //!
 //! Everything else (this file, `class`, `compact`, ...) is `unsafe`-free (`deny(unsafe_code)`).
@@ -35,8 +35,8 @@
 //! | run table mutex (`RunTable::state`) | free run ids and run handle indices, run counters; every change of a run handle's location word |
 //! | run descriptor (`RunDesc`, an rwlock per run) | the run's frame and tail handle, and the bytes of its whole pages (shared to read, exclusive to write or to take the frame out) |
 //! | frame allocator mutex | chunks and free frames |
-//! | deferred-free queue lock (try-locked only by `free_deferred`) | the queued handles |
-//! | deferred-free drain mutex | the batch a drainer (worker or `flush`) is freeing |
+//! | deferred-free queue lock (try-locked only by `free_deferred`) | the queued and spare blocks of handles |
+//! | deferred-free drain mutex | the right to drain: held by a drainer (worker or `flush`) for its whole batch |
 //!
 //! Lock order: class lock → migrate lock of a compaction source → migrate lock of a destination
 //! → frame allocator mutex; run table mutex → run descriptor → (a tail's) migrate lock. No run
@@ -44,8 +44,8 @@
 //! `free` takes one class lock (plus, if the zspage empties, its migrate lock briefly and then,
 //! after the class lock is dropped, the frame allocator mutex). `free_deferred` try-locks the
 //! queue lock and holds nothing else with it (or falls back to `free`). A drainer holds the
-//! drain mutex, takes the queue lock only to swap buffers, then calls `free` per handle: drain
-//! mutex → class lock → ...
+//! drain mutex, takes the queue lock only to take blocks or give one back, then calls `free` per
+//! handle: drain mutex → class lock → ...
 //!
 //! # Finding an object while compaction moves it
 //!
@@ -91,7 +91,7 @@ pub use size_class::{
     ClassInfo, ClassTable, MAX_PAGES_PER_ZSPAGE, MIN_ALLOC_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES,
 };
 
-use class::{Detached, SizeClass};
+use class::{ClassState, Detached, SizeClass};
 use deferred_free::DeferredQueue;
 use fullness::NR_GROUPS;
 use handle::{HandleTable, Location, MAX_ZSPAGES_PER_CLASS};
@@ -122,8 +122,9 @@ pub struct PoolCore {
     total_pages: AtomicU64,
     /// Pages freed by compaction, cumulative.
     pages_compacted: AtomicU64,
-    /// Handles waiting to be freed (see `deferred_free`).
-    deferred: DeferredQueue<Handle>,
+    /// Handles waiting to be freed, as handle-table indices (4 bytes each; see
+    /// `deferred_free`).
+    deferred: DeferredQueue<u32>,
     /// Benchmark baseline, fixed at construction: return an emptied zspage's pages under the
     /// class lock, as zsmalloc did before the short critical section (the baseline of
     /// `uzram bench free`, [`ZsPool::bench_new_release_under_class_lock`]).
@@ -497,18 +498,7 @@ impl PoolCore {
         }
         let class = self.class_for(loc.size_bytes);
         let mut st = class.state.lock();
-        let word = self.handles.word(h);
-        // Every writer of the word holds this class lock, so this load sees the last store.
-        let loc = Location::decode(word.load(Ordering::Relaxed))
-            .unwrap_or_else(|| panic!("zsmalloc: double free of {h:?}"));
-        assert!(
-            std::ptr::eq(self.class_for(loc.size_bytes), class),
-            "zsmalloc: {h:?} changed class while being freed"
-        );
-        let emptied = st.release(class, loc.zspage, loc.obj, h.index());
-        word.store(0, Ordering::Release);
-        st.free_handles.push(h.index());
-        let detached = emptied.then(|| class.detach(&mut st, loc.zspage));
+        let detached = self.unlink(class, &mut st, h);
         #[cfg(any(test, feature = "testing"))]
         if self.release_under_class_lock {
             // The benchmark's baseline: pages returned with the class lock held.
@@ -521,6 +511,89 @@ impl PoolCore {
         drop(st);
         if let Some(d) = detached {
             self.release_detached(class, d);
+        }
+    }
+
+    /// With `class`'s lock held (`st`): unlinks `h`'s object from its zspage (slot metadata,
+    /// handle word, free handle index) and, if the zspage emptied, detaches it; the caller
+    /// returns its memory ([`release_detached`](Self::release_detached)) after dropping the
+    /// lock. Panics on a double free.
+    fn unlink(&self, class: &SizeClass, st: &mut ClassState, h: Handle) -> Option<Detached> {
+        let word = self.handles.word(h);
+        // Every writer of the word holds this class lock, so this load sees the last store.
+        let loc = Location::decode(word.load(Ordering::Relaxed))
+            .unwrap_or_else(|| panic!("zsmalloc: double free of {h:?}"));
+        assert!(
+            std::ptr::eq(self.class_for(loc.size_bytes), class),
+            "zsmalloc: {h:?} changed class while being freed"
+        );
+        let emptied = st.release(class, loc.zspage, loc.obj, h.index());
+        word.store(0, Ordering::Release);
+        st.free_handles.push(h.index());
+        emptied.then(|| class.detach(st, loc.zspage))
+    }
+
+    /// Frees a batch of handles taken from the deferred-free queue: as [`free`](Self::free)
+    /// each, but grouped by class, so a class lock is taken once per group of up to
+    /// [`FREE_GROUP_OBJECTS`] objects of that class instead of once per object. The handles'
+    /// location words are read in one pass first (no lock between the loads, so their cache
+    /// misses overlap), then bucketed by class in release order (a counting sort: O(n)), then
+    /// freed class by class; an emptied zspage's memory is returned after its group's lock is
+    /// dropped, as `free` does. Runs are freed one by one.
+    fn free_many(&self, indices: &[u32], scratch: &mut FreeScratch) {
+        let FreeScratch {
+            classes,
+            sorted,
+            counts,
+            detached,
+        } = scratch;
+        classes.clear();
+        counts.clear();
+        counts.resize(self.classes.len() + 1, 0);
+        for &index in indices {
+            let h = Handle::from_index(index);
+            let (_, loc) = self.handles.load(h);
+            if loc.size_bytes > POOL_PAGE_BYTES {
+                self.free_run(h);
+                classes.push(u32::MAX);
+                continue;
+            }
+            let class = self.table.class_of(loc.size_bytes);
+            counts[class + 1] += 1;
+            classes.push(class as u32);
+        }
+        // counts[c] becomes the start of class c's bucket.
+        for c in 1..counts.len() {
+            counts[c] += counts[c - 1];
+        }
+        let total = counts[self.classes.len()];
+        sorted.clear();
+        sorted.resize(total, None);
+        for (&index, &class) in indices.iter().zip(classes.iter()) {
+            if class != u32::MAX {
+                let at = &mut counts[class as usize];
+                sorted[*at] = Some(Handle::from_index(index));
+                *at += 1;
+            }
+        }
+        // counts[c] is now the end of class c's bucket, i.e. the start of c + 1's.
+        let mut start = 0;
+        for (c, class) in self.classes.iter().enumerate() {
+            let end = counts[c];
+            for group in sorted[start..end].chunks(FREE_GROUP_OBJECTS) {
+                let mut st = class.state.lock();
+                for h in group {
+                    let h = h.expect("every bucket slot filled");
+                    if let Some(d) = self.unlink(class, &mut st, h) {
+                        detached.push(d);
+                    }
+                }
+                drop(st);
+                for d in detached.drain(..) {
+                    self.release_detached(class, d);
+                }
+            }
+            start = end;
         }
     }
 
@@ -538,9 +611,9 @@ impl PoolCore {
     fn enqueue_deferred(&self, h: Handle) -> bool {
         // Catch a deferred free of a freed handle here, in the caller, not in the worker.
         self.handles.load(h);
-        match self.deferred.try_enqueue(h) {
+        match self.deferred.try_enqueue(h.index()) {
             Ok(wake) => wake,
-            Err(h) => {
+            Err(_) => {
                 self.free(h);
                 false
             }
@@ -551,7 +624,8 @@ impl PoolCore {
     /// call began, waiting for a drain in progress (handles queued concurrently may stay
     /// queued). Returns the handles this call freed itself.
     pub fn flush(&self) -> usize {
-        self.deferred.drain(|h| self.free(h))
+        let mut scratch = FreeScratch::default();
+        self.deferred.drain(|hs| self.free_many(hs, &mut scratch))
     }
 
     /// The deferred-free queue's counters.
@@ -667,7 +741,7 @@ impl PoolCore {
                 + self.frames.reserve_pages()
                 + self.frames.dropping_batch_pages())
                 * POOL_PAGE_BYTES) as u64,
-            deferred_queue_bytes: self.deferred.max_heap_bytes() as u64,
+            deferred_queue_bytes: self.deferred.heap_bytes() as u64,
         }
     }
 
@@ -688,16 +762,36 @@ impl PoolCore {
     }
 }
 
+/// Objects of one class freed under one hold of its lock by [`PoolCore::free_many`]: 32, a
+/// few microseconds of bookkeeping, so a writer waiting for the class lock waits no longer
+/// than for a handful of frees.
+const FREE_GROUP_OBJECTS: usize = 32;
+
+/// Buffers [`PoolCore::free_many`] reuses from batch to batch (the worker keeps one for its
+/// life, so its frees allocate nothing once they have grown).
+#[derive(Debug, Default)]
+struct FreeScratch {
+    /// Each handle's class index (`u32::MAX`: a run, already freed).
+    classes: Vec<u32>,
+    /// The handles bucketed by class, in release order within a class.
+    sorted: Vec<Option<Handle>>,
+    /// Bucket bounds per class.
+    counts: Vec<usize>,
+    /// Zspages emptied under the current group's lock.
+    detached: Vec<Detached>,
+}
+
 /// A pool of compressed objects; see the module docs. `Send + Sync`: share it as
 /// `Arc<ZsPool>`.
 ///
 /// It owns the pool proper ([`PoolCore`], shared with the deferred-free worker; every operation
 /// but [`free_deferred`](Self::free_deferred) is `PoolCore`'s, through `Deref`) and the
-/// worker's thread, started by the first wake-up. Dropping the pool stops the worker and
+/// worker's thread, started with the pool. Dropping the pool stops the worker and
 /// flushes the deferred-free queue, so no queued handle is left unfreed.
 pub struct ZsPool {
     core: Arc<PoolCore>,
-    /// The deferred-free worker, once started. Locked only to start it and to stop it.
+    /// The deferred-free worker (started with the pool). Locked only to start it and to stop
+    /// it.
     worker: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -709,14 +803,15 @@ impl fmt::Debug for ZsPool {
 
 impl ZsPool {
     /// A pool for pages of `page_size_bytes` (4096, 16384 or 65536; otherwise `EINVAL`).
-    /// Reserves nothing until the first `malloc`. Its deferred-free queue holds
+    /// Reserves nothing until the first `malloc`. Its deferred-free queue rests at
     /// [`DEFERRED_FREE_BUDGET_BYTES`] / page size handles.
     pub fn new(page_size_bytes: usize) -> Result<ZsPool> {
         ZsPool::with_deferred_capacity(page_size_bytes, None)
     }
 
-    /// As [`new`](Self::new), with a deferred-free queue of `capacity` handles (at least 2)
-    /// instead of the default: tests use a small one so the worker runs often.
+    /// As [`new`](Self::new), with a deferred-free queue resting at `capacity` handles (at
+    /// least 2; blocks of up to half that) instead of the default: tests use a small one so the
+    /// worker runs and grows it often.
     pub fn with_deferred_capacity(
         page_size_bytes: usize,
         capacity: Option<usize>,
@@ -770,18 +865,23 @@ impl ZsPool {
     }
 
     fn with_core(core: PoolCore) -> ZsPool {
-        ZsPool {
+        let pool = ZsPool {
             core: Arc::new(core),
             worker: parking_lot::Mutex::new(None),
-        }
+        };
+        // Started now rather than at the first wake-up: a release that begins on a fresh pool
+        // must not outrun the queue's resting blocks while the thread is being created.
+        pool.start_worker(&mut pool.worker.lock());
+        pool
     }
 
     /// Frees `h` later (upstream's `zs_free_deferred()`), for release paths that must return
-    /// quickly. `h` goes into the pool's bounded queue if its lock is free right now and it is
-    /// not full; otherwise it is freed synchronously, here. The queue is drained by a
-    /// background worker once it holds `DEFERRED_WAKE_ITEMS` handles (or is half full), by
-    /// [`flush`](PoolCore::flush), and when the pool
-    /// is dropped. Until then the object still holds its memory (`total_pages` counts it).
+    /// quickly. `h` goes into the pool's queue if its lock is free right now and it has a free
+    /// slot (the worker grows it ahead of the releasers); otherwise it is freed synchronously,
+    /// here. Never allocates. The queue is drained by a background worker once it holds
+    /// `DEFERRED_WAKE_ITEMS` handles (or half its resting capacity), by
+    /// [`flush`](PoolCore::flush), and when the pool is dropped. Until then the object still
+    /// holds its memory (`total_pages` counts it).
     ///
     /// `h` is given up: using or freeing it again is a use after free, as after
     /// [`free`](PoolCore::free) (a deferred free of a freed handle panics here).
@@ -791,27 +891,38 @@ impl ZsPool {
         }
     }
 
-    /// Starts the worker if needed and wakes it.
+    /// Wakes the worker, starting it first if it is not running.
     fn wake_worker(&self) {
         let mut worker = self.worker.lock();
-        if worker.is_none() {
-            let core = self.core.clone();
-            let spawned = std::thread::Builder::new()
-                .name("uzram-zs-free".into())
-                .spawn(move || {
-                    while core.deferred.wait_for_work() {
-                        core.flush();
-                    }
-                });
-            match spawned {
-                Ok(handle) => *worker = Some(handle),
-                // No thread: the queue stays bounded (enqueues fall back once it is full) and
-                // is drained by `flush` and `Drop`; nothing is lost.
-                Err(_) => return,
-            }
+        if worker.is_none() && !self.start_worker(&mut worker) {
+            return;
         }
         drop(worker);
         self.core.deferred.wake();
+    }
+
+    /// Starts the deferred-free worker into `worker` (the `worker` mutex held); false if the
+    /// thread could not be created. Then the queue only holds its resting blocks (enqueues
+    /// fall back once they are full) and is drained by `flush` and `Drop`; nothing is lost, and
+    /// the next wake-up tries again.
+    fn start_worker(&self, worker: &mut Option<std::thread::JoinHandle<()>>) -> bool {
+        let core = self.core.clone();
+        let spawned = std::thread::Builder::new()
+            .name("uzram-zs-free".into())
+            .spawn(move || {
+                let mut scratch = FreeScratch::default();
+                while core.deferred.wait_for_work() {
+                    core.deferred
+                        .drain_resizing(|indices| core.free_many(indices, &mut scratch));
+                }
+            });
+        match spawned {
+            Ok(handle) => {
+                *worker = Some(handle);
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     #[cfg(test)]
@@ -858,8 +969,8 @@ pub struct PoolMeta {
     /// Frames of freed zspages kept resident for reuse (at most 2 MiB; emptied by compaction),
     /// and, when serving swap, the swap reserve (`crate::memory`).
     pub frame_cache_bytes: u64,
-    /// The deferred-free queue's two buffers when full (8 bytes per entry; at most this much,
-    /// touched only as far as the queue has ever filled).
+    /// The deferred-free queue's blocks (8 bytes per slot, touched): its resting blocks, and
+    /// more while a release larger than them is pending.
     pub deferred_queue_bytes: u64,
 }
 
