@@ -1,34 +1,128 @@
-//! Process-wide memory policy: whether this process serves swap (`uzram serve --swap`), and
-//! so must never wait for memory on a request path.
+//! The swap reserve: memory a server backing swap (`uzram serve --swap`) gets ahead of need, so
+//! that a request does not wait for memory while the reserve lasts.
 //!
 //! A server backing swap stores the pages the kernel writes out to free memory. Its own page
 //! faults under memory pressure enter direct reclaim, which cannot swap anything out for it (it
-//! is an I/O flusher: `PF_MEMALLOC_NOIO`) and would wait for the very writes it is serving: a
-//! deadlock (docs/ublk.md, "Swap on ublk"). So in swap mode what a device needs is faulted in
-//! when it is created, not when a write first touches it: the slot table (16 bytes a page, as
-//! the kernel's zram allocates its table at `disksize`), and a reserve of zsmalloc frames
-//! (`zsmalloc::page_alloc`, "The reserve"), refilled off the request path.
+//! is an I/O flusher: `PF_MEMALLOC_NOIO`) and may wait for the very writes it is serving
+//! (docs/ublk.md, "Swap on ublk"). So a device serving swap is given the server's
+//! [`SwapReserve`] when it is made (`Device::set_swap_reserve`), and then:
 //!
-//! Set once by the server before it creates devices ([`set_swap_reserve_bytes`]); devices
-//! created afterwards follow it. An atomic, read when a device is initialised.
+//! - its slot table is faulted in whole when it is initialised (16 bytes a page, as the kernel's
+//!   zram allocates its table at `disksize`);
+//! - its pool's zspages come from the reserve's frames, already faulted in (and locked, the
+//!   server having locked its memory): one zsmalloc frame allocator for every pool of the
+//!   server (`zsmalloc::page_alloc`, "The reserve"), refilled by one thread
+//!   (`uzram-zs-reserve`) off the request path between watermarks that follow the write rate;
+//! - a write that needs a new zspage when the reserve has no frame for it faults one in
+//!   itself, which may wait for memory; that is counted ([`SwapReserveStats::misses`]).
+//!
+//! The reserve is one per server, not one per device: its size (`--swap-reserve`) bounds the
+//! memory held ahead of need whatever the number of devices.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
-/// Bytes of zsmalloc frames each pool keeps faulted in (0: not serving swap).
-static SWAP_RESERVE_BYTES: AtomicUsize = AtomicUsize::new(0);
+use crate::error::Result;
+use crate::zsmalloc::page_alloc::FrameAllocator;
+pub use crate::zsmalloc::page_alloc::SwapReserveStats;
+use crate::zsmalloc::{ClassTable, POOL_PAGE_BYTES};
 
-/// Serve swap: every device initialised from now on faults its slot table in at once and
-/// keeps a reserve of `bytes` of zsmalloc frames (0 turns this off again).
-pub fn set_swap_reserve_bytes(bytes: usize) {
-    SWAP_RESERVE_BYTES.store(bytes, Ordering::Relaxed);
+/// Frames of 16 pool pages: a run of the largest device page (64 KiB) fits one, so every
+/// pool of the server, whatever its page size, takes frames from the one allocator.
+const FRAME_PAGES: usize = 16;
+
+/// The swap reserve's size when `--swap-reserve` is not given: an eighth of the RAM, between
+/// 16 MiB and 64 MiB (64 MiB from 512 MiB of RAM up: what one device's reserve was, measured
+/// enough for the VM tests' bursts of swap-outs; now one for every device of the server).
+pub fn default_swap_reserve_bytes(ram_bytes: u64) -> u64 {
+    (ram_bytes / 8).clamp(16 << 20, 64 << 20)
 }
 
-/// The reserve set by [`set_swap_reserve_bytes`] (0: not serving swap).
-pub fn swap_reserve_bytes() -> usize {
-    SWAP_RESERVE_BYTES.load(Ordering::Relaxed)
+/// The server's swap reserve; see the module docs. Shared (`Arc`) by every device serving
+/// swap; its refiller thread stops when the last holder drops it.
+#[derive(Debug)]
+pub struct SwapReserve {
+    frames: Arc<FrameAllocator>,
+    bytes: usize,
 }
 
-/// Whether this process serves swap (memory is faulted in when a device is created).
-pub fn serving_swap() -> bool {
-    swap_reserve_bytes() > 0
+impl SwapReserve {
+    /// Faults in a reserve of `bytes` (rounded down to pool pages, at least one page per
+    /// zspage size) and starts its refiller. `ENOMEM` when the address space or the thread
+    /// cannot be had.
+    pub fn new(bytes: usize) -> Result<Arc<SwapReserve>> {
+        let frames = Arc::new(
+            FrameAllocator::with_frame_pages(
+                POOL_PAGE_BYTES,
+                FRAME_PAGES,
+                crate::zsmalloc::page_alloc::FRAME_CACHE_BYTES,
+            )
+            .with_drop_batches(),
+        );
+        let counts: Vec<usize> = ClassTable::new(POOL_PAGE_BYTES)
+            .classes()
+            .iter()
+            .map(|c| c.pages_per_zspage)
+            .collect();
+        frames.set_reserve(bytes / POOL_PAGE_BYTES, &counts)?;
+        Ok(Arc::new(SwapReserve { frames, bytes }))
+    }
+
+    /// The size asked for, in bytes (the high mark).
+    pub fn size_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// What the reserve holds and has done now.
+    pub fn stats(&self) -> SwapReserveStats {
+        self.frames.swap_stats()
+    }
+
+    /// The frame allocator every pool serving swap takes its zspages from.
+    pub(crate) fn frames(&self) -> &Arc<FrameAllocator> {
+        &self.frames
+    }
+}
+
+impl Drop for SwapReserve {
+    fn drop(&mut self) {
+        self.frames.stop_refiller();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zsmalloc::ZsPool;
+
+    /// Two pools share one reserve: their zspages come from it; once it is empty (its
+    /// refiller stopped) a zspage is faulted in by its writer and counted; a dropped pool's
+    /// frames go back to the reserve.
+    #[test]
+    fn pools_share_one_reserve() {
+        let reserve = SwapReserve::new(2 << 20).unwrap();
+        let full = reserve.stats();
+        assert_eq!(full.high_pages, 512);
+        assert!(full.held_pages >= 400, "{full:?}");
+        let a = ZsPool::with_swap_reserve(4096, None, &reserve).unwrap();
+        let b = ZsPool::with_swap_reserve(4096, None, &reserve).unwrap();
+        assert!(a.serves_swap() && b.serves_swap());
+        // The refiller stops: what is taken now is not replaced.
+        reserve.frames().stop_refiller();
+        let mut handles = Vec::new();
+        while reserve.stats().misses == 0 {
+            let pool = if handles.len() % 2 == 0 { &a } else { &b };
+            let h = pool.malloc(4096).unwrap();
+            pool.write(h, &[0x5a; 4096]);
+            handles.push(h);
+            assert!(handles.len() < 10_000, "the reserve never ran out");
+        }
+        assert_eq!(reserve.stats().held_pages, 0);
+        assert!(handles.len() > 64, "{}", handles.len());
+        // Dropping a pool gives its frames back to the reserve (up to its targets).
+        drop(b);
+        assert!(reserve.stats().held_pages > 0, "{:?}", reserve.stats());
+        for h in handles.into_iter().step_by(2) {
+            assert!(a.read(h, |b| b == [0x5a; 4096]));
+        }
+    }
 }

@@ -119,6 +119,11 @@ pub struct ServeArgs {
     /// request buffers (docs/serve.md, "Serving swap").
     #[arg(long)]
     pub swap: bool,
+    /// With --swap: the memory the server gets ahead of need for the pages it stores, one
+    /// reserve for all its devices (a size, or an expression of `ram`; default: ram / 8,
+    /// between 16M and 64M; docs/ublk.md, "Swap on ublk").
+    #[arg(long, value_name = "SIZE")]
+    pub swap_reserve: Option<String>,
     /// Also make every device a kernel block device /dev/ublkbN on this host (needs the
     /// ublk_drv module, Linux 6.0+, and root; docs/ublk.md).
     #[arg(long)]
@@ -212,6 +217,11 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
     }
     cfg.metrics_allow_remote |= args.metrics_allow_remote;
     cfg.swap |= args.swap;
+    if let Some(r) = &args.swap_reserve {
+        uzram_service::size_expr::eval_bytes(r, 1 << 30)
+            .with_context(|| format!("--swap-reserve {r}"))?;
+        cfg.swap_reserve = Some(r.clone());
+    }
     if let Some(n) = args.max_connections {
         cfg.max_connections = Some(n);
     }

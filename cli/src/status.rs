@@ -76,11 +76,12 @@ pub enum Column {
     BackingDev,
     BdUsed,
     BlockDev,
+    SwapReserve,
 }
 
 impl Column {
     /// Every column, in `--output-all`'s order.
-    pub const ALL: [Column; 17] = [
+    pub const ALL: [Column; 18] = [
         Column::Name,
         Column::Disksize,
         Column::Data,
@@ -98,6 +99,7 @@ impl Column {
         Column::BackingDev,
         Column::BdUsed,
         Column::BlockDev,
+        Column::SwapReserve,
     ];
 
     /// zramctl's default columns.
@@ -132,6 +134,7 @@ impl Column {
             Column::BackingDev => "BACKING-DEV",
             Column::BdUsed => "BD-USED",
             Column::BlockDev => "BLOCK-DEV",
+            Column::SwapReserve => "SWAP-RESERVE",
         }
     }
 
@@ -151,10 +154,13 @@ impl Column {
             Column::Migrated => "number of objects migrated by compaction",
             Column::CompRatio => "compression ratio: DATA/TOTAL",
             Column::Mountpoint => "where the device is mounted",
-            Column::Meta => "uzram: metadata memory, the sum of meta_stat",
+            Column::Meta => "uzram: metadata memory, the sum of meta_stat's first five columns",
             Column::BackingDev => "uzram: the backing device or file (backing_dev)",
             Column::BdUsed => "uzram: bytes held on the backing device (bd_stat's bd_count)",
             Column::BlockDev => "uzram: the kernel block device of serve --ublk",
+            Column::SwapReserve => {
+                "uzram: the server's swap reserve held now, of its size (serve --swap)"
+            }
         }
     }
 
@@ -384,9 +390,11 @@ fn row(
             Column::Migrated => size(mm_col(6)?),
             Column::CompRatio => comp_ratio(mm_col(0)?, mm_col(2)?),
             Column::Mountpoint => mountpoint().unwrap_or_default(),
+            // The device's own memory: the first five columns (the rest are the server's).
             Column::Meta => match files.read("meta_stat")? {
                 Some(t) => size(
                     t.split_whitespace()
+                        .take(5)
                         .map(str::parse::<u64>)
                         .sum::<std::result::Result<u64, _>>()
                         .map_err(|e| anyhow!("{name}: failed to parse meta_stat: {e}"))?,
@@ -414,6 +422,22 @@ fn row(
                     _ => String::new(),
                 }
             }
+            Column::SwapReserve => match files.read("meta_stat")? {
+                Some(t) => {
+                    let cols: Vec<u64> = t
+                        .split_whitespace()
+                        .map(str::parse::<u64>)
+                        .collect::<std::result::Result<_, _>>()
+                        .map_err(|e| anyhow!("{name}: failed to parse meta_stat: {e}"))?;
+                    match cols.get(5..7) {
+                        Some(&[held, total]) if total > 0 => {
+                            format!("{}/{}", size(held), size(total))
+                        }
+                        _ => String::new(),
+                    }
+                }
+                None => String::new(),
+            },
             Column::BlockDev => files
                 .read(control::BLOCK_DEV_ATTR)?
                 .map(|t| t.trim().to_string())

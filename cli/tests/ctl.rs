@@ -202,7 +202,7 @@ socket = "{d}/zram1.sock"
     assert_eq!(z1[..4], ["zram1", "lz4", "16M", "4M"], "{s}");
     // Every figure as mm_stat has it (nothing is written meanwhile).
     let all = "NAME,DISKSIZE,DATA,COMPR,ALGORITHM,STREAMS,ZERO-PAGES,TOTAL,MEM-LIMIT,MEM-USED,\
-               MIGRATED,COMP-RATIO,MOUNTPOINT,META,BACKING-DEV,BD-USED,BLOCK-DEV";
+               MIGRATED,COMP-RATIO,MOUNTPOINT,META,BACKING-DEV,BD-USED,BLOCK-DEV,SWAP-RESERVE";
     let b = r.status(&["--bytes", "--raw", "-n", "-o", all, "zram1"]);
     assert_eq!(
         b,
@@ -211,7 +211,7 @@ socket = "{d}/zram1.sock"
     let z1b: Vec<&str> = b.trim_end_matches('\n').split(' ').collect();
     let mm = mm_stat(&r, "zram1");
     let figure = |i: usize| z1b[i].parse::<u64>().unwrap();
-    assert_eq!(z1b.len(), 17, "{b}");
+    assert_eq!(z1b.len(), 18, "{b}");
     assert_eq!(z1b[0], "zram1");
     assert_eq!(figure(1), 16 << 20);
     assert_eq!(
@@ -225,21 +225,27 @@ socket = "{d}/zram1.sock"
     assert_eq!([z1b[4], z1b[5], z1b[12]], ["lz4", "", ""], "{b}");
     assert_eq!(mm[0], 4 << 20);
     assert!(mm[1] > 0 && mm[1] < mm[0], "{b}");
-    // META is the sum of meta_stat's columns, the first of which is the slot table: 16 bytes
-    // per page of the 16 MiB device of 16 KiB pages.
+    // META is the sum of meta_stat's first five columns (the device's own memory), the first
+    // of which is the slot table: 16 bytes per page of the 16 MiB device of 16 KiB pages; the
+    // last three are the server's swap reserve, 0 without --swap.
     let meta_stat = stdout(&r.ctl(&["--dev", "zram1", "meta_stat"]));
     let meta_cols: Vec<u64> = meta_stat
         .split_whitespace()
         .map(|c| c.parse().unwrap())
         .collect();
-    assert_eq!(meta_cols.len(), 5, "{meta_stat}");
+    assert_eq!(meta_cols.len(), 8, "{meta_stat}");
+    assert_eq!(meta_cols[5..], [0, 0, 0], "{meta_stat}");
     assert_eq!(meta_cols[0], (16 << 20) / 16384 * 16, "{meta_stat}");
     assert_eq!(
         figure(13),
         meta_cols.iter().sum::<u64>(),
         "{b}\n{meta_stat}"
     );
-    assert_eq!(z1b[14..], ["", "", ""], "no backing device, no --ublk");
+    assert_eq!(
+        z1b[14..],
+        ["", "", "", ""],
+        "no backing device, no --ublk, no --swap"
+    );
     // Human sizes, column choice and order, '+' adding to the defaults.
     assert_eq!(
         r.status(&["-o", "name,data,BD-USED", "zram1"]),

@@ -6,6 +6,7 @@
 //! [server]                       # optional
 //! listen = "127.0.0.1:10809"     # also serve TCP (off unless given)
 //! swap = true                    # lock memory, mark the server an I/O flusher (docs/serve.md)
+//! swap_reserve = "64M"           # with swap: memory got ahead of need, server-wide (docs/ublk.md)
 //! max_connections = 100          # connections served at once
 //! max_inflight = "128M"          # request memory budget, server-wide
 //! tls = "require"                # off | on | require (TCP), with:
@@ -68,6 +69,9 @@ pub struct ServeConfig {
     pub listen: Option<SocketAddr>,
     /// Serve swap safely (lock memory, I/O flusher).
     pub swap: bool,
+    /// With `swap`: the server's swap reserve, a size or an expression of `ram` (`None`: the
+    /// default, `uzram::memory::default_swap_reserve_bytes`).
+    pub swap_reserve: Option<String>,
     /// Connections served at once (`None`: the default).
     pub max_connections: Option<usize>,
     /// The request memory budget in bytes (`None`: the default).
@@ -160,6 +164,18 @@ impl ServeConfig {
                                     bad(format!("{what}: server.swap must be true or false"))
                                 })?
                             }
+                            "swap_reserve" => {
+                                let e = v
+                                    .as_str()
+                                    .filter(|e| crate::size_expr::eval_bytes(e, 1 << 30).is_ok())
+                                    .ok_or_else(|| {
+                                        bad(format!(
+                                            "{what}: server.swap_reserve must be a size (\"64M\") \
+                                             or an expression of ram (\"ram / 16\")"
+                                        ))
+                                    })?;
+                                cfg.swap_reserve = Some(e.to_string());
+                            }
                             "max_connections" => {
                                 cfg.max_connections = Some(
                                     v.as_integer()
@@ -197,8 +213,9 @@ impl ServeConfig {
                             _ => {
                                 return Err(bad(format!(
                                     "{what}: unknown key server.{k} (known: listen, swap, \
-                                     max_connections, max_inflight, tls, tls_cert, tls_key, \
-                                     tls_client_ca, metrics_listen, metrics_allow_remote)"
+                                     swap_reserve, max_connections, max_inflight, tls, \
+                                     tls_cert, tls_key, tls_client_ca, metrics_listen, \
+                                     metrics_allow_remote)"
                                 )))
                             }
                         }
@@ -349,6 +366,16 @@ impl DeviceSpec {
     /// Creates the device: stores each attribute in order, then `disksize` (evaluated with
     /// `ram_bytes` of RAM). Errors name the device and key and keep the device's errno.
     pub fn build(&self, ram_bytes: u64) -> Result<Device> {
+        self.build_with_swap(ram_bytes, None)
+    }
+
+    /// As [`build`](Self::build), the device serving swap from `swap_reserve` (the server's,
+    /// `uzram::memory`) when given.
+    pub fn build_with_swap(
+        &self,
+        ram_bytes: u64,
+        swap_reserve: Option<&std::sync::Arc<uzram::memory::SwapReserve>>,
+    ) -> Result<Device> {
         let ctx = |k: &str, v: &str, e: Error| {
             Error::new(
                 e.kind(),
@@ -357,6 +384,7 @@ impl DeviceSpec {
         };
         let dev = Device::new_uninit(self.page_size_bytes)
             .map_err(|e| ctx("page_size", &self.page_size_bytes.to_string(), e))?;
+        dev.set_swap_reserve(swap_reserve.cloned())?;
         for (k, v) in &self.attrs {
             dev.attr_store(k, v).map_err(|e| ctx(k, v, e))?;
         }

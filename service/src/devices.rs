@@ -201,6 +201,8 @@ fn zram_id(name: &str) -> Option<u32> {
 pub struct ServerFrontends {
     /// The directory of the sockets of devices added by `hot_add`.
     pub dir: PathBuf,
+    /// Serving swap: the server's swap reserve, given to every device (`uzram::memory`).
+    pub swap_reserve: Option<Arc<uzram::memory::SwapReserve>>,
     /// A ublk block device per device (the server was started with ublk).
     pub ublk: Option<UblkConfig>,
     /// A vhost-user socket per device.
@@ -364,7 +366,9 @@ impl HotPlug for Devices {
         let name = format!("zram{id}");
         drop(taken);
         let dir = &self.frontends.dir;
-        let device = Arc::new(Device::new_uninit(HOT_ADD_PAGE_SIZE_BYTES)?);
+        let device = Device::new_uninit(HOT_ADD_PAGE_SIZE_BYTES)?;
+        device.set_swap_reserve(self.frontends.swap_reserve.clone())?;
+        let device = Arc::new(device);
         let export = Export {
             name: name.clone(),
             description: format!(

@@ -142,18 +142,38 @@ impl std::fmt::Debug for Host {
 impl Host {
     /// Starts the server the configuration describes (see the module's start order).
     pub fn start(cfg: &ServeConfig, server_config: ServerConfig) -> Result<Host> {
-        let swap_report = cfg.swap.then(crate::frontend::swap::prepare);
+        let mut swap_report = cfg.swap.then(crate::frontend::swap::prepare);
         if cfg.devices.iter().any(|d| d.ublk) {
             crate::frontend::ublk::check_driver()?;
         }
         let ram = ram_bytes()?;
+        // Serving swap: the one reserve of every device, faulted in (and locked) now.
+        let swap_reserve = match &mut swap_report {
+            Some(report) => {
+                let bytes = match &cfg.swap_reserve {
+                    Some(e) => crate::size_expr::eval_bytes(e, ram)
+                        .with_context(|| format!("swap_reserve {e}"))?,
+                    None => uzram::memory::default_swap_reserve_bytes(ram),
+                };
+                let bytes = usize::try_from(bytes).context("swap_reserve too large")?;
+                let reserve =
+                    uzram::memory::SwapReserve::new(bytes).context("faulting in the swap reserve")?;
+                report.push(format!(
+                    "a swap reserve of {} MiB for every device, faulted in and refilled off the \
+                     request path (--swap-reserve)",
+                    bytes >> 20
+                ));
+                Some(reserve)
+            }
+            None => None,
+        };
         let mut devices = Vec::new();
         let mut listen = Vec::new();
         let mut exports = Vec::new();
         let mut policies = Vec::new();
         let mut socket_dir = None;
         for spec in &cfg.devices {
-            let device = Arc::new(spec.build(ram)?);
+            let device = Arc::new(spec.build_with_swap(ram, swap_reserve.as_ref())?);
             let socket = match &spec.socket {
                 Some(p) => {
                     unix_socket::check_socket_parent(p)?;
@@ -214,6 +234,7 @@ impl Host {
             policy_set.clone(),
             ServerFrontends {
                 dir: socket_dir.clone(),
+                swap_reserve,
                 ublk: cfg
                     .devices
                     .iter()

@@ -600,7 +600,7 @@ mod tests {
                 .collect()
         };
         let dev = Device::new_uninit(4096).unwrap();
-        assert_eq!(cols(&dev), [0; 5], "uninitialised");
+        assert_eq!(cols(&dev), [0; 8], "uninitialised");
         dev.attr_store("disksize", "16M").unwrap();
         let empty = cols(&dev);
         assert_eq!(empty[0], (16 << 20) / 4096 * 16, "slot table");
@@ -650,6 +650,33 @@ mod tests {
         assert_eq!(after[1], full[1], "the handle table never shrinks");
         assert_eq!(after[3], 0, "compaction empties the frame cache");
         dev.attr_store("reset", "1").unwrap();
-        assert_eq!(cols(&dev), [0; 5], "reset");
+        assert_eq!(cols(&dev), [0; 8], "reset");
+
+        // Serving swap: the server's reserve in the last three columns, none in frame_cache;
+        // pages stored from it read back.
+        let reserve = crate::memory::SwapReserve::new(4 << 20).unwrap();
+        let dev = Device::new_uninit(4096).unwrap();
+        dev.set_swap_reserve(Some(Arc::clone(&reserve))).unwrap();
+        dev.attr_store("disksize", "16M").unwrap();
+        assert_eq!(
+            dev.set_swap_reserve(None).unwrap_err().kind(),
+            ErrorKind::Busy
+        );
+        let c = cols(&dev);
+        assert_eq!(c[3], 0, "{c:?}");
+        assert!(c[5] > 0 && c[5] <= 4 << 20, "held {c:?}");
+        assert_eq!(c[6], 4 << 20, "size {c:?}");
+        for i in 0..64u64 {
+            page.fill(i as u8 + 1);
+            page[..8].copy_from_slice(&(i * 7919).to_le_bytes());
+            crate::BlockDevice::write_at(&dev, &page, i * 4096).unwrap();
+        }
+        let mut back = vec![0u8; 4096];
+        for i in 0..64u64 {
+            crate::BlockDevice::read_at(&dev, &mut back, i * 4096).unwrap();
+            assert_eq!(back[..8], (i * 7919).to_le_bytes());
+            assert!(back[8..].iter().all(|&b| b == i as u8 + 1));
+        }
+        assert!(reserve.stats().taken_pages > 0, "{:?}", reserve.stats());
     }
 }

@@ -43,6 +43,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::compress::{self, CodecParams, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
 pub use crate::recompress::{RecompressReport, RecompressSpec};
+use crate::memory::SwapReserve;
 use crate::store::{BackingLayout, Codecs, Free, Store, WbTarget};
 pub use crate::store::{GenStat, TrainReport, TrainSpec};
 use crate::units::{BLOCK_SIZE_BYTES, DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
@@ -135,6 +136,9 @@ struct State {
     settings: Settings,
     /// The initialised device's pages: built by `disksize`, dropped by `reset`.
     store: Option<Store>,
+    /// Serving swap: the server's swap reserve, which the pool takes its zspages from
+    /// (`crate::memory`). Set before `disksize`; kept by reset.
+    swap_reserve: Option<Arc<SwapReserve>>,
 }
 
 /// A compressed-RAM block device.
@@ -303,6 +307,26 @@ impl Device {
             .map_or(0, Store::size_bytes)
     }
 
+    /// Serves swap from `reserve` (the server's, shared by its devices: `crate::memory`), or
+    /// not (`None`): the pool built by the next `disksize` takes its zspages from the reserve
+    /// and fails a write the reserve cannot serve at once, and the slot table is faulted in
+    /// whole. `EBUSY` once initialised.
+    pub fn set_swap_reserve(&self, reserve: Option<Arc<SwapReserve>>) -> Result<()> {
+        let mut st = self.state.write();
+        if st.store.is_some() {
+            return Err(Error::busy(
+                "device already initialised: set swap before disksize",
+            ));
+        }
+        st.swap_reserve = reserve;
+        Ok(())
+    }
+
+    /// The swap reserve the device serves swap from, if any.
+    pub fn swap_reserve(&self) -> Option<Arc<SwapReserve>> {
+        self.state.read().swap_reserve.clone()
+    }
+
     /// Initialises the device with `disksize_bytes` (rounded up to a page), as writing
     /// `disksize` does. `EINVAL` for 0, `EBUSY` if already initialised.
     pub fn init(&self, disksize_bytes: u64) -> Result<()> {
@@ -331,11 +355,15 @@ impl Device {
         // deferred-free queue stays sized by the device's page.
         let mps = st.settings.multi_page_size_bytes.max(self.page_size_bytes);
         let multi_pages = mps / self.page_size_bytes;
-        let pool = if multi_pages > 1 {
+        let (pool_page_bytes, capacity) = if multi_pages > 1 {
             let default = crate::zsmalloc::DEFERRED_FREE_BUDGET_BYTES / self.page_size_bytes;
-            ZsPool::with_deferred_capacity(MULTI_PAGE_SIZES_BYTES[3], capacity.or(Some(default)))?
+            (MULTI_PAGE_SIZES_BYTES[3], capacity.or(Some(default)))
         } else {
-            ZsPool::with_deferred_capacity(self.page_size_bytes, capacity)?
+            (self.page_size_bytes, capacity)
+        };
+        let pool = match &st.swap_reserve {
+            Some(reserve) => ZsPool::with_swap_reserve(pool_page_bytes, capacity, reserve)?,
+            None => ZsPool::with_deferred_capacity(pool_page_bytes, capacity)?,
         };
         let target = match st.settings.backing.clone() {
             Some(b) => Some(WbTarget::new(

@@ -52,7 +52,7 @@ impl StatsSnapshot {
 }
 
 impl MetaStats {
-    /// The sum of the columns.
+    /// The sum of the device's own columns (the first five: not the server's swap reserve).
     pub fn total_bytes(&self) -> u64 {
         self.slot_table_bytes
             + self.handle_table_bytes
@@ -61,16 +61,21 @@ impl MetaStats {
             + self.deferred_queue_bytes
     }
 
-    /// `meta_stat`: `slot_table handle_table zspage_meta frame_cache deferred_queue`, bytes,
-    /// `%8llu` each as `mm_stat`.
+    /// `meta_stat`: `slot_table handle_table zspage_meta frame_cache deferred_queue` (the
+    /// device's own memory) then `swap_reserve swap_reserve_size swap_reserve_misses` (the
+    /// server's swap reserve; 0 when not serving swap), bytes but the last, a count; `%8llu`
+    /// each as `mm_stat`.
     pub fn meta_stat(&self) -> String {
         format!(
-            "{:8} {:8} {:8} {:8} {:8}\n",
+            "{:8} {:8} {:8} {:8} {:8} {:8} {:8} {:8}\n",
             self.slot_table_bytes,
             self.handle_table_bytes,
             self.zspage_meta_bytes,
             self.frame_cache_bytes,
-            self.deferred_queue_bytes
+            self.deferred_queue_bytes,
+            self.swap_reserve_bytes,
+            self.swap_reserve_size_bytes,
+            self.swap_reserve_misses
         )
     }
 }
@@ -110,7 +115,7 @@ mod tests {
     fn meta_stat_format() {
         assert_eq!(
             MetaStats::default().meta_stat(),
-            "       0        0        0        0        0\n"
+            "       0        0        0        0        0        0        0        0\n"
         );
         let m = MetaStats {
             slot_table_bytes: 8388608,
@@ -118,10 +123,13 @@ mod tests {
             zspage_meta_bytes: 123456,
             frame_cache_bytes: 2097152,
             deferred_queue_bytes: 524288,
+            swap_reserve_bytes: 4096,
+            swap_reserve_size_bytes: 16777216,
+            swap_reserve_misses: 3,
         };
         assert_eq!(
             m.meta_stat(),
-            " 8388608  1048576   123456  2097152   524288\n"
+            " 8388608  1048576   123456  2097152   524288     4096 16777216        3\n"
         );
         assert_eq!(
             m.total_bytes(),

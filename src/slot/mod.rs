@@ -20,7 +20,7 @@
 //!   without it only to choose candidates, and re-checks under the lock.
 //! - The table is one anonymous `MAP_NORESERVE` mapping: pages of it are committed only when a
 //!   slot on them is first written, so a 100 GiB device costs nothing until used; except in a
-//!   server backing swap (`crate::memory`), which faults the whole table in when it is made.
+//!   device serving swap (`crate::memory`), whose table is faulted in whole when it is made.
 
 pub mod entry;
 pub mod lock;
@@ -53,6 +53,12 @@ unsafe impl Sync for SlotTable {}
 impl SlotTable {
     /// Reserves a table of `len` empty slots. Costs address space only.
     pub fn new(len: u64) -> Result<SlotTable> {
+        SlotTable::with_faulting(len, false)
+    }
+
+    /// As [`new`](Self::new); with `fault_in`, the whole table is faulted in now (a server
+    /// backing swap: `crate::memory`), so no write under memory pressure faults a page of it.
+    pub fn with_faulting(len: u64, fault_in: bool) -> Result<SlotTable> {
         let len_usize = usize::try_from(len).map_err(|_| Error::invalid("too many slots"))?;
         let bytes = len_usize
             .checked_mul(std::mem::size_of::<SlotEntry>())
@@ -78,7 +84,7 @@ impl SlotTable {
         }
         let base = NonNull::new(ptr.cast::<SlotEntry>())
             .ok_or_else(|| Error::no_memory("mmap returned null"))?;
-        if crate::memory::serving_swap() {
+        if fault_in {
             // Serving swap: the whole table now (as the kernel's zram allocates its table at
             // `disksize`), so no write under memory pressure faults a page of it in.
             // SAFETY: the range is exactly the fresh mapping; populating writes nothing visible

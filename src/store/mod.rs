@@ -179,7 +179,8 @@ impl Store {
     /// (the primary at priority 0, recompression codecs above) into `pool`, writing back into
     /// `target`; aligned runs of `multi_pages` pages written at once are stored as one object
     /// (`multi_page_size`; 1: off). The pool must take objects of a run's size. Access times
-    /// are seconds of `clock` since now.
+    /// are seconds of `clock` since now. A pool serving swap (`ZsPool::with_swap_reserve`)
+    /// makes the slot table faulted in whole now.
     pub(crate) fn with_multi_pages(
         page_size_bytes: usize,
         multi_pages: usize,
@@ -190,7 +191,7 @@ impl Store {
         clock: Arc<dyn Clock>,
     ) -> Result<Store> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-        let slots = SlotTable::new(nr_pages)?;
+        let slots = SlotTable::with_faulting(nr_pages, pool.serves_swap())?;
         let multi_pages = multi_pages.max(1);
         if multi_pages > 1 && pool.page_size_bytes() < multi_pages * page_size_bytes {
             return Err(Error::invalid("the pool cannot hold multi-page objects"));
@@ -726,6 +727,13 @@ impl Store {
             zspage_meta_bytes: pool.zspage_meta_bytes,
             frame_cache_bytes: pool.frame_cache_bytes,
             deferred_queue_bytes: pool.deferred_queue_bytes,
+            swap_reserve_bytes: pool
+                .swap_reserve
+                .map_or(0, |r| r.held_pages * POOL_PAGE_BYTES as u64),
+            swap_reserve_size_bytes: pool
+                .swap_reserve
+                .map_or(0, |r| r.high_pages * POOL_PAGE_BYTES as u64),
+            swap_reserve_misses: pool.swap_reserve.map_or(0, |r| r.misses),
         }
     }
 

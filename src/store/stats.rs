@@ -161,4 +161,12 @@ pub struct MetaStats {
     pub frame_cache_bytes: u64,
     /// The deferred-free queue's buffers when full.
     pub deferred_queue_bytes: u64,
+    /// Serving swap: the server's swap reserve (one for all its devices, so the same on each,
+    /// and not part of [`total_bytes`](Self::total_bytes)): bytes faulted in and waiting now.
+    pub swap_reserve_bytes: u64,
+    /// Serving swap: the swap reserve's size (`--swap-reserve`).
+    pub swap_reserve_size_bytes: u64,
+    /// Serving swap: writes that failed at once because the swap reserve was empty (of every
+    /// device of the server), ever.
+    pub swap_reserve_misses: u64,
 }

@@ -69,6 +69,11 @@ pub(crate) struct ClassState {
 }
 
 impl ClassState {
+    /// Zspage ids ever handed out (used or not): every id is below this.
+    pub(crate) fn zspage_ids(&self) -> u64 {
+        self.metas.len() as u64
+    }
+
     /// Heap bytes of the class's bookkeeping: zspage metadata and slot tables, fullness lists,
     /// unused ids, free handle indices (capacities, as allocated). Not the descriptors.
     pub(crate) fn heap_bytes(&self) -> usize {

@@ -75,7 +75,7 @@ mod compact;
 mod deferred_free;
 mod fullness;
 mod handle;
-mod page_alloc;
+pub(crate) mod page_alloc;
 mod run;
 mod size_class;
 mod zspage;
@@ -115,8 +115,13 @@ pub struct PoolCore {
     handles: HandleTable,
     /// Objects larger than a pool page. Declared before `frames` (runs own frames).
     runs: RunTable,
-    /// Shared with its reserve's refiller thread (stopped by `ZsPool`'s `Drop`).
+    /// Shared with its reserve's refiller thread (stopped by `ZsPool`'s `Drop`); or, serving
+    /// swap, the server's one allocator and reserve (`crate::memory::SwapReserve`), shared by
+    /// every pool of the server.
     frames: Arc<FrameAllocator>,
+    /// `frames` is the server's: frames go back to it when the pool drops, and its refiller is
+    /// not the pool's to stop.
+    shared_frames: bool,
     /// Pool pages (4 KiB) of attached zspages and runs (incremented when a zspage or run is
     /// created, decremented when its pages were returned).
     total_pages: AtomicU64,
@@ -144,7 +149,11 @@ impl fmt::Debug for PoolCore {
 }
 
 impl PoolCore {
-    fn new(page_size_bytes: usize, deferred_capacity: Option<usize>) -> Result<PoolCore> {
+    fn new(
+        page_size_bytes: usize,
+        deferred_capacity: Option<usize>,
+        shared_frames: Option<Arc<FrameAllocator>>,
+    ) -> Result<PoolCore> {
         if !SUPPORTED_PAGE_SIZES_BYTES.contains(&page_size_bytes) {
             return Err(Error::invalid(format!(
                 "zsmalloc: page size {page_size_bytes} not one of {SUPPORTED_PAGE_SIZES_BYTES:?}"
@@ -161,15 +170,22 @@ impl PoolCore {
             handles: HandleTable::new(),
             runs: RunTable::default(),
             // Frames of at least a device page, so the largest run fits one.
-            frames: Arc::new(
-                FrameAllocator::with_frame_pages(
-                    POOL_PAGE_BYTES,
-                    page_size_bytes / POOL_PAGE_BYTES,
-                    FRAME_CACHE_BYTES,
-                )
-                .with_drop_batches()
-                .with_reserve(),
-            ),
+            shared_frames: shared_frames.is_some(),
+            frames: match shared_frames {
+                Some(frames) => {
+                    assert!(frames.frame_pages() * POOL_PAGE_BYTES >= page_size_bytes);
+                    frames
+                }
+                None => Arc::new(
+                    FrameAllocator::with_frame_pages(
+                        POOL_PAGE_BYTES,
+                        page_size_bytes / POOL_PAGE_BYTES,
+                        FRAME_CACHE_BYTES,
+                    )
+                    .with_drop_batches()
+                    .with_reserve(),
+                ),
+            },
             total_pages: AtomicU64::new(0),
             pages_compacted: AtomicU64::new(0),
             deferred: DeferredQueue::new(deferred_capacity),
@@ -737,11 +753,17 @@ impl PoolCore {
         PoolMeta {
             handle_table_bytes: self.handles.allocated_bytes() as u64,
             zspage_meta_bytes: zspage_meta_bytes as u64,
-            frame_cache_bytes: ((self.frames.cached_pages()
-                + self.frames.reserve_pages()
-                + self.frames.dropping_batch_pages())
-                * POOL_PAGE_BYTES) as u64,
+            // A shared allocator's cache is the server's, shown with its reserve.
+            frame_cache_bytes: if self.shared_frames {
+                0
+            } else {
+                ((self.frames.cached_pages()
+                    + self.frames.reserve_pages()
+                    + self.frames.dropping_batch_pages())
+                    * POOL_PAGE_BYTES) as u64
+            },
             deferred_queue_bytes: self.deferred.heap_bytes() as u64,
+            swap_reserve: self.shared_frames.then(|| self.frames.swap_stats()),
         }
     }
 
@@ -816,27 +838,31 @@ impl ZsPool {
         page_size_bytes: usize,
         capacity: Option<usize>,
     ) -> Result<ZsPool> {
-        let pool = ZsPool::with_core(PoolCore::new(page_size_bytes, capacity)?);
-        let reserve_bytes = crate::memory::swap_reserve_bytes();
-        if reserve_bytes > 0 {
-            pool.start_reserve(reserve_bytes)?;
-        }
-        Ok(pool)
+        Ok(ZsPool::with_core(PoolCore::new(
+            page_size_bytes,
+            capacity,
+            None,
+        )?))
     }
 
-    /// Faults in a swap reserve of `bytes` of frames (spread over the classes' zspage page
-    /// counts) and starts the thread that refills it (`page_alloc`, "The reserve").
-    fn start_reserve(&self, bytes: usize) -> Result<()> {
-        let counts: Vec<usize> = self
-            .core
-            .table
-            .classes()
-            .iter()
-            .map(|c| c.pages_per_zspage)
-            .collect();
-        self.core
-            .frames
-            .set_reserve(bytes / POOL_PAGE_BYTES, &counts)
+    /// A pool serving swap: its zspages come from the server's swap reserve `reserve` (one for
+    /// every pool of the server), and an allocation the reserve cannot serve fails with
+    /// `ENOMEM` at once instead of waiting for memory (`page_alloc`, "The reserve").
+    pub fn with_swap_reserve(
+        page_size_bytes: usize,
+        capacity: Option<usize>,
+        reserve: &crate::memory::SwapReserve,
+    ) -> Result<ZsPool> {
+        Ok(ZsPool::with_core(PoolCore::new(
+            page_size_bytes,
+            capacity,
+            Some(Arc::clone(reserve.frames())),
+        )?))
+    }
+
+    /// Whether the pool serves swap ([`with_swap_reserve`](Self::with_swap_reserve)).
+    pub fn serves_swap(&self) -> bool {
+        self.core.shared_frames
     }
 
     /// Pages the reserve holds faulted in now (`page_alloc`, "The reserve").
@@ -850,7 +876,7 @@ impl ZsPool {
     /// fixed for the pool's life.
     #[cfg(any(test, feature = "testing"))]
     pub fn bench_new_release_under_class_lock(page_size_bytes: usize) -> Result<ZsPool> {
-        let mut core = PoolCore::new(page_size_bytes, None)?;
+        let mut core = PoolCore::new(page_size_bytes, None, None)?;
         core.release_under_class_lock = true;
         // And one `madvise` per emptied zspage, as before drop batches (issue 14).
         core.frames = Arc::new(
@@ -941,7 +967,9 @@ impl std::ops::Deref for ZsPool {
 impl Drop for ZsPool {
     /// Stops the worker (waiting for the batch it is freeing), then frees what is still queued.
     fn drop(&mut self) {
-        self.core.frames.stop_refiller();
+        if !self.core.shared_frames {
+            self.core.frames.stop_refiller();
+        }
         self.core.deferred.stop();
         if let Some(worker) = self.worker.get_mut().take() {
             if let Err(panic) = worker.join() {
@@ -951,6 +979,36 @@ impl Drop for ZsPool {
             }
         }
         self.core.flush();
+    }
+}
+
+impl Drop for PoolCore {
+    /// A pool of the server's shared allocator gives every frame back to it (its own allocator
+    /// unmaps everything when it drops instead).
+    fn drop(&mut self) {
+        if !self.shared_frames {
+            return;
+        }
+        for class in self.classes.iter() {
+            let ids = class.state.lock().zspage_ids();
+            for id in 0..ids {
+                let Some(desc) = class.descs.get(id) else {
+                    continue;
+                };
+                if let Some(frame) = desc.write().take() {
+                    self.frames.release(frame, class.info.pages_per_zspage);
+                }
+            }
+        }
+        let runs = self.runs.state.get_mut().next_id;
+        for id in 0..u64::from(runs) {
+            let Some(desc) = self.runs.descs.get(id) else {
+                continue;
+            };
+            if let Some(run) = desc.write().take() {
+                self.frames.release(run.frame, run.pages);
+            }
+        }
     }
 }
 
@@ -966,12 +1024,14 @@ pub struct PoolMeta {
     /// object slot), fullness lists, free ids and handle indices (the kernel: its `zspage`
     /// slab).
     pub zspage_meta_bytes: u64,
-    /// Frames of freed zspages kept resident for reuse (at most 2 MiB; emptied by compaction),
-    /// and, when serving swap, the swap reserve (`crate::memory`).
+    /// Frames of freed zspages kept resident for reuse (at most 2 MiB; emptied by compaction).
+    /// 0 when serving swap: the server's allocator is shown in `swap_reserve`.
     pub frame_cache_bytes: u64,
     /// The deferred-free queue's blocks (8 bytes per slot, touched): its resting blocks, and
     /// more while a release larger than them is pending.
     pub deferred_queue_bytes: u64,
+    /// Serving swap: the server's swap reserve, which this pool shares with every other.
+    pub swap_reserve: Option<crate::memory::SwapReserveStats>,
 }
 
 /// Counters of one merged class (a row of the kernel's

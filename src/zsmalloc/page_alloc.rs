@@ -39,19 +39,22 @@
 //!   spawned on demand and exits after [`REFILLER_IDLE`] without work (a device that stopped
 //!   growing keeps no thread), and compaction's [`FrameAllocator::trim`] empties the reserve.
 //! - **Swap** (`uzram serve --swap`, [`FrameAllocator::set_reserve`]): a server backing swap
-//!   stores the pages the kernel writes out to free memory, so it must not wait for memory
+//!   stores the pages the kernel writes out to free memory, so it should not wait for memory
 //!   itself: its page faults would enter direct reclaim, which (the server being an I/O
 //!   flusher, `PF_MEMALLOC_NOIO`) cannot swap anything out, and wait for the very writes it is
 //!   serving (seen in a VM: both queue threads looping in `try_to_free_pages` under
 //!   `madvise(MADV_POPULATE_WRITE)` of a new zspage, kswapd and the memory hog waiting in
-//!   `mempool_alloc` for swap bios that never completed). So the targets of the classes' page
-//!   counts grow to a large reserve (64 MiB a pool, `frontend::swap`), faulted in before the
-//!   pool serves, refilled at every frame taken, never trimmed, by a refiller that never
-//!   exits; a zspage also takes a *larger* reserve frame when its own count's list is empty
-//!   (the extra pages are dropped: that needs no memory), so a write never faults while the
-//!   reserve lasts. The refiller may wait in reclaim, which makes progress once the writes it
-//!   waits for complete. Pages are faulted in by touching them, not by
-//!   `MADV_POPULATE_WRITE` (which holds the mmap lock a request thread's `mmap` then waits for).
+//!   `mempool_alloc` for swap bios that never completed). So one allocator serves every pool
+//!   of the server (`crate::memory::SwapReserve`), with a reserve of `--swap-reserve` worth of
+//!   pages, faulted in before the pools serve, never trimmed; a zspage takes a frame of its
+//!   page count, else a *larger* one (the extra pages are dropped: that needs no memory), and
+//!   only when the reserve has none faults a fresh frame in itself (counted: the one case where
+//!   a request may wait for memory). Frames released by emptied zspages go back to the reserve
+//!   first. The refiller (one thread for the server, never exits) keeps the reserve between
+//!   watermarks that follow the write rate ([`SwapMarks`]); it may wait in reclaim, which
+//!   makes progress as the swap-outs it serves meanwhile complete. Pages are faulted in by
+//!   touching them, not by `MADV_POPULATE_WRITE` (which holds the mmap lock a request thread's
+//!   `mmap` then waits for).
 //!
 //! # Locked memory
 //!
@@ -209,8 +212,11 @@ struct FrameState {
     /// `reserve[k]` is refilled once it holds no more than `reserve_low[k]` frames.
     reserve_low: Vec<usize>,
     /// Serving swap ([`FrameAllocator::set_reserve`]): the reserve is never trimmed, the
-    /// refiller never exits idle, and a zspage may take a larger reserve frame.
+    /// refiller never exits idle, a zspage may take a larger reserve frame, an allocation the
+    /// reserve cannot serve fails at once, and released frames go back to the reserve.
     reserve_resident: bool,
+    /// Serving swap: the watermarks and counters of the reserve ([`SwapMarks`]).
+    swap: SwapMarks,
     /// Sum of the pages of the frames in `reserve`.
     reserve_pages: usize,
     /// Bit `k`: `reserve[k]` is below its target and the refiller should fill it.
@@ -242,6 +248,9 @@ pub(crate) struct FrameAllocator {
     state: Mutex<FrameState>,
     /// Whether the kernel accepts `MADV_POPULATE_WRITE` (cleared on the first `EINVAL`).
     populate: AtomicBool,
+    /// Serving swap: pages are faulted in by touching them, never by `MADV_POPULATE_WRITE`
+    /// (set by [`set_reserve`](FrameAllocator::set_reserve)).
+    touch_only: AtomicBool,
     /// How freed frames' pages are dropped: a [`Dropping`], only ever moving down the list of
     /// the module docs ("Locked memory") as the kernel refuses one.
     dropping: AtomicU8,
@@ -284,6 +293,75 @@ enum Wake {
     No,
     Signal,
     Spawn,
+}
+
+/// How often the swap refiller looks at the write rate and moves its watermarks.
+const SWAP_TICK: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The swap reserve's watermarks and counters (under the allocator's state mutex), as the
+/// kernel's kswapd keeps free pages between its `min`/`low`/`high` marks:
+///
+/// - `high_pages`: the reserve's size (`uzram serve --swap-reserve`); the refiller, once woken,
+///   fills the reserve to it and stops.
+/// - `low_pages`: the refiller is woken when the reserve holds no more than this (or a list a
+///   zspage asked for is empty). It follows the write rate: every [`SWAP_TICK`] it becomes
+///   [`SWAP_LOW_TICKS`] ticks' worth of the pages taken in the last one, between an eighth and
+///   three quarters of `high_pages`; so a burst wakes the refiller early, a trickle seldom.
+/// - per page count `k`, `reserve_target[k]` frames: a quarter of `high_pages` shared evenly
+///   by the page counts in use, the rest in proportion to what each was asked for lately.
+///
+/// Nothing waits for the reserve: an allocation it cannot serve faults a frame in itself
+/// (counted in `misses`), as every allocation did before there was a reserve.
+#[derive(Debug)]
+struct SwapMarks {
+    high_pages: usize,
+    low_pages: usize,
+    /// Pages taken from the reserve, ever.
+    taken_pages: u64,
+    /// Allocations the reserve had no frame for (faulted in by the writer), ever.
+    misses: u64,
+    /// Pages asked for by page count since the last tick (taken or refused).
+    asked_pages: Vec<u64>,
+    /// Pages asked for by page count, decayed by half every tick.
+    demand_pages: Vec<u64>,
+    /// Page counts the reserve serves (those of the pool's classes, and any asked for since).
+    in_use: Vec<bool>,
+    /// A writer asked the refiller to run (cleared by the refiller when it starts filling).
+    kicked: bool,
+}
+
+/// The low mark is this many ticks of the last tick's consumption (see [`SwapMarks`]).
+const SWAP_LOW_TICKS: usize = 4;
+
+impl SwapMarks {
+    fn new(frame_pages: usize) -> SwapMarks {
+        SwapMarks {
+            high_pages: 0,
+            low_pages: 0,
+            taken_pages: 0,
+            misses: 0,
+            asked_pages: vec![0; frame_pages + 1],
+            demand_pages: vec![0; frame_pages + 1],
+            in_use: vec![false; frame_pages + 1],
+            kicked: false,
+        }
+    }
+}
+
+/// What the swap reserve holds and has done (a snapshot: [`FrameAllocator::swap_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SwapReserveStats {
+    /// Pool pages (4 KiB) faulted in and waiting in the reserve now.
+    pub held_pages: u64,
+    /// The reserve's size, in pool pages (its high mark).
+    pub high_pages: u64,
+    /// Its low mark now: the refiller is woken at or below it.
+    pub low_pages: u64,
+    /// Pages taken from the reserve, ever.
+    pub taken_pages: u64,
+    /// Allocations the reserve had no frame for, ever: each faulted a new zspage in on the
+    /// request path (which may wait for memory).
+    pub misses: u64,
 }
 
 /// Frames `reserve[k]` holds when full, for speed ([`FRAME_RESERVE_PAGES`]).
@@ -388,6 +466,7 @@ impl FrameAllocator {
                 reserve_target: vec![0; frame_pages + 1],
                 reserve_low: vec![0; frame_pages + 1],
                 reserve_resident: false,
+                swap: SwapMarks::new(frame_pages),
                 reserve_pages: 0,
                 refill_wanted: 0,
                 reserve_epoch: 0,
@@ -395,6 +474,7 @@ impl FrameAllocator {
                 refiller_running: false,
             }),
             populate: AtomicBool::new(true),
+            touch_only: AtomicBool::new(false),
             dropping: AtomicU8::new(Dropping::DontneedLocked as u8),
             cache_limit_pages: cache_bytes / page_size_bytes,
             drop_batch_pages: 1,
@@ -508,9 +588,11 @@ impl FrameAllocator {
     /// A frame whose first `pages` pages are resident, for a new zspage (or run) that writes
     /// them at once. In order: a frame released with the same page count and kept in the frame
     /// cache (resident, holding stale bytes of freed objects); one from the reserve (faulted in
-    /// by the refiller, zeroes; serving swap, a larger one if none of this count is left),
-    /// waking the refiller when a list reaches its low mark; else a fresh frame faulted in
-    /// here ([`populate`](Self::populate)).
+    /// by the refiller; serving swap, a larger one if none of this count is left), waking the
+    /// refiller when a list reaches its low mark; else a fresh frame faulted in here
+    /// ([`populate`](Self::populate)). Serving swap that last case is counted
+    /// ([`SwapReserveStats::misses`]): it is a page fault on a request path, which may wait
+    /// for memory.
     pub(crate) fn alloc_populated(self: &Arc<Self>, pages: usize) -> Result<Frame> {
         let mut wake = Wake::No;
         let mut taken = None;
@@ -520,18 +602,31 @@ impl FrameAllocator {
                 st.cached_pages -= pages;
                 return Ok(frame);
             }
-            if self.reserve_enabled || st.reserve_resident {
+            if st.reserve_resident {
+                // Serving swap: the reserve, else (counted) a frame faulted in here.
+                st.swap.asked_pages[pages] += pages as u64;
+                let have = (pages..=self.frame_pages).find(|&k| !st.reserve[k].is_empty());
+                let wake = st.reserve_pages <= st.swap.low_pages
+                    || st.reserve[pages].len() <= 1
+                    || have.is_none();
+                if wake && !st.swap.kicked {
+                    st.swap.kicked = true;
+                    self.refill_cond.notify_one();
+                }
+                match have {
+                    Some(have) => {
+                        let frame = st.reserve[have].pop().expect("found non-empty");
+                        st.reserve_pages -= have;
+                        st.swap.taken_pages += have as u64;
+                        taken = Some((frame, have));
+                    }
+                    None => st.swap.misses += 1,
+                }
+            } else if self.reserve_enabled {
                 // Lists without a target (0) are never refilled (`want_refill`).
-                let have = if st.reserve_resident {
-                    (pages..=self.frame_pages).find(|&k| !st.reserve[k].is_empty())
-                } else {
-                    Some(pages).filter(|&k| !st.reserve[k].is_empty())
-                };
-                if let Some(have) = have {
-                    let frame = st.reserve[have].pop().expect("found non-empty");
-                    st.reserve_pages -= have;
-                    taken = Some((frame, have));
-                    wake = wake.max(Self::want_refill(&mut st, have));
+                if let Some(frame) = st.reserve[pages].pop() {
+                    st.reserve_pages -= pages;
+                    taken = Some((frame, pages));
                 }
                 wake = wake.max(Self::want_refill(&mut st, pages));
             }
@@ -578,7 +673,7 @@ impl FrameAllocator {
         // mapping's own lock while it waits for memory, where MADV_POPULATE_WRITE holds the
         // process's mmap lock, which a request thread's mmap then waits for (seen in the VM:
         // the refill thread reclaiming inside madvise, a queue thread blocked in mmap).
-        if self.populate.load(Ordering::Relaxed) && !crate::memory::serving_swap() {
+        if self.populate.load(Ordering::Relaxed) && !self.touch_only.load(Ordering::Relaxed) {
             let len_bytes = (pages * self.page_size_bytes)
                 .next_multiple_of(self.sys_page_bytes)
                 .min(frame.len_bytes);
@@ -631,10 +726,11 @@ impl FrameAllocator {
         unsafe { libc::madvise(frame.base.as_ptr().add(start).cast(), end - start, advice) };
     }
 
-    /// Serving swap: keeps a reserve of about `target_pages` resident pages (module docs, "The
-    /// reserve"), spread evenly over the page counts `page_counts` (those of the size
-    /// classes), never trimmed; faults them in now, so call it before the pool serves, and
-    /// starts the refiller, which stays until [`stop_refiller`](Self::stop_refiller).
+    /// Serving swap: keeps a reserve of `target_pages` resident pages (module docs, "The
+    /// reserve"; [`SwapMarks`]), shared at first evenly by the page counts `page_counts` (those
+    /// of the size classes), never trimmed; faults them in now, so call it before a pool
+    /// serves, and starts the refiller, which stays until
+    /// [`stop_refiller`](Self::stop_refiller).
     pub(crate) fn set_reserve(
         self: &Arc<Self>,
         target_pages: usize,
@@ -644,39 +740,29 @@ impl FrameAllocator {
             self.frame_pages < 64,
             "refill_wanted has a bit per page count"
         );
-        let mut counts: Vec<usize> = page_counts
-            .iter()
-            .copied()
-            .filter(|k| (1..=self.frame_pages).contains(k))
-            .collect();
-        counts.sort_unstable();
-        counts.dedup();
-        if counts.is_empty() {
-            return Ok(());
-        }
-        let share = target_pages / counts.len();
+        self.touch_only.store(true, Ordering::Relaxed);
         {
             let mut st = self.state.lock();
             st.reserve_resident = true;
-            for &k in &counts {
-                st.reserve_target[k] = (share / k).max(1);
-                // Refilled at every frame taken.
-                st.reserve_low[k] = st.reserve_target[k] - 1;
-            }
-        }
-        for &k in &counts {
-            loop {
-                let mut st = self.state.lock();
-                if st.reserve[k].len() >= st.reserve_target[k] {
-                    break;
+            st.swap.high_pages = target_pages;
+            st.swap.low_pages = target_pages / 8;
+            for &k in page_counts {
+                if (1..=self.frame_pages).contains(&k) {
+                    st.swap.in_use[k] = true;
                 }
-                drop(st);
-                let frame = self.alloc()?;
-                self.populate(&frame, k);
-                st = self.state.lock();
-                st.reserve[k].push(frame);
-                st.reserve_pages += k;
             }
+            Self::swap_retarget(&mut st);
+        }
+        // Faulted in now, in the caller, so the first writes find it full.
+        loop {
+            // (A statement of its own: the guard must not live through the loop's body.)
+            let deficit = Self::swap_deficit(&self.state.lock());
+            let Some(k) = deficit else { break };
+            let frame = self.alloc()?;
+            self.populate(&frame, k);
+            let mut st = self.state.lock();
+            st.reserve[k].push(frame);
+            st.reserve_pages += k;
         }
         let spawn = {
             let mut st = self.state.lock();
@@ -689,6 +775,130 @@ impl FrameAllocator {
             })?;
         }
         Ok(())
+    }
+
+    /// Serving swap: `reserve_target` from the high mark and the recent demand by page count
+    /// ([`SwapMarks`]): a quarter of the high mark evenly over the page counts in use, the rest
+    /// in proportion to `demand_pages` (evenly too while nothing was asked).
+    fn swap_retarget(st: &mut FrameState) {
+        let counts: Vec<usize> = (1..st.swap.in_use.len())
+            .filter(|&k| st.swap.in_use[k])
+            .collect();
+        if counts.is_empty() {
+            return;
+        }
+        let high = st.swap.high_pages;
+        let demand: u64 = counts.iter().map(|&k| st.swap.demand_pages[k]).sum();
+        let floor = high / 4 / counts.len();
+        let rest = high - floor * counts.len();
+        for &k in &counts {
+            let share = if demand == 0 {
+                rest / counts.len()
+            } else {
+                (rest as u128 * st.swap.demand_pages[k] as u128 / demand as u128) as usize
+            };
+            st.reserve_target[k] = ((floor + share) / k).max(1);
+        }
+    }
+
+    /// Serving swap: the page count whose reserve list lacks the most pages below its target,
+    /// or `None` when every list is at its target.
+    fn swap_deficit(st: &FrameState) -> Option<usize> {
+        (1..st.reserve.len())
+            .filter(|&k| st.reserve[k].len() < st.reserve_target[k])
+            .max_by_key(|&k| (st.reserve_target[k] - st.reserve[k].len()) * k)
+    }
+
+    /// Serving swap: one tick of [`SwapMarks`]: the demand decays and takes in what was asked
+    /// since the last tick, the targets follow it, and the low mark follows the pages taken
+    /// (`taken_pages`, the tick's consumption).
+    fn swap_tick(st: &mut FrameState, taken_pages: u64) {
+        let swap = &mut st.swap;
+        for k in 1..swap.asked_pages.len() {
+            let asked = std::mem::take(&mut swap.asked_pages[k]);
+            if asked > 0 {
+                swap.in_use[k] = true;
+            }
+            swap.demand_pages[k] = swap.demand_pages[k] / 2 + asked;
+        }
+        let high = swap.high_pages;
+        swap.low_pages = (taken_pages as usize)
+            .saturating_mul(SWAP_LOW_TICKS)
+            .clamp(high / 8, high * 3 / 4);
+        Self::swap_retarget(st);
+    }
+
+    /// What the swap reserve holds and has done.
+    pub(crate) fn swap_stats(&self) -> SwapReserveStats {
+        let st = self.state.lock();
+        SwapReserveStats {
+            held_pages: st.reserve_pages as u64,
+            high_pages: st.swap.high_pages as u64,
+            low_pages: st.swap.low_pages as u64,
+            taken_pages: st.swap.taken_pages,
+            misses: st.swap.misses,
+        }
+    }
+
+    /// The swap refiller: every [`SWAP_TICK`] moves the watermarks ([`swap_tick`]); woken at
+    /// the low mark (or by a writer), fills the reserve list by list to the targets, one frame
+    /// at a time with the state mutex dropped while it faults the pages in (this is the one
+    /// thread of the server that waits for memory), then sleeps again. Exits when stopped.
+    ///
+    /// [`swap_tick`]: Self::swap_tick
+    fn swap_refill_loop(&self) {
+        let mut st = self.state.lock();
+        let mut tick = std::time::Instant::now();
+        let mut taken_at_tick = st.swap.taken_pages;
+        let mut filling = false;
+        loop {
+            if st.refill_stop {
+                st.refiller_running = false;
+                return;
+            }
+            if tick.elapsed() >= SWAP_TICK {
+                tick = std::time::Instant::now();
+                let taken = st.swap.taken_pages - taken_at_tick;
+                taken_at_tick = st.swap.taken_pages;
+                Self::swap_tick(&mut st, taken);
+            }
+            if st.swap.kicked || st.reserve_pages <= st.swap.low_pages {
+                st.swap.kicked = false;
+                filling = true;
+            }
+            let k = if filling {
+                Self::swap_deficit(&st)
+            } else {
+                None
+            };
+            let Some(k) = k else {
+                filling = false;
+                let left = SWAP_TICK.saturating_sub(tick.elapsed());
+                self.refill_cond.wait_for(&mut st, left);
+                continue;
+            };
+            drop(st);
+            let frame = self.alloc();
+            if let Ok(frame) = &frame {
+                self.populate(frame, k);
+            }
+            st = self.state.lock();
+            match frame {
+                Ok(frame) => {
+                    st.reserve[k].push(frame);
+                    st.reserve_pages += k;
+                }
+                // No address space: try again at the next tick rather than spin.
+                Err(_) => {
+                    self.refill_cond.wait_for(&mut st, SWAP_TICK);
+                }
+            }
+        }
+    }
+
+    /// Pages per frame: the most a zspage or a run may use.
+    pub(crate) fn frame_pages(&self) -> usize {
+        self.frame_pages
     }
 
     /// Pages held resident by the reserve.
@@ -733,8 +943,12 @@ impl FrameAllocator {
 
     /// The refiller: fills every wanted reserve list to its target, one frame at a time with
     /// the state mutex dropped while it faults pages in, then sleeps until woken; exits when
-    /// stopped or, unless serving swap, after [`REFILLER_IDLE`] without work.
+    /// stopped or after [`REFILLER_IDLE`] without work. Serving swap, the refiller is
+    /// [`swap_refill_loop`](Self::swap_refill_loop) instead.
     fn refill_loop(&self) {
+        if self.state.lock().reserve_resident {
+            return self.swap_refill_loop();
+        }
         let mut st = self.state.lock();
         loop {
             if st.refill_stop {
@@ -747,7 +961,6 @@ impl FrameAllocator {
                     .wait_for(&mut st, REFILLER_IDLE)
                     .timed_out()
                     && st.refill_wanted == 0
-                    && !st.reserve_resident
                 {
                     st.refiller_running = false;
                     return;
@@ -777,12 +990,7 @@ impl FrameAllocator {
                     self.discard(frame, k);
                     st = self.state.lock();
                 }
-                // No address space. Serving swap: try again later rather than spin. Else stop
-                // refilling; the writers report ENOMEM themselves.
-                Err(_) if st.reserve_resident => {
-                    self.refill_cond
-                        .wait_for(&mut st, std::time::Duration::from_secs(1));
-                }
+                // No address space: stop refilling; the writers report ENOMEM themselves.
                 Err(_) => st.refill_wanted = 0,
             }
         }
@@ -807,6 +1015,12 @@ impl FrameAllocator {
         assert!((1..=self.frame_pages).contains(&pages), "{pages} pages");
         let batch = {
             let mut st = self.state.lock();
+            // Serving swap: the reserve takes it back first (its pages are resident).
+            if st.reserve_resident && st.reserve[pages].len() < st.reserve_target[pages] {
+                st.reserve[pages].push(frame);
+                st.reserve_pages += pages;
+                return;
+            }
             if st.cached_pages + pages <= self.cache_limit_pages {
                 st.cached_pages += pages;
                 st.cached[pages].push(frame);
@@ -1035,7 +1249,7 @@ mod tests {
     #[test]
     fn swap_reserve_hands_out_resident_frames_and_is_refilled() {
         let a = Arc::new(FrameAllocator::with_cache_bytes(4096, 0));
-        // 32 pages for each count: 32 frames of 1 page, 8 of 4.
+        // 64 pages shared evenly by two page counts: 32 frames of 1 page, 8 of 4.
         a.set_reserve(64, &[1, 4]).unwrap();
         assert_eq!(a.reserve_pages(), 64);
         assert_eq!(a.resident_bytes(), 64 * 4096);
@@ -1044,25 +1258,58 @@ mod tests {
         // No frame of 2 pages: a 4-page one, whose last 2 pages go back to the kernel. Taken
         // under the lock with the refiller's work: it may have replaced the first already.
         let mut g = a.alloc_populated(2).unwrap();
-        assert!(a.resident_bytes() <= (64 + 4 + 2) * 4096);
         g.bytes_mut(0, 2 * 4096).fill(7);
-        // The refiller replaces what was taken, up to each count's target.
+        assert_eq!(a.swap_stats().taken_pages, 8);
+        // At its next tick the refiller gives 2-page frames a target (they were asked for);
+        // the next ask finds their list empty and wakes it, and it fills that list too.
+        std::thread::sleep(3 * SWAP_TICK);
+        let g2 = a.alloc_populated(2).unwrap();
         let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while a.reserve_pages() < 64 && std::time::Instant::now() < end {
+        while a.state.lock().reserve[2].is_empty() && std::time::Instant::now() < end {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        assert_eq!(a.reserve_pages(), 64);
-        assert_eq!(a.resident_bytes(), (64 + 4 + 2) * 4096);
+        assert!(
+            !a.state.lock().reserve[2].is_empty(),
+            "{:?}",
+            a.swap_stats()
+        );
+        a.release(g2, 2);
         // Compaction's trim keeps the swap reserve; the refiller does not leave when idle.
+        let held = a.reserve_pages();
         a.trim();
-        assert_eq!(a.reserve_pages(), 64);
+        assert_eq!(a.reserve_pages(), held);
         std::thread::sleep(REFILLER_IDLE + std::time::Duration::from_millis(300));
         assert!(a.state.lock().refiller_running, "the swap refiller stays");
         a.stop_refiller();
         assert!(!a.state.lock().refiller_running);
+        // Without the refiller the reserve runs out: then a zspage is faulted in by its
+        // writer, counted.
+        let held = a.reserve_pages();
+        let mut taken = Vec::new();
+        while a.reserve_pages() > 0 {
+            taken.push(a.alloc_populated(1).unwrap());
+            assert!(taken.len() <= held, "more frames than the reserve held");
+        }
+        assert_eq!(a.swap_stats().misses, 0);
+        let resident = a.resident_bytes();
+        let extra = a.alloc_populated(4).unwrap();
+        assert_eq!(a.swap_stats().misses, 1);
+        assert_eq!(a.resident_bytes(), resident + 4 * 4096, "faulted in by the writer");
+        a.release(extra, 4);
+        assert_eq!(a.reserve_pages(), 4, "back to the reserve");
+        let extra = a.alloc_populated(4).unwrap();
+        // Released frames go back to the reserve, resident, and serve the next allocation.
+        a.release(f, 4);
+        assert_eq!(a.reserve_pages(), 4);
+        let f = a.alloc_populated(4).unwrap();
+        assert_eq!(a.reserve_pages(), 0);
+        a.release(extra, 4);
         assert!(g.bytes(0, 2 * 4096).iter().all(|&b| b == 7));
         a.release(f, 4);
         a.release(g, 2);
+        for frame in taken {
+            a.release(frame, 1);
+        }
     }
 
     #[test]

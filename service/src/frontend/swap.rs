@@ -30,23 +30,32 @@
 //!    this: a queue thread faulting in the header of a freshly mapped 132 KiB block (a handle
 //!    table segment) waited in reclaim forever. Freed blocks at the top of the heap beyond the
 //!    pad go back to the kernel (`brk`), as before.
-//! 2. `prctl(PR_SET_IO_FLUSHER)` (Linux 5.6, needs `CAP_SYS_RESOURCE`): the kernel treats the
+//! 2. `oom_score_adj` -1000 (needs `CAP_SYS_RESOURCE`): the OOM killer never chooses the
+//!    server. The pages swapped out to it live in its memory, so it looks like the largest
+//!    process when memory runs out; killing it loses every one of them (seen in the VM: the
+//!    server, 414 MiB locked under a hog larger than RAM, killed without a word, then
+//!    swap-outs and swap-ins failing, init killed by the read errors, the guest panicking),
+//!    where the kernel's zram keeps its memory out of the OOM killer's reach. The OOM killer
+//!    then takes the hog, as with zram.
+//! 3. `prctl(PR_SET_IO_FLUSHER)` (Linux 5.6, needs `CAP_SYS_RESOURCE`): the kernel treats the
 //!    process as part of the I/O path (as it does loop and nbd's own threads): its allocations
 //!    never start I/O to reclaim memory (`PF_MEMALLOC_NOIO`) and it is not throttled for
 //!    dirty pages it does not own (`PF_LOCAL_THROTTLE`). Threads created afterwards inherit
 //!    it, which is why this runs first.
-//! 3. The NBD server preallocates request buffers (8 MiB server-wide, faulted in, hence
+//! 4. The NBD server preallocates request buffers (8 MiB server-wide, faulted in, hence
 //!    locked, inside its request memory budget:
 //!    [`ServerConfig::for_swap`](super::nbd::ServerConfig::for_swap)) and recycles them, so the
 //!    request path of a swap client takes no fresh memory from the kernel in the steady state.
 //!
-//! 4. The devices' memory is faulted in when they are created, not on a write under pressure
-//!    (`uzram::memory`): the slot table whole, and a reserve of [`SWAP_RESERVE_BYTES`] of
-//!    zsmalloc frames that new zspages take when no freed frame is at hand, refilled by a
-//!    thread of each pool off the request path. Without it a VM running a memory hog over swap
-//!    on `/dev/ublkb0` deadlocked at the first swap-out: both queue threads looped in direct
-//!    reclaim faulting in a new zspage (`madvise(MADV_POPULATE_WRITE)` → `try_to_free_pages`),
-//!    which as I/O flushers they could only satisfy from the swap-outs they were serving.
+//! 5. The devices' memory is got ahead of need, not on a write under pressure
+//!    (`uzram::memory`): each device's slot table whole when it is initialised, and zsmalloc's
+//!    zspages from one swap reserve for the whole server (`uzram serve --swap-reserve`),
+//!    refilled by one thread off the request path; only when it is empty does a write fault a
+//!    zspage in itself (counted). Without a reserve a VM running a memory hog over swap on
+//!    `/dev/ublkb0` deadlocked at the first swap-out: both queue threads looped in direct
+//!    reclaim faulting in a new zspage (`madvise(MADV_POPULATE_WRITE)` →
+//!    `try_to_free_pages`), which as I/O flushers they could only satisfy from the swap-outs
+//!    they were serving.
 //!
 //! Thread stacks keep their default size (2 MiB of address space): locked on fault, a stack
 //! costs the pages its thread has touched (8–12 KiB measured for a connection's threads under
@@ -203,14 +212,6 @@ fn lock_mappings() -> (bool, String) {
     }
 }
 
-/// The swap reserve of each device's pool (see step 4 of the module docs): 64 MiB, 16384
-/// pages. A swap-out of a page takes at most one page of it (an incompressible page is stored
-/// whole) and every page written out frees one, so the reserve needs to cover the writes
-/// between a burst's start and the refill thread's catching up: the kernel keeps at most
-/// `queues × 128` writes in flight on a ublk device (256 on two CPUs, 1 MiB); 16 MiB, a dozen
-/// such waves, was exhausted in the VM test (docs/ublk.md, "Swap on ublk", step 5).
-pub const SWAP_RESERVE_BYTES: usize = 64 << 20;
-
 /// Locks memory and marks the process an I/O flusher where permitted. Call before any thread
 /// is created. Returns one line per step saying what was done or why not, for the log.
 pub fn prepare() -> Vec<String> {
@@ -240,16 +241,20 @@ pub fn prepare() -> Vec<String> {
              on reclaim that needs this server's own I/O"
         ));
     }
+    // Never the OOM killer's choice: the pages swapped out to this server live in its memory
+    // (the kernel's zram memory is not a process the OOM killer could take); killing it loses
+    // them all and fails every process whose pages were there.
+    match std::fs::write("/proc/self/oom_score_adj", "-1000") {
+        Ok(()) => report.push("never chosen by the OOM killer (oom_score_adj -1000)".into()),
+        Err(e) => report.push(format!(
+            "oom_score_adj NOT set to -1000: {e}; under memory pressure the OOM killer may \
+             choose this server, and every page swapped out to it is lost"
+        )),
+    }
     report.push(format!(
         "request buffers preallocated ({} MiB, server-wide, inside the request memory budget) \
          and recycled",
         super::limits::SWAP_PREALLOCATED_BYTES >> 20
-    ));
-    uzram::memory::set_swap_reserve_bytes(SWAP_RESERVE_BYTES);
-    report.push(format!(
-        "each device's slot table faulted in at start, and a reserve of {} MiB of zsmalloc \
-         frames kept faulted in for writes under memory pressure",
-        SWAP_RESERVE_BYTES >> 20
     ));
     report
 }

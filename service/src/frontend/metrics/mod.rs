@@ -132,6 +132,9 @@ pub const METRICS: &[Metric] = &[
     m("uzram_meta_zspage_meta_bytes", Gauge, "meta_stat", 2, 1, "The allocator's bookkeeping (meta_stat zspage_meta)."),
     m("uzram_meta_frame_cache_bytes", Gauge, "meta_stat", 3, 1, "Pages of freed zspages kept for reuse (meta_stat frame_cache)."),
     m("uzram_meta_deferred_queue_bytes", Gauge, "meta_stat", 4, 1, "The deferred-free queue's buffers (meta_stat deferred_queue)."),
+    m("uzram_swap_reserve_bytes", Gauge, "meta_stat", 5, 1, "The server's swap reserve held now, the same for every device (meta_stat swap_reserve)."),
+    m("uzram_swap_reserve_size_bytes", Gauge, "meta_stat", 6, 1, "The server's swap reserve's size, --swap-reserve (meta_stat swap_reserve_size)."),
+    m("uzram_swap_reserve_misses_total", Counter, "meta_stat", 7, 1, "Writes of any device that failed at once because the swap reserve was empty (meta_stat swap_reserve_misses)."),
     // zone_stat
     m("uzram_zones_empty", Gauge, "zone_stat", 0, 1, "Zones of the zoned store with nothing in them (zone_stat empty)."),
     m("uzram_zones_open", Gauge, "zone_stat", 1, 1, "Zones being appended to (zone_stat open)."),
