@@ -156,8 +156,8 @@ impl Host {
                     None => uzram::memory::default_swap_reserve_bytes(ram),
                 };
                 let bytes = usize::try_from(bytes).context("swap_reserve too large")?;
-                let reserve =
-                    uzram::memory::SwapReserve::new(bytes).context("faulting in the swap reserve")?;
+                let reserve = uzram::memory::SwapReserve::new(bytes)
+                    .context("faulting in the swap reserve")?;
                 report.push(format!(
                     "a swap reserve of {} MiB for every device, faulted in and refilled off the \
                      request path (--swap-reserve)",

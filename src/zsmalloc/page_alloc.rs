@@ -1294,7 +1294,11 @@ mod tests {
         let resident = a.resident_bytes();
         let extra = a.alloc_populated(4).unwrap();
         assert_eq!(a.swap_stats().misses, 1);
-        assert_eq!(a.resident_bytes(), resident + 4 * 4096, "faulted in by the writer");
+        assert_eq!(
+            a.resident_bytes(),
+            resident + 4 * 4096,
+            "faulted in by the writer"
+        );
         a.release(extra, 4);
         assert_eq!(a.reserve_pages(), 4, "back to the reserve");
         let extra = a.alloc_populated(4).unwrap();
