@@ -1,7 +1,7 @@
 //! What a package installs beside the binary, made from the command's own definition so that it
 //! cannot drift from it: a man page per command (clap_mangen: `uzram.1`, `uzram-serve.1`,
-//! `uzram-bench-store.1`, ...), shell completions (clap_complete) and the default
-//! configuration. `uzram package-files DIR` (hidden) writes them all for `scripts/deb`;
+//! `uzram-ctl.1`, ...; `uzram bench` runs the harness, which the package does not ship), shell
+//! completions (clap_complete) and the default configuration. `uzram package-files DIR` (hidden) writes them all for `scripts/deb`;
 //! `uzram completions SHELL` prints one shell's completions for an install without a package.
 
 use anyhow::{Context, Result};

@@ -152,7 +152,7 @@ fn the_package_installs_and_what_it_installs_works() {
         page.contains("uzram-serve") && page.contains("--config"),
         "{page}"
     );
-    for cmd in ["uzram", "uzram-ctl", "uzram-status", "uzram-bench-nbd"] {
+    for cmd in ["uzram", "uzram-ctl", "uzram-status", "uzram-serve"] {
         assert!(man1.join(format!("{cmd}.1.gz")).is_file(), "{cmd}.1.gz");
     }
 
