@@ -190,8 +190,14 @@ fn status_prints_what_zramctl_prints_for_a_kernel_device() {
     let known: Vec<&String> = ours.iter().filter(|c| zcols.contains(c)).collect();
     assert_eq!(known, zcols.iter().collect::<Vec<_>>(), "{ours:?}");
     assert_eq!(
-        ours[ours.len() - 4..],
-        ["META", "BACKING-DEV", "BD-USED", "BLOCK-DEV"],
+        ours[ours.len() - 5..],
+        [
+            "META",
+            "BACKING-DEV",
+            "BD-USED",
+            "BLOCK-DEV",
+            "SWAP-RESERVE"
+        ],
         "{ours:?}"
     );
     // The ratio is DATA/TOTAL with four decimals.
