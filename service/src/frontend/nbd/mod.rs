@@ -20,7 +20,7 @@
 //! ```no_run
 //! # use std::sync::Arc;
 //! # fn demo(dev: Arc<dyn uzram::BlockDevice>) -> uzram::Result<()> {
-//! use crate::frontend::nbd::{Export, Listen, Server, ServerConfig};
+//! use uzram_service::frontend::nbd::{Export, Listen, Server, ServerConfig};
 //! let exports = vec![Export::new("zram0", dev)];
 //! let listen = [Listen::Unix { path: "/run/uzram/zram0.sock".into(), export: "zram0".into() }];
 //! let server = Server::start(exports, &listen, ServerConfig::default())?;
