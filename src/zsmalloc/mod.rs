@@ -639,9 +639,16 @@ impl PoolCore {
     /// Frees every handle queued by [`ZsPool::free_deferred`] calls that returned before this
     /// call began, waiting for a drain in progress (handles queued concurrently may stay
     /// queued). Returns the handles this call freed itself.
+    ///
+    /// A flush runs on a request path (a frontend's FLUSH), which allocates nothing: the
+    /// handles are freed one by one, not through the worker's class-grouped path, whose
+    /// scratch buffers would be allocated on the caller's thread.
     pub fn flush(&self) -> usize {
-        let mut scratch = FreeScratch::default();
-        self.deferred.drain(|hs| self.free_many(hs, &mut scratch))
+        self.deferred.drain(|hs| {
+            for &index in hs {
+                self.free(Handle::from_index(index));
+            }
+        })
     }
 
     /// The deferred-free queue's counters.
