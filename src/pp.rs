@@ -51,7 +51,7 @@ pub struct PpCtl {
     top: usize,
     total: u64,
     /// Multi-page groups with a page filed already: a group is filed once (its object goes
-    /// whole, see `Store::copy_run`), however many of its pages are marked.
+    /// whole, see `Store::copy_group`), however many of its pages are marked.
     groups: std::collections::HashSet<u64>,
 }
 

@@ -33,15 +33,15 @@
 //! 7. At the end every candidate not reached loses PP_SLOT.
 //!
 //! A multi-page object (`multi_page_size`) goes through the same steps as one candidate
-//! (`Store::recompress_run`), under the locks of its group's slots (ascending) where a page
+//! (`Store::recompress_group`), under the locks of its group's slots (ascending) where a page
 //! takes its slot's: only when every page still pointing into it is marked (writeback's
-//! rule); the run is decompressed whole; a result must also stay below the size above which a
-//! run is stored page by page, and `threshold` compares bytes per page; the new object and its
-//! codec id go to every page still pointing at the old one, and the old handle's cached runs
+//! rule); the group is decompressed whole; a result must also stay below the size above which a
+//! group is stored page by page, and `threshold` compares bytes per page; the new object and its
+//! codec id go to every page still pointing at the old one, and the old handle's cached groups
 //! are invalidated (`multi_frees`) before it is freed.
 //!
 //! The scan and this loop are here; each candidate's slot-state change is the store's
-//! (`Store::recompress_slot`, `Store::recompress_run`).
+//! (`Store::recompress_slot`, `Store::recompress_group`).
 
 use crate::compress::compress_bound;
 use crate::error::{Error, ErrorKind, Result};
@@ -155,15 +155,15 @@ pub(crate) fn run(
         ..RecompressReport::default()
     };
     let mut budget = spec.max_pages.unwrap_or(u64::MAX);
-    // A page, or a multi-page object's run.
-    let run_bytes = store.multi_pages() * store.page_size_bytes();
-    let mut page = vec![0u8; run_bytes];
-    let mut dst = vec![0u8; compress_bound(run_bytes)];
+    // A page, or a multi-page object's group.
+    let group_bytes = store.multi_pages() * store.page_size_bytes();
+    let mut page = vec![0u8; group_bytes];
+    let mut dst = vec![0u8; compress_bound(group_bytes)];
     let mut result = Ok(());
     while budget > 0 {
         let Some(index) = ctl.select() else { break };
         let outcome = if store.multi_pages() > 1 && store.is_multi(index) {
-            store.recompress_run(index, threshold, range, &mut page, &mut dst)
+            store.recompress_group(index, threshold, range, &mut page, &mut dst)
         } else {
             let ps = store.page_size_bytes();
             store.recompress_slot(index, threshold, range, &mut page[..ps], &mut dst)

@@ -2,13 +2,13 @@
 //! granularity and the kernel's zram, on real pages.
 //!
 //! The corpus must have 64 KiB pages (`uzram corpus --page-size 65536`): each is 64 KiB of a
-//! program's contiguous memory, so runs of 16/32/64 KiB are what a swap-out of neighbouring
+//! program's contiguous memory, so groups of 16/32/64 KiB are what a swap-out of neighbouring
 //! pages would hand over. For each codec and each `multi_page_size` (4096 is off: the anchor),
 //! every repetition makes a fresh 4 KiB-page device, writes the whole corpus in 64 KiB requests
 //! (one thread), then reads it back 4 KiB at a time in order (neighbours: the per-thread cache
-//! of the last decompressed run serves them) and in a random order (each read decompresses a
-//! whole run), then overwrites every page once, 4 KiB at a time in a random order (each write
-//! breaks its page out of its run; `mem_used_max` says how far the pool grew meanwhile).
+//! of the last decompressed group serves them) and in a random order (each read decompresses a
+//! whole group), then overwrites every page once, 4 KiB at a time in a random order (each write
+//! breaks its page out of its group; `mem_used_max` says how far the pool grew meanwhile).
 //! Rates are of the thread's CPU time (steady under other load; wall clock beside),
 //! medians of the repetitions; sizes are from `mm_stat` after the first fill, and every page is
 //! checked once. As root with `/sys/block/zram0`, the same bytes go through the kernel's zram
@@ -55,12 +55,12 @@ struct Row {
     seq_read_mbps_cpu: f64,
     rand_read_mbps_cpu: f64,
     /// 4 KiB overwrites of every page once, in a random order, of the full device: each breaks
-    /// its page out of its run (the 4 KiB write into a run).
+    /// its page out of its group (the 4 KiB write into a group).
     rand_write_mbps_cpu: f64,
     /// `mem_used_max` after the overwrite pass, against `mem_used_total` before it: how far the
-    /// pool grew while runs kept their objects for the pages not yet overwritten.
+    /// pool grew while groups kept their objects for the pages not yet overwritten.
     rand_write_mem_used_max_bytes: u64,
-    /// Share of the 4 KiB reads of a multi-page object the thread's run cache served, in the
+    /// Share of the 4 KiB reads of a multi-page object the thread's group cache served, in the
     /// ordered and the random pass (the last repetition; 0 without multi-page objects).
     seq_cache_hit_rate: f64,
     rand_cache_hit_rate: f64,
@@ -91,10 +91,10 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
     let mut stats = None;
     let mut buf = vec![0u8; PAGE];
     let (mut seq_hits, mut rand_hits) = (0.0, 0.0);
-    // Hits over all run reads between two stats snapshots.
+    // Hits over all grouped reads between two stats snapshots.
     let hit_rate = |a: &uzram::store::StatsSnapshot, b: &uzram::store::StatsSnapshot| {
-        let hits = b.run_cache_hits - a.run_cache_hits;
-        let all = hits + b.run_cache_misses - a.run_cache_misses;
+        let hits = b.group_cache_hits - a.group_cache_hits;
+        let all = hits + b.group_cache_misses - a.group_cache_misses;
         if all == 0 {
             0.0
         } else {
@@ -143,7 +143,7 @@ fn run_one(data: &[u8], codec: &str, mps: usize, repeats: usize) -> Result<Row> 
         rr.push(mbps(data.len() as u64, cpu));
         seq_hits = hit_rate(&s0, &s1);
         rand_hits = hit_rate(&s1, &dev.stats());
-        // Page order[j] gets page j's bytes (another real page, mostly of another run).
+        // Page order[j] gets page j's bytes (another real page, mostly of another group).
         dev.attr_store("mem_used_max", "0")?;
         let (r, _, cpu) = time_cpu(|| -> Result<()> {
             for (j, &i) in order.iter().enumerate() {
@@ -241,7 +241,7 @@ pub fn run(corpus: &Corpus, opts: &MultipageBenchOptions) -> Result<serde_json::
     };
     println!(
         "{} MiB of real pages ({} pages of 64 KiB), 4 KiB device pages, 64 KiB writes, median \
-         of {} runs, rates of the thread's CPU time",
+         of {} groups, rates of the thread's CPU time",
         data.len() >> 20,
         corpus.len(),
         opts.repeats

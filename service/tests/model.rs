@@ -879,7 +879,7 @@ impl Harness {
         // 64 KiB pages), plus the runs themselves.
         let objects = |dev: &Device| -> u64 {
             let p = dev.pool_stats().expect("initialised");
-            p.classes.iter().map(|c| c.objs_inuse).sum::<u64>() - p.runs.tails + p.runs.runs
+            p.classes.iter().map(|c| c.objs_inuse).sum::<u64>() - p.spans.tails + p.spans.spans
         };
         self.dev.flush_deferred();
         let s = self.dev.stats();

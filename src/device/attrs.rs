@@ -159,8 +159,8 @@ pub const ATTRIBUTES: &[Attr] = &[
             s.multi_wb_objects,
             s.multi_wb_pages,
             s.multi_wb_blocks,
-            s.run_cache_hits,
-            s.run_cache_misses
+            s.group_cache_hits,
+            s.group_cache_misses
         )
     }),
     Attr::rw(

@@ -104,7 +104,7 @@ struct Settings {
     backing_layout: BackingLayout,
     /// `zone_size`: bytes per zone with the zoned layout.
     zone_size_bytes: u64,
-    /// `multi_page_size`: aligned runs of this many bytes written at once are compressed as
+    /// `multi_page_size`: aligned groups of this many bytes written at once are compressed as
     /// one object (4096: off).
     multi_page_size_bytes: usize,
 }
@@ -276,7 +276,7 @@ impl Device {
     }
 
     /// Sets `multi_page_size` (bytes): 4096 (off), or 16384, 32768 or 65536 above the page
-    /// size; aligned runs of that size written at once are then compressed as one object.
+    /// size; aligned groups of that size written at once are then compressed as one object.
     /// `EINVAL` for another value, `EBUSY` once initialised.
     pub fn set_multi_page_size_bytes(&self, bytes: usize) -> Result<()> {
         let mut st = self.settings_for("multi_page_size")?;

@@ -136,8 +136,8 @@ impl Device {
         let _io = self.block_stat.start(Op::Write, buf.len() as u64);
         let page = self.page_size_bytes;
         let limit = self.mem_limit_pages.load(Ordering::Relaxed);
-        // With `multi_page_size`, an aligned run of `n` pages inside the request is stored as
-        // one object; `skip` counts the run's remaining segments.
+        // With `multi_page_size`, an aligned group of `n` pages inside the request is stored as
+        // one object; `skip` counts the group's remaining segments.
         let n = store.multi_pages();
         let mut skip = 0;
         let mut done = 0;
@@ -146,17 +146,17 @@ impl Device {
                 skip -= 1;
                 continue;
             }
-            let run_bytes = n * page;
+            let group_bytes = n * page;
             if n > 1
                 && seg.offset_bytes == 0
                 && seg.index.0 % n as u64 == 0
-                && buf.len() - done >= run_bytes
+                && buf.len() - done >= group_bytes
             {
-                let data = &buf[done..done + run_bytes];
-                done += run_bytes;
+                let data = &buf[done..done + group_bytes];
+                done += group_bytes;
                 skip = n - 1;
-                let r = with_scratch(run_bytes, |dst, _| {
-                    store.write_run(seg.index, data, dst, limit)
+                let r = with_scratch(group_bytes, |dst, _| {
+                    store.write_group(seg.index, data, dst, limit)
                 });
                 if let Err(e) = r {
                     store.note_failed_write();

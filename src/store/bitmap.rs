@@ -109,9 +109,9 @@ impl BlockBitmap {
     }
 
     /// Allocates the first `count` adjacent free blocks (a written-back multi-page object's),
-    /// or `None` when no such range is free. O(blocks) in the worst case: runs are written
+    /// or `None` when no such range is free. O(blocks) in the worst case: extents are written
     /// back far less often than pages, and mostly at the sequential end of the bitmap.
-    pub fn alloc_run(&self, count: u64) -> Option<BlockIndex> {
+    pub fn alloc_extent(&self, count: u64) -> Option<BlockIndex> {
         if count <= 1 {
             return self.alloc();
         }
@@ -183,13 +183,13 @@ impl BlockBitmap {
     /// unpins it. Panics if the block is not allocated or was already released: each block is
     /// released exactly once.
     pub fn release(&self, block: BlockIndex) {
-        self.release_run(block, 1);
+        self.release_extent(block, 1);
     }
 
     /// Releases `count` blocks from `block` (a written-back multi-page object's, allocated by
-    /// [`alloc_run`](Self::alloc_run); it is pinned by its first block), as
+    /// [`alloc_extent`](Self::alloc_extent); it is pinned by its first block), as
     /// [`release`](Self::release) does one.
-    pub fn release_run(&self, block: BlockIndex, count: u64) {
+    pub fn release_extent(&self, block: BlockIndex, count: u64) {
         let mut g = self.inner.lock();
         if let Some(pin) = g.pins.get_mut(&block.0) {
             assert!(pin.released == 0, "block {} released twice", block.0);
@@ -314,26 +314,26 @@ mod tests {
     }
 
     #[test]
-    fn runs_take_the_first_free_range_and_are_released_whole() {
+    fn extents_take_the_first_free_range_and_are_released_whole() {
         let b = BlockBitmap::new(200);
         let one = b.alloc().unwrap();
-        assert_eq!(b.alloc_run(3), Some(BlockIndex(1)));
+        assert_eq!(b.alloc_extent(3), Some(BlockIndex(1)));
         b.release(one);
-        // Block 0 is free but too short for 2: the run goes after the first one.
-        assert_eq!(b.alloc_run(2), Some(BlockIndex(4)));
+        // Block 0 is free but too short for 2: the extent goes after the first one.
+        assert_eq!(b.alloc_extent(2), Some(BlockIndex(4)));
         assert_eq!(b.alloc(), Some(BlockIndex(0)));
         // Across a word boundary, then none left that long.
-        assert_eq!(b.alloc_run(100), Some(BlockIndex(6)));
-        assert_eq!(b.alloc_run(100), None);
+        assert_eq!(b.alloc_extent(100), Some(BlockIndex(6)));
+        assert_eq!(b.alloc_extent(100), None);
         assert_eq!(b.bd_count(), 106);
-        // A pinned run is freed whole by its last reader.
+        // A pinned extent is freed whole by its last reader.
         let p = b.pin(BlockIndex(1));
-        b.release_run(BlockIndex(1), 3);
+        b.release_extent(BlockIndex(1), 3);
         assert!(b.is_allocated(BlockIndex(3)));
         drop(p);
         assert!(!b.is_allocated(BlockIndex(1)) && !b.is_allocated(BlockIndex(3)));
         assert_eq!(b.bd_count(), 103);
-        assert_eq!(b.alloc_run(3), Some(BlockIndex(1)));
+        assert_eq!(b.alloc_extent(3), Some(BlockIndex(1)));
     }
 
     #[test]

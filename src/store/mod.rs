@@ -10,7 +10,7 @@
 //!   and [`free_page`](Store::free_page) (zram's `zram_free_page`, with the allocator object
 //!   freed at once or through the deferred-free queue);
 //! - idle marking ([`mark_idle`](Store::mark_idle));
-//! - multi-page objects (`multi.rs`): [`write_run`](Store::write_run) and the reads of a shared
+//! - multi-page objects (`multi.rs`): [`write_group`](Store::write_group) and the reads of a shared
 //!   object through the per-thread cache;
 //! - post-processing's steps (`pp.rs`): [`mark_pp`](Store::mark_pp) and
 //!   [`clear_pp`](Store::clear_pp) (the PP_SLOT ticket), [`copy_candidate`](Store::copy_candidate),
@@ -54,7 +54,7 @@ mod target;
 mod train_dict;
 
 pub use codecs::GenStat;
-use multi::RunWhere;
+use multi::GroupWhere;
 pub(crate) use recompress::Outcome;
 pub use stats::{MetaStats, StatsSnapshot};
 pub use train_dict::{TrainReport, TrainSpec};
@@ -142,16 +142,16 @@ pub(crate) struct Store {
     huge_threshold_bytes: usize,
     /// Pages per multi-page object (`multi_page_size / page size`; 1: off).
     multi_pages: usize,
-    /// A run compressed to at least this many bytes saves nothing as one object (it would cost
+    /// A group compressed to at least this many bytes saves nothing as one object (it would cost
     /// its pages' worth of memory): stored page by page instead.
-    huge_run_bytes: usize,
+    huge_group_bytes: usize,
     /// Per aligned group of `multi_pages` slots: how many of them point at the group's
     /// multi-page object (at most one lives per group). Changed only by a holder of the lock
     /// of a slot that points at it (decrement) or of every slot of the group (set); the
     /// decrement that reaches 0 frees the object. Empty when multi-page objects are off.
     group_refs: Box<[AtomicU8]>,
     /// Multi-page objects freed so far: bumped (`Release`) before each is freed, so a
-    /// per-thread cache of a decompressed object ([`RunCache`]) is valid only while this has
+    /// per-thread cache of a decompressed object ([`GroupCache`]) is valid only while this has
     /// not moved (a freed handle may come back for another object).
     multi_frees: AtomicU64,
     /// This store's identity, for the per-thread caches.
@@ -177,8 +177,8 @@ pub(crate) enum Source<'a> {
 impl Store {
     /// A store of `nr_pages` empty slots of `page_size_bytes`, compressing with `codecs`
     /// (the primary at priority 0, recompression codecs above) into `pool`, writing back into
-    /// `target`; aligned runs of `multi_pages` pages written at once are stored as one object
-    /// (`multi_page_size`; 1: off). The pool must take objects of a run's size. Access times
+    /// `target`; aligned groups of `multi_pages` pages written at once are stored as one object
+    /// (`multi_page_size`; 1: off). The pool must take objects of a group's size. Access times
     /// are seconds of `clock` since now. A pool serving swap (`ZsPool::with_swap_reserve`)
     /// makes the slot table faulted in whole now.
     pub(crate) fn with_multi_pages(
@@ -208,7 +208,7 @@ impl Store {
             page_size_bytes,
             huge_threshold_bytes: huge(page_size_bytes),
             multi_pages,
-            huge_run_bytes: huge(multi_pages * page_size_bytes),
+            huge_group_bytes: huge(multi_pages * page_size_bytes),
             group_refs: (0..groups).map(|_| AtomicU8::new(0)).collect(),
             multi_frees: AtomicU64::new(0),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -455,7 +455,7 @@ impl Store {
     }
 
     /// Reads a written-back page through its pin (no slot lock held) and counts `bd_reads`.
-    /// A page of a written-back multi-page object comes from this thread's [`RunCache`], or
+    /// A page of a written-back multi-page object comes from this thread's [`GroupCache`], or
     /// the whole object is read (counted once) and decompressed into it; `frees` is the
     /// `multi_frees` seen under the slot lock.
     fn read_backing(
@@ -472,14 +472,14 @@ impl Store {
             let n = self.multi_pages as u64;
             let first = index.0 - index.0 % n;
             let k = (index.0 % n) as usize;
-            return self.with_run_cache(
-                RunWhere::Backing(st.value),
+            return self.with_group_cache(
+                GroupWhere::Backing(st.value),
                 frees,
                 k,
                 out,
-                |run, raw, _| {
+                |group, raw, _| {
                     // Whole: a later read of another page would cost another backing read.
-                    let valid = pin.read_run(first, st, &*codec, run, raw, run.len())?;
+                    let valid = pin.read_group(first, st, &*codec, group, raw, group.len())?;
                     StoreStats::add(&self.stats.bd_reads, 1);
                     Ok(valid)
                 },
@@ -539,7 +539,7 @@ impl Store {
             // of its group pointing at it).
             if let Some(target) = self.target.as_ref() {
                 if st.has(SlotFlags::MULTI) {
-                    self.release_wb_run(g.index(), st, target);
+                    self.release_wb_group(g.index(), st, target);
                 } else {
                     target.release(location, 1);
                 }
@@ -555,14 +555,14 @@ impl Store {
 
     /// A slot pointing at a written-back multi-page object lets go of it: the last one of the
     /// group releases its location. The caller holds the slot lock and empties the slot.
-    fn release_wb_run(&self, index: SlotIndex, st: SlotState, target: &WbTarget) {
+    fn release_wb_group(&self, index: SlotIndex, st: SlotState, target: &WbTarget) {
         let s = &self.stats;
         let group = (index.0 / self.multi_pages as u64) as usize;
         StoreStats::sub(&s.multi_wb_pages, 1);
         if self.group_refs[group].fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
-        let blocks = WbTarget::run_blocks(st.size_bytes(), self.page_size_bytes);
+        let blocks = WbTarget::group_blocks(st.size_bytes(), self.page_size_bytes);
         StoreStats::sub(&s.multi_wb_objects, 1);
         StoreStats::sub(&s.multi_wb_blocks, blocks);
         // A location given back may be another object's next: the caches of this one go.
@@ -784,8 +784,8 @@ impl Store {
             multi_wb_objects: get(&s.multi_wb_objects),
             multi_wb_pages: get(&s.multi_wb_pages),
             multi_wb_blocks: get(&s.multi_wb_blocks),
-            run_cache_hits: get(&s.run_cache_hits),
-            run_cache_misses: get(&s.run_cache_misses),
+            group_cache_hits: get(&s.group_cache_hits),
+            group_cache_misses: get(&s.group_cache_misses),
         }
     }
 

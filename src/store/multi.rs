@@ -13,12 +13,12 @@ use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 
 /// A thread's last decompressed multi-page object, so reads of its neighbouring pages
-/// decompress it once: `key` is `(store id, where, multi_frees)` when `run` holds it.
+/// decompress it once: `key` is `(store id, where, multi_frees)` when `group` holds it.
 #[derive(Default)]
-struct RunCache {
-    key: Option<(u64, RunWhere, u64)>,
-    run: Vec<u8>,
-    /// Leading bytes of `run` decompressed (a prefix when the codec could stop early).
+struct GroupCache {
+    key: Option<(u64, GroupWhere, u64)>,
+    group: Vec<u8>,
+    /// Leading bytes of `group` decompressed (a prefix when the codec could stop early).
     valid_bytes: usize,
     /// The blocks of a written-back object, as read.
     raw: Vec<u8>,
@@ -26,25 +26,25 @@ struct RunCache {
 
 /// Where a multi-page object lives: its handle in RAM, or its backing location.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum RunWhere {
+pub(super) enum GroupWhere {
     Handle(u64),
     Backing(u64),
 }
 
 thread_local! {
-    static RUN_CACHE: RefCell<RunCache> = RefCell::new(RunCache::default());
+    static GROUP_CACHE: RefCell<GroupCache> = RefCell::new(GroupCache::default());
 }
 
 impl Store {
-    /// Stores an aligned run of [`multi_pages`](Self::multi_pages) pages starting at slot
-    /// `first` (a multiple of it), written at once (`data`: the run), compressed as one object
+    /// Stores an aligned group of [`multi_pages`](Self::multi_pages) pages starting at slot
+    /// `first` (a multiple of it), written at once (`data`: the group), compressed as one object
     /// that every slot of the group points into (MULTI). `dst`: at least
-    /// `compress_bound(run size)` bytes of scratch. A run whose pages are all same-filled is
+    /// `compress_bound(group size)` bytes of scratch. A group whose pages are all same-filled is
     /// stored page by page; one that does not compress below its pages' worth of memory is
     /// stored as raw (HUGE) or same-filled pages, without compressing them again. The
     /// group's slots are locked in ascending order (as every multi-slot path locks them), so
-    /// the run replaces them all at once; a failure leaves the old contents.
-    pub(crate) fn write_run(
+    /// the group replaces them all at once; a failure leaves the old contents.
+    pub(crate) fn write_group(
         &self,
         first: SlotIndex,
         data: &[u8],
@@ -64,12 +64,12 @@ impl Store {
             return per_page(dst);
         }
         let comp_len = self.codecs.primary().compress(data, dst)?;
-        if comp_len >= self.huge_run_bytes {
+        if comp_len >= self.huge_group_bytes {
             // Compressing the pages one by one again would be wasted: a page that compressed
-            // alone below the huge threshold would save the run at least as much (compressing
+            // alone below the huge threshold would save the group at least as much (compressing
             // the whole is no worse than its parts, up to the codec's expansion of the
             // others: zstd stores incompressible blocks raw, lz4 adds a byte per 255), and
-            // the run saved less. So its pages are stored raw (HUGE), or same-filled.
+            // the group saved less. So its pages are stored raw (HUGE), or same-filled.
             for (k, p) in data.chunks(page).enumerate() {
                 let prepared = match same_filled_word(p) {
                     Some(word) => Prepared::Same(word),
@@ -108,7 +108,7 @@ impl Store {
     }
 
     /// Copies page `k` of the multi-page object `handle`, compressed by codec id `codec`, into
-    /// `out`, decompressing it unless this thread's [`RunCache`] holds it. The caller holds the
+    /// `out`, decompressing it unless this thread's [`GroupCache`] holds it. The caller holds the
     /// lock of a slot pointing at it.
     pub(super) fn read_multi(
         &self,
@@ -120,64 +120,64 @@ impl Store {
         // Loaded after the slot lock was taken: a handle freed and reused since the cache was
         // filled has moved this counter (see `multi_frees`).
         let frees = self.multi_frees.load(Ordering::Acquire);
-        self.with_run_cache(
-            RunWhere::Handle(handle.to_raw()),
+        self.with_group_cache(
+            GroupWhere::Handle(handle.to_raw()),
             frees,
             k,
             out,
-            |run, _, want| {
+            |group, _, want| {
                 let codec = self.codecs.get(codec)?;
                 self.pool
-                    .read(handle, |obj| codec.decompress_prefix(obj, run, want))
+                    .read(handle, |obj| codec.decompress_prefix(obj, group, want))
             },
         )
     }
 
     /// Copies page `k` of the multi-page object at `at` into `out`: from this thread's
-    /// [`RunCache`] if it holds the object, as of `frees` (the `multi_frees` seen under the
+    /// [`GroupCache`] if it holds the object, as of `frees` (the `multi_frees` seen under the
     /// lock of a slot pointing at it), at least up to that page; else after `fill`
-    /// decompressed it into the cache's run (`fill` gets the run, a scratch buffer and the
+    /// decompressed it into the cache's group buffer (`fill` gets it, a scratch buffer and the
     /// bytes wanted, and returns the leading bytes it made valid).
     ///
     /// A first read of an object decompresses only up to its page (a codec that can stop
-    /// early: lz4; a random 4 KiB read then decodes half a run on average); a later read of
+    /// early: lz4; a random 4 KiB read then decodes half a group on average); a later read of
     /// the same object past that prefix decompresses it whole, so a sequential pass costs one
     /// page more than a whole decompression, never a decompression per page.
-    pub(super) fn with_run_cache(
+    pub(super) fn with_group_cache(
         &self,
-        at: RunWhere,
+        at: GroupWhere,
         frees: u64,
         k: usize,
         out: &mut [u8],
         fill: impl FnOnce(&mut [u8], &mut Vec<u8>, usize) -> Result<usize>,
     ) -> Result<()> {
-        let run_bytes = self.multi_pages * self.page_size_bytes;
+        let group_bytes = self.multi_pages * self.page_size_bytes;
         let page = self.page_size_bytes;
         let need = (k + 1) * page;
-        RUN_CACHE.with(|cache| {
+        GROUP_CACHE.with(|cache| {
             let mut c = cache.borrow_mut();
             let c = &mut *c;
             let key = Some((self.id, at, frees));
             let same = c.key == key;
             if !same || c.valid_bytes < need {
-                StoreStats::add(&self.stats.run_cache_misses, 1);
-                let want = if same { run_bytes } else { need };
+                StoreStats::add(&self.stats.group_cache_misses, 1);
+                let want = if same { group_bytes } else { need };
                 c.key = None;
-                if c.run.len() < run_bytes {
-                    c.run.resize(run_bytes, 0);
+                if c.group.len() < group_bytes {
+                    c.group.resize(group_bytes, 0);
                 }
-                c.valid_bytes = fill(&mut c.run[..run_bytes], &mut c.raw, want)?;
+                c.valid_bytes = fill(&mut c.group[..group_bytes], &mut c.raw, want)?;
                 c.key = key;
             } else {
-                StoreStats::add(&self.stats.run_cache_hits, 1);
+                StoreStats::add(&self.stats.group_cache_hits, 1);
             }
-            out.copy_from_slice(&c.run[k * page..need]);
+            out.copy_from_slice(&c.group[k * page..need]);
             Ok(())
         })
     }
 
     /// Whether slot `index` holds a page of a multi-page object in RAM (a look without its
-    /// lock, for writeback to choose its path: [`copy_run`](Self::copy_run) decides again).
+    /// lock, for writeback to choose its path: [`copy_group`](Self::copy_group) decides again).
     pub(crate) fn is_multi(&self, index: SlotIndex) -> bool {
         let st = self.slots.entry(index).state_unlocked();
         st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB)

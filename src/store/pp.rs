@@ -22,7 +22,7 @@ impl Store {
         // Look without the lock first, so empty slots cost nothing (and their table pages stay
         // uncommitted); decide again under the lock. A page of a multi-page object is marked
         // like any other; writeback takes the object only when every page pointing into it is
-        // marked ([`copy_run`](Self::copy_run)).
+        // marked ([`copy_group`](Self::copy_group)).
         let st = self.slots.entry(index).state_unlocked();
         if st.is_empty() || st.has(SlotFlags::SAME) || st.has(SlotFlags::WB) {
             return None;
@@ -51,13 +51,13 @@ impl Store {
         g.clear_flags(SlotFlags::PP_SLOT);
         drop(g);
         if self.multi_pages > 1 && st.has(SlotFlags::MULTI) && !st.has(SlotFlags::WB) {
-            self.clear_run_pp(self.group_first(index));
+            self.clear_group_pp(self.group_first(index));
         }
     }
 
     /// Clears PP_SLOT of every page of the group starting at `first` that points into its
     /// multi-page object in RAM (at most one per group), one lock at a time.
-    pub(crate) fn clear_run_pp(&self, first: SlotIndex) {
+    pub(crate) fn clear_group_pp(&self, first: SlotIndex) {
         for k in 0..self.multi_pages as u64 {
             let mut g = self.slots.lock(SlotIndex(first.0 + k));
             let st = g.state();
@@ -146,8 +146,8 @@ impl Store {
     /// `compressed_writeback` says, since its pages share it), under the group's locks, if
     /// every slot still pointing into it has PP_SLOT: the rule is that an object goes only
     /// when all its live pages were selected. Otherwise (or if it is gone) clears PP_SLOT on
-    /// the group and returns `None`. `out` is at least a run.
-    pub(crate) fn copy_run(&self, index: SlotIndex, out: &mut [u8]) -> Option<Copied> {
+    /// the group and returns `None`. `out` is at least a group's size.
+    pub(crate) fn copy_group(&self, index: SlotIndex, out: &mut [u8]) -> Option<Copied> {
         let first = self.group_first(index);
         let mut guards = self.lock_group(first);
         let mut handle = None;
@@ -191,7 +191,7 @@ impl Store {
     /// and returns how many slots now point there. Otherwise clears PP_SLOT on the group and
     /// returns `None`: the caller gives the location back. Counts `bd_writes` (in blocks)
     /// either way.
-    pub(crate) fn finish_run_writeback(
+    pub(crate) fn finish_group_writeback(
         &self,
         first: SlotIndex,
         handle: u64,
@@ -217,13 +217,13 @@ impl Store {
                 }
             }
             if let Some(st) = obj {
-                let blocks = WbTarget::run_blocks(st.size_bytes(), self.page_size_bytes);
+                let blocks = WbTarget::group_blocks(st.size_bytes(), self.page_size_bytes);
                 StoreStats::add(&self.stats.bd_writes, blocks);
             }
             return None;
         };
         let s = &self.stats;
-        let blocks = WbTarget::run_blocks(st.size_bytes(), self.page_size_bytes);
+        let blocks = WbTarget::group_blocks(st.size_bytes(), self.page_size_bytes);
         StoreStats::add(&s.bd_writes, blocks);
         debug_assert_eq!(
             u64::from(

@@ -1,5 +1,5 @@
 //! The store's steps of a recompression (zram's `recompress_slot`): the priorities asked for,
-//! and one candidate (a page, or a multi-page object's run) replaced by a smaller object when a
+//! and one candidate (a page, or a multi-page object's group) replaced by a smaller object when a
 //! recompression codec finds one. The scan and the loop are `crate::recompress`'s, which has
 //! the life of one recompression, step by step; the numbers below refer to it.
 //!
@@ -124,7 +124,7 @@ impl Store {
         drop(g);
 
         StoreStats::add(&self.stats.recomp_tried, 1);
-        // Memory taken in the pool: a size class, or a run's pages plus its tail's class.
+        // Memory taken in the pool: a size class, or a span's pages plus its tail's class.
         let footprint_old = self.pool.footprint_bytes(old_size);
         let shrinks = |len: usize| {
             len < self.huge_threshold_bytes
@@ -178,17 +178,17 @@ impl Store {
     }
 
     /// Recompresses the multi-page object of the group holding candidate `index`: the steps
-    /// of a page, on the whole run, under the locks of the group's slots (ascending), and
+    /// of a page, on the whole group, under the locks of the group's slots (ascending), and
     /// only when every page still pointing into the object is a candidate (writeback's rule).
     /// The threshold applies to the object's bytes per page; a result must also stay below
-    /// the size where a run is stored page by page. The new object is published to every
+    /// the size where a group is stored page by page. The new object is published to every
     /// page pointing into the old one, with the new codec id; INCOMPRESSIBLE marks all of them.
-    pub(crate) fn recompress_run(
+    pub(crate) fn recompress_group(
         &self,
         index: SlotIndex,
         threshold: usize,
         range: PrioRange,
-        run: &mut [u8],
+        group: &mut [u8],
         dst: &mut [u8],
     ) -> Result<Outcome> {
         let n = self.multi_pages;
@@ -219,11 +219,11 @@ impl Store {
         let raw = st.value;
         let old_size = st.size_bytes();
         let handle = Handle::from_raw(raw).expect("a MULTI slot holds an object");
-        let run = &mut run[..n * self.page_size_bytes];
+        let group = &mut group[..n * self.page_size_bytes];
         let read = self
             .codecs
             .get(st.codec())
-            .and_then(|codec| self.pool.read(handle, |obj| codec.decompress(obj, run)));
+            .and_then(|codec| self.pool.read(handle, |obj| codec.decompress(obj, group)));
         for g in guards.iter_mut().flatten() {
             if live(&g.state()) {
                 if read.is_err() {
@@ -239,14 +239,14 @@ impl Store {
         StoreStats::add(&self.stats.recomp_tried, 1);
         let footprint_old = self.pool.footprint_bytes(old_size);
         let shrinks = |len: usize| {
-            len < self.huge_run_bytes
+            len < self.huge_group_bytes
                 && self.pool.footprint_bytes(len) < footprint_old
                 && (threshold == 0 || per_page(len) < threshold)
         };
-        let found = match self.first_shrinking(run, dst, lo..range.hi, shrinks) {
+        let found = match self.first_shrinking(group, dst, lo..range.hi, shrinks) {
             Ok(found) => found,
             Err(e) => {
-                self.clear_run_pp(first);
+                self.clear_group_pp(first);
                 return Err(e);
             }
         };
@@ -269,7 +269,7 @@ impl Store {
             let mut guards = self.lock_group(first);
             if relock(&mut guards).is_none() {
                 drop(guards);
-                self.clear_run_pp(first);
+                self.clear_group_pp(first);
                 return Ok(Outcome::Raced);
             }
             for g in guards.iter_mut().flatten() {
@@ -288,7 +288,7 @@ impl Store {
         let new = match self.pool.malloc(len) {
             Ok(h) => h,
             Err(e) => {
-                self.clear_run_pp(first);
+                self.clear_group_pp(first);
                 return Err(e);
             }
         };
@@ -297,7 +297,7 @@ impl Store {
         if relock(&mut guards).is_none() {
             drop(guards);
             self.pool.free(new);
-            self.clear_run_pp(first);
+            self.clear_group_pp(first);
             return Ok(Outcome::Raced);
         }
         // The old handle may come back for another object: the caches of this one go first.

@@ -50,10 +50,10 @@ pub(crate) struct StoreStats {
     pub(crate) multi_wb_objects: AtomicU64,
     pub(crate) multi_wb_pages: AtomicU64,
     pub(crate) multi_wb_blocks: AtomicU64,
-    /// Reads of a page of a multi-page object served by the thread's run cache, and those that
+    /// Reads of a page of a multi-page object served by the thread's group cache, and those that
     /// decompressed (a prefix of) the object.
-    pub(crate) run_cache_hits: AtomicU64,
-    pub(crate) run_cache_misses: AtomicU64,
+    pub(crate) group_cache_hits: AtomicU64,
+    pub(crate) group_cache_misses: AtomicU64,
 }
 
 impl StoreStats {
@@ -141,10 +141,10 @@ pub struct StatsSnapshot {
     pub multi_wb_blocks: u64,
     /// Reads of a page of a multi-page object served by the reading thread's cache of its last
     /// decompressed object (`multi_stat`'s sixth column).
-    pub run_cache_hits: u64,
+    pub group_cache_hits: u64,
     /// Reads that decompressed the object, or the prefix of it up to their page
     /// (`multi_stat`'s seventh column).
-    pub run_cache_misses: u64,
+    pub group_cache_misses: u64,
 }
 
 /// What `meta_stat` shows: the device's memory besides `mem_used_total` (the pool's zspages), in

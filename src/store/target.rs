@@ -181,13 +181,13 @@ impl WbTarget {
 
     /// Releases the location a WB slot pointed at (it was overwritten, discarded or reset),
     /// `blocks` page-sized blocks long (1 for a page; a multi-page object's from
-    /// [`run_blocks`](Self::run_blocks)). The caller holds the lock of the slot (the last one
+    /// [`group_blocks`](Self::group_blocks)). The caller holds the lock of the slot (the last one
     /// of a multi-page object's group pointing there) and empties it: exactly once per location.
     pub(crate) fn release(&self, location: u64, blocks: u64) {
         match self {
             WbTarget::Bitmap(t) => t
                 .bitmap
-                .release_run(BlockLoc::from_raw(location).block, blocks),
+                .release_extent(BlockLoc::from_raw(location).block, blocks),
             WbTarget::Zoned(t) => {
                 t.store.release(ZoneLoc::from_raw(location));
                 t.pages.fetch_sub(blocks, Ordering::Relaxed);
@@ -215,14 +215,14 @@ impl WbTarget {
         match self {
             WbTarget::Bitmap(t) => t
                 .bitmap
-                .release_run(BlockLoc::from_raw(location).block, blocks),
+                .release_extent(BlockLoc::from_raw(location).block, blocks),
             WbTarget::Zoned(t) => t.store.abort(ZoneLoc::from_raw(location)),
         }
     }
 
     /// Page-sized blocks a written-back multi-page object of `size_bytes` takes: in the bitmap
     /// layout its blocks, in the zoned layout what `bd_count` counts for its record.
-    pub(crate) fn run_blocks(size_bytes: usize, page_size_bytes: usize) -> u64 {
+    pub(crate) fn group_blocks(size_bytes: usize, page_size_bytes: usize) -> u64 {
         size_bytes.div_ceil(page_size_bytes) as u64
     }
 
@@ -346,10 +346,10 @@ impl WbPin<'_> {
 
     /// Reads the written-back multi-page object of a MULTI slot of the group starting at slot
     /// `first` (its state, under its lock when the pin was taken, is `st`: the object's size
-    /// and codec) and decompresses at least its first `want_bytes` into `out` (the whole run),
+    /// and codec) and decompresses at least its first `want_bytes` into `out` (the whole group),
     /// returning how many leading bytes are valid; `scratch` is resized to hold its blocks.
     /// Verified as [`read_page`](Self::read_page) verifies; `EIO` otherwise.
-    pub(crate) fn read_run(
+    pub(crate) fn read_group(
         &self,
         first: u64,
         st: SlotState,
@@ -368,7 +368,7 @@ impl WbPin<'_> {
         };
         match self {
             WbPin::Block(t, pin, crc) => {
-                let blocks = WbTarget::run_blocks(size, t.page_size_bytes) as usize;
+                let blocks = WbTarget::group_blocks(size, t.page_size_bytes) as usize;
                 scratch.resize(blocks * t.page_size_bytes, 0);
                 let offset = t.offset(pin.block());
                 t.backing.read_at(scratch, offset).map_err(|e| {

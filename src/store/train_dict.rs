@@ -7,7 +7,7 @@
 //! 2. Sample: up to `samples` pages held in RAM, spread evenly over the device (every k-th
 //!    such page), each decompressed under its slot lock into one sample buffer (same-filled,
 //!    empty and written-back pages are skipped: they teach nothing, or cost backing I/O; a
-//!    page of a multi-page object is sampled as a page, from its run decompressed once).
+//!    page of a multi-page object is sampled as a page, from its group decompressed once).
 //! 3. Train with libzstd's trainer (`ZDICT_trainFromBuffer`) outside any lock, into a
 //!    dictionary of at most `dict_size` bytes.
 //! 4. Write it to `path` when one is given (created or truncated, mode 0600) before anything
@@ -213,7 +213,7 @@ impl Store {
                 continue;
             }
             // The page as a read sees it (a page of a multi-page object through the thread's
-            // run cache, so a run's sampled pages decompress it once), without an access.
+            // group cache, so a group's sampled pages decompress it once), without an access.
             let ok = matches!(self.read_slot(&g, &mut page), Ok(Source::Done));
             drop(g);
             if ok && compress::same_filled_word(&page).is_none() {

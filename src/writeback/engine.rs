@@ -51,7 +51,7 @@ use crate::pp::PpCtl;
 use crate::slot::SlotIndex;
 use crate::store::{Copied, Store, WbTarget};
 
-/// Where a writeback puts pages: the bitmap target's runs of blocks, or the zoned target's
+/// Where a writeback puts pages: the bitmap target's extents of blocks, or the zoned target's
 /// stages of records. The engine calls it from the writeback task only.
 pub(super) trait Placement {
     /// The depth of the queue the engine opens (the report's `batch_size`).
@@ -74,7 +74,7 @@ pub(super) trait Placement {
     /// the group starting at slot `first`, with its own room (not the page reservation),
     /// and returns its location (what the group's slots will hold). An error (`ENOSPC`: no
     /// room that large) stops taking candidates; nothing was placed.
-    fn place_run(&mut self, first: SlotIndex, obj: &[u8], codec: u8, blocks: u64) -> Result<u64>;
+    fn place_group(&mut self, first: SlotIndex, obj: &[u8], codec: u8, blocks: u64) -> Result<u64>;
     /// The writes ready to submit. `all`: the engine takes no more candidates before it reaps,
     /// so everything placed goes out now.
     fn ready(&mut self, all: bool) -> Vec<PlacedWrite>;
@@ -107,9 +107,9 @@ struct Pending {
     /// The zsmalloc handle that was copied: the slot (the group's slots) must still hold it.
     handle: u64,
     charge: Charge,
-    /// Page-sized blocks the location spans: 1 for a page; a multi-page object's when `run`.
+    /// Page-sized blocks the location spans: 1 for a page; a multi-page object's when `group`.
     blocks: u64,
-    run: bool,
+    group: bool,
 }
 
 /// The state of one writeback call. Owned by the writeback task alone (no lock). Invariant:
@@ -122,7 +122,7 @@ struct Engine<'a, P> {
     /// Limit units one page costs.
     units: u64,
     /// A multi-page object copied out (empty without `multi_page_size`).
-    run_buf: Vec<u8>,
+    group_buf: Vec<u8>,
     queue: Box<dyn IoQueue + 'a>,
     placement: P,
     pending: HashMap<u64, Pending>,
@@ -157,7 +157,7 @@ pub(super) fn run<P: Placement>(
         target,
         limit,
         units: units_per_page(store.page_size_bytes()),
-        run_buf: if store.multi_pages() > 1 {
+        group_buf: if store.multi_pages() > 1 {
             vec![0; store.multi_pages() * store.page_size_bytes()]
         } else {
             Vec::new()
@@ -216,7 +216,7 @@ impl<P: Placement> Engine<'_, P> {
     /// Takes candidate `index` (see the module docs, steps 1-4).
     fn take(&mut self, index: SlotIndex) {
         if self.store.multi_pages() > 1 && self.store.is_multi(index) {
-            return self.take_run(index);
+            return self.take_group(index);
         }
         if !self.limit.has_budget(self.units) {
             self.store.clear_pp(index);
@@ -252,7 +252,7 @@ impl<P: Placement> Engine<'_, P> {
                         handle: copied.handle,
                         charge,
                         blocks: 1,
-                        run: false,
+                        group: false,
                     },
                 );
             }
@@ -267,28 +267,28 @@ impl<P: Placement> Engine<'_, P> {
 
     /// Takes the multi-page object of the group holding candidate `index`: the same steps as
     /// a page, with the object copied as stored (only when every page pointing into it is
-    /// a candidate: `Store::copy_run`), charged for the blocks it takes, and placed in room
+    /// a candidate: `Store::copy_group`), charged for the blocks it takes, and placed in room
     /// of its own.
-    fn take_run(&mut self, index: SlotIndex) {
+    fn take_group(&mut self, index: SlotIndex) {
         let first = self.store.group_first(index);
         if !self.limit.has_budget(self.units) {
-            self.store.clear_run_pp(first);
+            self.store.clear_group_pp(first);
             self.stop = Some(Error::io("writeback_limit exhausted"));
             return;
         }
-        let Some(copied) = self.store.copy_run(index, &mut self.run_buf) else {
+        let Some(copied) = self.store.copy_group(index, &mut self.group_buf) else {
             self.report.skipped += 1;
             return;
         };
         let page = self.store.page_size_bytes();
-        let blocks = WbTarget::run_blocks(copied.len_bytes, page);
+        let blocks = WbTarget::group_blocks(copied.len_bytes, page);
         let Some(charge) = self.limit.charge(blocks * self.units) else {
-            self.store.clear_run_pp(first);
+            self.store.clear_group_pp(first);
             self.stop = Some(Error::io("writeback_limit exhausted"));
             return;
         };
-        let obj = &self.run_buf[..copied.len_bytes];
-        match self.placement.place_run(first, obj, copied.codec, blocks) {
+        let obj = &self.group_buf[..copied.len_bytes];
+        match self.placement.place_group(first, obj, copied.codec, blocks) {
             Ok(location) => {
                 self.pending.insert(
                     location,
@@ -297,13 +297,13 @@ impl<P: Placement> Engine<'_, P> {
                         handle: copied.handle,
                         charge,
                         blocks,
-                        run: true,
+                        group: true,
                     },
                 );
             }
             Err(err) => {
                 self.limit.refund(charge);
-                self.store.clear_run_pp(first);
+                self.store.clear_group_pp(first);
                 self.report.failed += 1;
                 self.stop = Some(err);
             }
@@ -312,8 +312,8 @@ impl<P: Placement> Engine<'_, P> {
 
     /// Clears the PP_SLOT marks of a pending page, or of a pending object's group.
     fn clear_pending_pp(&self, p: &Pending) {
-        if p.run {
-            self.store.clear_run_pp(p.slot);
+        if p.group {
+            self.store.clear_group_pp(p.slot);
         } else {
             self.store.clear_pp(p.slot);
         }
@@ -423,8 +423,9 @@ impl<P: Placement> Engine<'_, P> {
                 .pending
                 .remove(&location)
                 .expect("every location in flight is pending");
-            let moved = if p.run {
-                self.store.finish_run_writeback(p.slot, p.handle, location)
+            let moved = if p.group {
+                self.store
+                    .finish_group_writeback(p.slot, p.handle, location)
             } else {
                 self.store
                     .finish_writeback(p.slot, p.handle, location)

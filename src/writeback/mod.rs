@@ -7,7 +7,7 @@
 //! - `candidates`: the scan that marks PP_SLOT and buckets slots by size, largest first.
 //! - `engine`: the batched engine, one core for both writeback targets: limit charge and
 //!   refund, the requests in flight by op tag, the reap loop, progress, error sorting. What
-//!   differs is where pages go, a `Placement`: `runs` (the bitmap target: a block per page,
+//!   differs is where pages go, a `Placement`: `extents` (the bitmap target: a block per page,
 //!   adjacent blocks written as one vectored write) or `stages` (the zoned target: records
 //!   appended by the zone writer, written in large sequential stages).
 //! - [`WbLimit`]: `writeback_limit` / `writeback_limit_enable`, charged at submission.
@@ -26,8 +26,8 @@
 //!   location under the lock and reads after dropping it.
 
 mod engine;
+mod extents;
 mod limit;
-mod runs;
 mod stages;
 
 pub use crate::pp::ModeFilter;
@@ -302,7 +302,7 @@ pub(crate) fn run(
     }
     let r = match target {
         WbTarget::Bitmap(t) => {
-            let placement = runs::Runs::new(t, batch)?;
+            let placement = extents::Extents::new(t, batch)?;
             engine::run(store, target, limit, &mut ctl, placement, progress)
         }
         WbTarget::Zoned(t) => {

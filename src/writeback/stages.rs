@@ -85,7 +85,13 @@ impl Placement for Stages<'_> {
         }
     }
 
-    fn place_run(&mut self, first: SlotIndex, obj: &[u8], codec: u8, _blocks: u64) -> Result<u64> {
+    fn place_group(
+        &mut self,
+        first: SlotIndex,
+        obj: &[u8],
+        codec: u8,
+        _blocks: u64,
+    ) -> Result<u64> {
         // A multi-page object's record names the first slot of its group (read-back and GC
         // look for it there).
         match self.writer.append(first.0, codec, FLAG_COMPRESSED, obj) {

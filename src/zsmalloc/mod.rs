@@ -3,8 +3,8 @@
 //! A userspace port of the design of Linux's mm/zsmalloc.c. Objects of 1 byte to one page are
 //! packed into *zspages* (1–8 contiguous 4 KiB pages) of per-size *classes*, named by
 //! [`Handle`]s that stay valid while [`PoolCore::compact`] moves the objects to free whole
-//! zspages. A pool for 16 or 64 KiB device pages stores an object larger than 4 KiB as a *run*:
-//! whole 4 KiB pages plus a tail object in a class (`run`).
+//! zspages. A pool for 16 or 64 KiB device pages stores an object larger than 4 KiB as a *span*:
+//! whole 4 KiB pages plus a tail object in a class (`span`).
 //! `docs/zsmalloc.md` tells the story; this page states the contracts.
 //!
 //! # Parts (one file per concept)
@@ -19,7 +19,7 @@
 //! - `fullness`: the fullness groups (in-use ratio buckets of 10 %).
 //! - `class`: a class at run time: its lock and what it protects.
 //! - `compact`: compaction.
-//! - `run`: objects larger than a pool page (whole pages plus a tail object).
+//! - `span`: objects larger than a pool page (whole pages plus a tail object).
 //! - `deferred_free`: the queue behind [`ZsPool::free_deferred`] (growing in blocks the worker
 //!   allocates), drained by a worker thread (owned by [`ZsPool`], sharing the pool proper, [`PoolCore`], through an `Arc`;
 //!   `ZsPool` derefs to it for every other operation).
@@ -32,14 +32,14 @@
 //! |------|----------|
 //! | class lock (`SizeClass::state`, a mutex per class) | the class's slot metadata, fullness lists, unused zspage ids, free handle indices, counters; every *change* of a location word of the class's handles |
 //! | migrate lock (`ZspageDesc`, an rwlock per zspage) | the zspage's frame (which memory backs it) and the bytes of its objects: shared to read an object or to copy into a reserved free slot, exclusive to write an object, to move objects out, or to install/take out the frame |
-//! | run table mutex (`RunTable::state`) | free run ids and run handle indices, run counters; every change of a run handle's location word |
-//! | run descriptor (`RunDesc`, an rwlock per run) | the run's frame and tail handle, and the bytes of its whole pages (shared to read, exclusive to write or to take the frame out) |
+//! | span table mutex (`SpanTable::state`) | free span ids and span handle indices, span counters; every change of a span handle's location word |
+//! | span descriptor (`SpanDesc`, an rwlock per span) | the span's frame and tail handle, and the bytes of its whole pages (shared to read, exclusive to write or to take the frame out) |
 //! | frame allocator mutex | chunks and free frames |
 //! | deferred-free queue lock (try-locked only by `free_deferred`) | the queued and spare blocks of handles |
 //! | deferred-free drain mutex | the right to drain: held by a drainer (worker or `flush`) for its whole batch |
 //!
 //! Lock order: class lock → migrate lock of a compaction source → migrate lock of a destination
-//! → frame allocator mutex; run table mutex → run descriptor → (a tail's) migrate lock. No run
+//! → frame allocator mutex; span table mutex → span descriptor → (a tail's) migrate lock. No span
 //! lock is taken while a class lock is held. `read` and `write` take exactly one migrate lock and nothing else;
 //! `free` takes one class lock (plus, if the zspage empties, its migrate lock briefly and then,
 //! after the class lock is dropped, the frame allocator mutex). `free_deferred` try-locks the
@@ -76,8 +76,8 @@ mod deferred_free;
 mod fullness;
 mod handle;
 pub(crate) mod page_alloc;
-mod run;
 mod size_class;
+mod span;
 mod zspage;
 
 use std::fmt;
@@ -86,17 +86,17 @@ use std::sync::Arc;
 
 pub use deferred_free::{DeferredStats, DEFERRED_FREE_BUDGET_BYTES};
 pub use handle::Handle;
-pub use run::POOL_PAGE_BYTES;
 pub use size_class::{
     ClassInfo, ClassTable, MAX_PAGES_PER_ZSPAGE, MIN_ALLOC_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES,
 };
+pub use span::POOL_PAGE_BYTES;
 
 use class::{ClassState, Detached, SizeClass};
 use deferred_free::DeferredQueue;
 use fullness::NR_GROUPS;
 use handle::{HandleTable, Location, MAX_ZSPAGES_PER_CLASS};
 use page_alloc::{Frame, FrameAllocator, FRAME_CACHE_BYTES};
-use run::{RunObj, RunTable};
+use span::{SpanObj, SpanTable};
 use zspage::obj_offset;
 
 use crate::error::{Error, Result};
@@ -113,8 +113,8 @@ pub struct PoolCore {
     /// owners) drop before the chunks are unmapped.
     classes: Box<[SizeClass]>,
     handles: HandleTable,
-    /// Objects larger than a pool page. Declared before `frames` (runs own frames).
-    runs: RunTable,
+    /// Objects larger than a pool page. Declared before `frames` (spans own frames).
+    spans: SpanTable,
     /// Shared with its reserve's refiller thread (stopped by `ZsPool`'s `Drop`); or, serving
     /// swap, the server's one allocator and reserve (`crate::memory::SwapReserve`), shared by
     /// every pool of the server.
@@ -122,7 +122,7 @@ pub struct PoolCore {
     /// `frames` is the server's: frames go back to it when the pool drops, and its refiller is
     /// not the pool's to stop.
     shared_frames: bool,
-    /// Pool pages (4 KiB) of attached zspages and runs (incremented when a zspage or run is
+    /// Pool pages (4 KiB) of attached zspages and spans (incremented when a zspage or span is
     /// created, decremented when its pages were returned).
     total_pages: AtomicU64,
     /// Pages freed by compaction, cumulative.
@@ -168,8 +168,8 @@ impl PoolCore {
             table,
             classes,
             handles: HandleTable::new(),
-            runs: RunTable::default(),
-            // Frames of at least a device page, so the largest run fits one.
+            spans: SpanTable::default(),
+            // Frames of at least a device page, so the largest span fits one.
             shared_frames: shared_frames.is_some(),
             frames: match shared_frames {
                 Some(frames) => {
@@ -203,25 +203,25 @@ impl PoolCore {
     /// device stores a page raw when its compressed size is at least this. For 4 KiB pages, the
     /// largest non-huge class size + 1 (3633: one object per zspage from there; the kernel's
     /// value is 8 bytes smaller because its objects carry their handle; ours do not). For 16
-    /// and 64 KiB pages, a page less 4 KiB plus that: from there a run's tail would be huge, so
-    /// the run takes as many pages as the raw page (61473 for 64 KiB).
+    /// and 64 KiB pages, a page less 4 KiB plus that: from there a span's tail would be huge, so
+    /// the span takes as many pages as the raw page (61473 for 64 KiB).
     pub fn huge_class_size_bytes(&self) -> usize {
         self.page_size_bytes - POOL_PAGE_BYTES + self.table.huge_class_size_bytes()
     }
 
-    /// The class table (always of 4 KiB pages: larger objects are runs).
+    /// The class table (always of 4 KiB pages: larger objects are spans).
     pub fn class_table(&self) -> &ClassTable {
         &self.table
     }
 
     /// Bytes an object of `size_bytes` (`1..=page size`) takes in the pool: its class's slot
-    /// size, or for a run its whole pages plus its tail's slot size. Comparing footprints tells
+    /// size, or for a span its whole pages plus its tail's slot size. Comparing footprints tells
     /// whether a smaller object saves memory (what the kernel's "smaller size class" test asks).
     pub fn footprint_bytes(&self, size_bytes: usize) -> usize {
         if size_bytes <= POOL_PAGE_BYTES {
             return self.table.classes()[self.table.class_of(size_bytes)].size_bytes;
         }
-        let (pages, tail) = run::split(size_bytes, self.table.huge_class_size_bytes());
+        let (pages, tail) = span::split(size_bytes, self.table.huge_class_size_bytes());
         let tail_bytes = if tail == 0 {
             0
         } else {
@@ -245,7 +245,7 @@ impl PoolCore {
             )));
         }
         if size_bytes > POOL_PAGE_BYTES {
-            return self.malloc_run(size_bytes);
+            return self.malloc_span(size_bytes);
         }
         let class = self.class_for(size_bytes);
         let pages = class.info.pages_per_zspage;
@@ -309,10 +309,10 @@ impl PoolCore {
         Ok(Handle::from_index(handle))
     }
 
-    /// Allocates a run (`size_bytes` > [`POOL_PAGE_BYTES`]): whole pages of a new frame, and a
+    /// Allocates a span (`size_bytes` > [`POOL_PAGE_BYTES`]): whole pages of a new frame, and a
     /// tail object when the rest is not a whole page.
-    fn malloc_run(&self, size_bytes: usize) -> Result<Handle> {
-        let (pages, tail_bytes) = run::split(size_bytes, self.table.huge_class_size_bytes());
+    fn malloc_span(&self, size_bytes: usize) -> Result<Handle> {
+        let (pages, tail_bytes) = span::split(size_bytes, self.table.huge_class_size_bytes());
         let frame = self.frames.alloc_populated(pages)?;
         let tail = if tail_bytes == 0 {
             None
@@ -325,7 +325,7 @@ impl PoolCore {
                 }
             }
         };
-        let mut st = self.runs.state.lock();
+        let mut st = self.spans.state.lock();
         let ids = match st.free_handles.pop() {
             Some(index) => Ok(index),
             None => self.handles.grow(),
@@ -338,7 +338,7 @@ impl PoolCore {
             }
             None => {
                 st.free_handles.push(index);
-                Err(Error::no_memory("zsmalloc: too many runs"))
+                Err(Error::no_memory("zsmalloc: too many spans"))
             }
         });
         let (index, id) = match ids {
@@ -352,8 +352,8 @@ impl PoolCore {
                 return Err(e);
             }
         };
-        *self.runs.descs.get_or_grow(u64::from(id)).write() = Some(RunObj { frame, pages, tail });
-        st.runs += 1;
+        *self.spans.descs.get_or_grow(u64::from(id)).write() = Some(SpanObj { frame, pages, tail });
+        st.spans += 1;
         st.pages += pages as u64;
         if tail.is_some() {
             st.tails += 1;
@@ -384,14 +384,14 @@ impl PoolCore {
                 loc.size_bytes
             );
             if loc.size_bytes > POOL_PAGE_BYTES {
-                // A run never moves: its descriptor holds it until `free`.
-                let mut guard = self.runs.desc(loc.zspage).write();
-                let run = guard.as_mut().expect("a live run has a frame");
-                let whole = (run.pages * POOL_PAGE_BYTES).min(data.len());
-                run.frame
+                // A span never moves: its descriptor holds it until `free`.
+                let mut guard = self.spans.desc(loc.zspage).write();
+                let span = guard.as_mut().expect("a live span has a frame");
+                let whole = (span.pages * POOL_PAGE_BYTES).min(data.len());
+                span.frame
                     .bytes_mut(0, whole)
                     .copy_from_slice(&data[..whole]);
-                if let (Some(tail), true) = (run.tail, data.len() > whole) {
+                if let (Some(tail), true) = (span.tail, data.len() > whole) {
                     self.write(tail, &data[whole..]);
                 }
                 return;
@@ -415,12 +415,12 @@ impl PoolCore {
     pub fn read<R>(&self, h: Handle, f: impl FnOnce(&[u8]) -> R) -> R {
         let (_, loc) = self.handles.load(h);
         if loc.size_bytes > POOL_PAGE_BYTES {
-            return self.read_run(loc, f);
+            return self.read_span(loc, f);
         }
         self.read_small(h, f)
     }
 
-    /// [`read`](Self::read) of an object in a class (not a run).
+    /// [`read`](Self::read) of an object in a class (not a span).
     fn read_small<R>(&self, h: Handle, f: impl FnOnce(&[u8]) -> R) -> R {
         loop {
             let (word, loc) = self.handles.load(h);
@@ -437,60 +437,60 @@ impl PoolCore {
         }
     }
 
-    /// [`read`](Self::read) of a run: its whole pages are handed out in place when it has no
+    /// [`read`](Self::read) of a span: its whole pages are handed out in place when it has no
     /// tail; otherwise pages and tail are copied into a per-thread buffer first.
-    fn read_run<R>(&self, loc: Location, f: impl FnOnce(&[u8]) -> R) -> R {
+    fn read_span<R>(&self, loc: Location, f: impl FnOnce(&[u8]) -> R) -> R {
         thread_local! {
             static RUN_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
         }
-        let guard = self.runs.desc(loc.zspage).read();
-        let run = guard.as_ref().expect("a live run has a frame");
-        let Some(tail) = run.tail else {
-            return f(run.frame.bytes(0, loc.size_bytes));
+        let guard = self.spans.desc(loc.zspage).read();
+        let span = guard.as_ref().expect("a live span has a frame");
+        let Some(tail) = span.tail else {
+            return f(span.frame.bytes(0, loc.size_bytes));
         };
-        let whole = run.pages * POOL_PAGE_BYTES;
+        let whole = span.pages * POOL_PAGE_BYTES;
         RUN_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
             if buf.len() < loc.size_bytes {
                 buf.resize(loc.size_bytes, 0);
             }
-            buf[..whole].copy_from_slice(run.frame.bytes(0, whole));
+            buf[..whole].copy_from_slice(span.frame.bytes(0, whole));
             self.read_small(tail, |t| buf[whole..loc.size_bytes].copy_from_slice(t));
             f(&buf[..loc.size_bytes])
         })
     }
 
-    /// Frees a run: its handle and descriptor under the run table's mutex, then its pages and
+    /// Frees a span: its handle and descriptor under the span table's mutex, then its pages and
     /// its tail.
-    fn free_run(&self, h: Handle) {
-        let (run, size_bytes) = {
-            let mut st = self.runs.state.lock();
+    fn free_span(&self, h: Handle) {
+        let (span, size_bytes) = {
+            let mut st = self.spans.state.lock();
             let word = self.handles.word(h);
-            // Every writer of a run's word holds this mutex, so this load sees the last store.
+            // Every writer of a span's word holds this mutex, so this load sees the last store.
             let loc = Location::decode(word.load(Ordering::Relaxed))
                 .unwrap_or_else(|| panic!("zsmalloc: double free of {h:?}"));
-            let run = self
-                .runs
+            let span = self
+                .spans
                 .desc(loc.zspage)
                 .write()
                 .take()
-                .expect("a live run has a frame");
+                .expect("a live span has a frame");
             word.store(0, Ordering::Release);
             st.free_ids.push(loc.zspage);
             st.free_handles.push(h.index());
-            st.runs -= 1;
-            st.pages -= run.pages as u64;
-            if run.tail.is_some() {
+            st.spans -= 1;
+            st.pages -= span.pages as u64;
+            if span.tail.is_some() {
                 st.tails -= 1;
-                st.tail_bytes -= (loc.size_bytes - run.pages * POOL_PAGE_BYTES) as u64;
+                st.tail_bytes -= (loc.size_bytes - span.pages * POOL_PAGE_BYTES) as u64;
             }
-            (run, loc.size_bytes)
+            (span, loc.size_bytes)
         };
         debug_assert!(size_bytes > POOL_PAGE_BYTES);
-        self.frames.release(run.frame, run.pages);
+        self.frames.release(span.frame, span.pages);
         self.total_pages
-            .fetch_sub(run.pages as u64, Ordering::Relaxed);
-        if let Some(tail) = run.tail {
+            .fetch_sub(span.pages as u64, Ordering::Relaxed);
+        if let Some(tail) = span.tail {
             self.free(tail);
         }
     }
@@ -510,7 +510,7 @@ impl PoolCore {
     pub fn free(&self, h: Handle) {
         let (_, loc) = self.handles.load(h);
         if loc.size_bytes > POOL_PAGE_BYTES {
-            return self.free_run(h);
+            return self.free_span(h);
         }
         let class = self.class_for(loc.size_bytes);
         let mut st = class.state.lock();
@@ -555,7 +555,7 @@ impl PoolCore {
     /// location words are read in one pass first (no lock between the loads, so their cache
     /// misses overlap), then bucketed by class in release order (a counting sort: O(n)), then
     /// freed class by class; an emptied zspage's memory is returned after its group's lock is
-    /// dropped, as `free` does. Runs are freed one by one.
+    /// dropped, as `free` does. Spans are freed one by one.
     fn free_many(&self, indices: &[u32], scratch: &mut FreeScratch) {
         let FreeScratch {
             classes,
@@ -570,7 +570,7 @@ impl PoolCore {
             let h = Handle::from_index(index);
             let (_, loc) = self.handles.load(h);
             if loc.size_bytes > POOL_PAGE_BYTES {
-                self.free_run(h);
+                self.free_span(h);
                 classes.push(u32::MAX);
                 continue;
             }
@@ -671,7 +671,7 @@ impl PoolCore {
     /// Like [`compact`](Self::compact), calling `progress(freed, estimate)` after each size class:
     /// pages freed so far, and the pages compaction could free when it started (the sum of
     /// every class's `zs_can_compact` figure, each read under its class lock; frees during
-    /// the run can make it free more, and `estimate` then grows to match).
+    /// the compaction can make it free more, and `estimate` then grows to match).
     pub fn compact_with_progress(&self, progress: &mut dyn FnMut(u64, u64)) -> u64 {
         let mut estimate: u64 = self
             .classes
@@ -695,7 +695,7 @@ impl PoolCore {
     }
 
     /// Pool pages ([`POOL_PAGE_BYTES`], whatever the device's page size) currently held by
-    /// zspages and runs (`mem_used_total / 4096`), including those of objects still waiting in
+    /// zspages and spans (`mem_used_total / 4096`), including those of objects still waiting in
     /// the deferred-free queue.
     pub fn total_pages(&self) -> u64 {
         self.total_pages.load(Ordering::Relaxed)
@@ -729,10 +729,10 @@ impl PoolCore {
                 }
             })
             .collect();
-        let runs = {
-            let st = self.runs.state.lock();
-            RunStats {
-                runs: st.runs,
+        let spans = {
+            let st = self.spans.state.lock();
+            SpanStats {
+                spans: st.spans,
                 pages: st.pages,
                 tails: st.tails,
                 tail_bytes: st.tail_bytes,
@@ -741,7 +741,7 @@ impl PoolCore {
         PoolStats {
             page_size_bytes: self.page_size_bytes(),
             huge_class_size_bytes: self.huge_class_size_bytes(),
-            runs,
+            spans,
             total_pages: self.total_pages(),
             pages_compacted: self.pages_compacted(),
             handles: self.handles.indices(),
@@ -756,7 +756,7 @@ impl PoolCore {
         for class in self.classes.iter() {
             zspage_meta_bytes += class.descs.allocated_bytes() + class.state.lock().heap_bytes();
         }
-        zspage_meta_bytes += self.runs.heap_bytes();
+        zspage_meta_bytes += self.spans.heap_bytes();
         PoolMeta {
             handle_table_bytes: self.handles.allocated_bytes() as u64,
             zspage_meta_bytes: zspage_meta_bytes as u64,
@@ -777,7 +777,7 @@ impl PoolCore {
     /// Checks every class's invariants (expensive; tests).
     #[cfg(test)]
     fn check(&self) {
-        let mut pages = self.runs.state.lock().pages;
+        let mut pages = self.spans.state.lock().pages;
         for class in self.classes.iter() {
             let st = class.state.lock();
             st.check(class);
@@ -786,7 +786,7 @@ impl PoolCore {
         assert_eq!(
             pages,
             self.total_pages(),
-            "zspage and run pages vs total_pages"
+            "zspage and span pages vs total_pages"
         );
     }
 }
@@ -800,7 +800,7 @@ const FREE_GROUP_OBJECTS: usize = 32;
 /// life, so its frees allocate nothing once they have grown).
 #[derive(Debug, Default)]
 struct FreeScratch {
-    /// Each handle's class index (`u32::MAX`: a run, already freed).
+    /// Each handle's class index (`u32::MAX`: a span, already freed).
     classes: Vec<u32>,
     /// The handles bucketed by class, in release order within a class.
     sorted: Vec<Option<Handle>>,
@@ -885,7 +885,7 @@ impl ZsPool {
     pub fn bench_new_release_under_class_lock(page_size_bytes: usize) -> Result<ZsPool> {
         let mut core = PoolCore::new(page_size_bytes, None, None)?;
         core.release_under_class_lock = true;
-        // And one `madvise` per emptied zspage, as before drop batches (issue 14).
+        // And one `madvise` per emptied zspage (no drop batches).
         core.frames = Arc::new(
             FrameAllocator::with_frame_pages(
                 POOL_PAGE_BYTES,
@@ -1007,13 +1007,13 @@ impl Drop for PoolCore {
                 }
             }
         }
-        let runs = self.runs.state.get_mut().next_id;
-        for id in 0..u64::from(runs) {
-            let Some(desc) = self.runs.descs.get(id) else {
+        let spans = self.spans.state.get_mut().next_id;
+        for id in 0..u64::from(spans) {
+            let Some(desc) = self.spans.descs.get(id) else {
                 continue;
             };
-            if let Some(run) = desc.write().take() {
-                self.frames.release(run.frame, run.pages);
+            if let Some(span) = desc.write().take() {
+                self.frames.release(span.frame, span.pages);
             }
         }
     }
@@ -1027,7 +1027,7 @@ pub struct PoolMeta {
     /// The handle table: 8 bytes per handle index ever used, in segments that double (so up
     /// to twice that); never shrinks (the kernel: its `zs_handle` slab).
     pub handle_table_bytes: u64,
-    /// Zspage and run descriptors (never shrink), slot tables of live zspages (4 bytes per
+    /// Zspage and span descriptors (never shrink), slot tables of live zspages (4 bytes per
     /// object slot), fullness lists, free ids and handle indices (the kernel: its `zspage`
     /// slab).
     pub zspage_meta_bytes: u64,
@@ -1068,14 +1068,14 @@ pub struct ClassStats {
     pub inuse_ratio_zspages: [u64; NR_GROUPS - 1],
 }
 
-/// Counters of the runs (objects larger than a pool page; see `run`).
+/// Counters of the spans (objects larger than a pool page; see `span`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RunStats {
-    /// Runs allocated.
-    pub runs: u64,
+pub struct SpanStats {
+    /// Spans allocated.
+    pub spans: u64,
     /// Their whole 4 KiB pages (counted in `total_pages`).
     pub pages: u64,
-    /// Runs with a tail object (counted in its class, as any object).
+    /// Spans with a tail object (counted in its class, as any object).
     pub tails: u64,
     /// Bytes of those tails.
     pub tail_bytes: u64,
@@ -1089,7 +1089,7 @@ pub struct PoolStats {
     /// See [`PoolCore::huge_class_size_bytes`].
     pub huge_class_size_bytes: usize,
     /// Objects larger than a pool page.
-    pub runs: RunStats,
+    pub spans: SpanStats,
     /// See [`PoolCore::total_pages`].
     pub total_pages: u64,
     /// See [`PoolCore::pages_compacted`].
@@ -1153,11 +1153,11 @@ impl fmt::Display for PoolStats {
             total.objs_allocated, total.objs_inuse, total.pages_used, "", total.freeable_pages
         )?;
         if self.page_size_bytes > POOL_PAGE_BYTES {
-            let r = &self.runs;
+            let r = &self.spans;
             writeln!(
                 f,
-                "runs {} pages_used {} tails {} tail_bytes {}",
-                r.runs, r.pages, r.tails, r.tail_bytes
+                "spans {} pages_used {} tails {} tail_bytes {}",
+                r.spans, r.pages, r.tails, r.tail_bytes
             )?;
         }
         Ok(())
@@ -1266,14 +1266,14 @@ pub(crate) mod tests {
             check_obj(&pool, h, seed, size);
         }
         let stats = pool.stats();
-        // Objects up to a pool page are in classes; larger ones are runs, whose tails are
+        // Objects up to a pool page are in classes; larger ones are spans, whose tails are
         // objects in classes too.
-        let runs = live.iter().filter(|l| l.2 > POOL_PAGE_BYTES).count() as u64;
-        assert_eq!(stats.runs.runs, runs);
+        let spans = live.iter().filter(|l| l.2 > POOL_PAGE_BYTES).count() as u64;
+        assert_eq!(stats.spans.spans, spans);
         let inuse: u64 = stats.classes.iter().map(|c| c.objs_inuse).sum();
-        assert_eq!(inuse, live.len() as u64 - runs + stats.runs.tails);
+        assert_eq!(inuse, live.len() as u64 - spans + stats.spans.tails);
         let pages: u64 = stats.classes.iter().map(|c| c.pages_used).sum();
-        assert_eq!(pages + stats.runs.pages, pool.total_pages());
+        assert_eq!(pages + stats.spans.pages, pool.total_pages());
         // Free every other object, check the rest, then free them too.
         for &(h, _, _) in live.iter().step_by(2) {
             pool.free(h);

@@ -11,8 +11,8 @@
 //! address space in chunks of [`CHUNK_BYTES`] with one
 //! `mmap(PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)` each, and cut every
 //! chunk into *frames* of `MAX_PAGES_PER_ZSPAGE` pages (or more: a pool for 16 or 64 KiB device
-//! pages makes frames of a device page, so a *run*, an object larger than a page stored on whole
-//! pages, fits one; see `run`). A zspage of `k` pages owns one frame and touches only its first
+//! pages makes frames of a device page, so a *span*, an object larger than a page stored on whole
+//! pages, fits one; see `span`). A zspage of `k` pages owns one frame and touches only its first
 //! `k` pages; the untouched tail costs address space, not memory.
 //!
 //! # Life of a frame
@@ -237,7 +237,7 @@ struct FrameState {
 #[derive(Debug)]
 pub(crate) struct FrameAllocator {
     page_size_bytes: usize,
-    /// Pages per frame: the most a zspage or a run may use.
+    /// Pages per frame: the most a zspage or a span may use.
     frame_pages: usize,
     /// `frame_pages * page_size`, rounded up to the system page size (so `madvise` never
     /// reaches into a neighbouring frame).
@@ -270,7 +270,7 @@ pub(crate) struct FrameAllocator {
 
 /// Pages the reserve keeps populated per zspage size (per page count `k`): 64 pages, 256 KiB,
 /// i.e. 64 zspages of one page, 16 of four. At most 2 MiB over the eight sizes of 4 KiB-page
-/// pools (4 MiB over the sixteen page counts runs use in 64 KiB-page pools), and only sizes that
+/// pools (4 MiB over the sixteen page counts spans use in 64 KiB-page pools), and only sizes that
 /// were asked for are refilled. Why it exists: on a fresh device each new zspage's pages are
 /// fresh anonymous memory, faulted in, zeroed and charged to the cgroup (`MADV_POPULATE_WRITE`),
 /// a fifth of the store path's CPU time on the corpus (bench/README.md); the kernel's zsmalloc
@@ -380,10 +380,10 @@ pub(crate) const FRAME_CACHE_BYTES: usize = 2 << 20;
 
 /// Released frames the frame cache has no room for are dropped from the resident set in
 /// batches of this many pages (1 MiB of 4 KiB pages), sorted by address, with one `madvise` per
-/// run of adjacent frames rather than one per zspage (issue 14). Each `madvise(MADV_DONTNEED)`
+/// range of adjacent frames rather than one per zspage. Each `madvise(MADV_DONTNEED)`
 /// takes the process's `mmap_lock`, walks the page tables and flushes the TLB of every CPU
 /// running the process (an IPI), which made it about 90% of the cost of a free that empties a
-/// zspage (`bench/README.md`, "bench free"); a batch pays the lock and the flush once per run.
+/// zspage (`bench/README.md`, "bench free"); a batch pays the lock and the flush once per range.
 /// Frames are carved in address order, so zspages created together (a fill) and freed together
 /// (a process exit, a TRIM of a range) are mostly neighbours. Why 256 pages: it bounds the
 /// extra resident memory (at most 1 MiB beyond `mem_used_total`, on top of the cache) while a
@@ -585,7 +585,7 @@ impl FrameAllocator {
         })
     }
 
-    /// A frame whose first `pages` pages are resident, for a new zspage (or run) that writes
+    /// A frame whose first `pages` pages are resident, for a new zspage (or span) that writes
     /// them at once. In order: a frame released with the same page count and kept in the frame
     /// cache (resident, holding stale bytes of freed objects); one from the reserve (faulted in
     /// by the refiller; serving swap, a larger one if none of this count is left), waking the
@@ -896,7 +896,7 @@ impl FrameAllocator {
         }
     }
 
-    /// Pages per frame: the most a zspage or a run may use.
+    /// Pages per frame: the most a zspage or a span may use.
     pub(crate) fn frame_pages(&self) -> usize {
         self.frame_pages
     }
@@ -1038,22 +1038,22 @@ impl FrameAllocator {
     }
 
     /// Drops the used pages of every frame of `batch` from the resident set: sorted by
-    /// address, one `madvise` over each run of adjacent frames (from the first frame's base to
+    /// address, one `madvise` over each range of adjacent frames (from the first frame's base to
     /// the last one's used pages: the unused tails in between hold no pages, so dropping them
     /// costs nothing and changes nothing). Only the ways that need no per-frame work batch
-    /// (`MADV_DONTNEED_LOCKED`, `MADV_DONTNEED`); a refused run, or the unlocking way, goes
+    /// (`MADV_DONTNEED_LOCKED`, `MADV_DONTNEED`); a refused range, or the unlocking way, goes
     /// frame by frame through [`discard`](Self::discard), which also learns the kernel's way.
     fn discard_batch(&self, mut batch: Vec<(Frame, usize)>) {
         batch.sort_unstable_by_key(|(f, _)| f.base.as_ptr() as usize);
         let mut frames = batch.into_iter().peekable();
         while let Some(first) = frames.next() {
-            let mut run = vec![first];
+            let mut range = vec![first];
             while let Some((next, _)) = frames.peek() {
-                let (last, _) = run.last().expect("a run has a frame");
+                let (last, _) = range.last().expect("a range has a frame");
                 if last.base.as_ptr() as usize + self.frame_bytes != next.base.as_ptr() as usize {
                     break;
                 }
-                run.push(frames.next().expect("peeked"));
+                range.push(frames.next().expect("peeked"));
             }
             let advice = match self.dropping() {
                 Dropping::DontneedLocked => Some(MADV_DONTNEED_LOCKED),
@@ -1061,8 +1061,8 @@ impl FrameAllocator {
                 Dropping::Unlock => None,
             };
             let batched = advice.is_some_and(|advice| {
-                let (start, _) = &run[0];
-                let (last, last_pages) = run.last().expect("a run has a frame");
+                let (start, _) = &range[0];
+                let (last, last_pages) = range.last().expect("a range has a frame");
                 let last_len = (last_pages * self.page_size_bytes)
                     .next_multiple_of(self.sys_page_bytes)
                     .min(last.len_bytes);
@@ -1078,9 +1078,9 @@ impl FrameAllocator {
             });
             if batched {
                 let mut st = self.state.lock();
-                st.free.extend(run.into_iter().map(|(f, _)| f));
+                st.free.extend(range.into_iter().map(|(f, _)| f));
             } else {
-                for (frame, pages) in run {
+                for (frame, pages) in range {
                     self.discard(frame, pages);
                 }
             }

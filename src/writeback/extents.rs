@@ -1,4 +1,4 @@
-//! The bitmap target's placement: one block per page, runs of adjacent blocks written as one
+//! The bitmap target's placement: one block per page, extents of adjacent blocks written as one
 //! vectored write.
 //!
 //! A pool of `writeback_batch_size` page-sized request buffers: a candidate is copied into an
@@ -7,11 +7,11 @@
 //! before the copy (a candidate that turns out to have changed leaves its block reserved for
 //! the next one, given back when the pass ends). The page's location is the block with the
 //! CRC-32C of the whole block buffer (checked on read-back, see `crate::store::target`). When every buffer is taken (or no more
-//! candidates come) the placed pages are sorted by block and go out as runs of adjacent blocks,
-//! up to [`max_run_pages`] per write; a completed write's buffers become idle again.
+//! candidates come) the placed pages are sorted by block and go out as extents of adjacent blocks,
+//! up to [`max_extent_pages`] per write; a completed write's buffers become idle again.
 //!
 //! A multi-page object (`multi_page_size`) goes whole, as stored: it takes the first range of
-//! adjacent free blocks it fits in (`BlockBitmap::alloc_run`), a buffer of those blocks (zero
+//! adjacent free blocks it fits in (`BlockBitmap::alloc_extent`), a buffer of those blocks (zero
 //! padded; the CRC-32C covers them all) and one place of the pool, and is written with its
 //! neighbours like a page.
 
@@ -30,13 +30,13 @@ use crate::store::{BitmapTarget, BlockIndex, Copied};
 /// shared VM (ext4 on virtio, O_DIRECT), pages/s at batch 32 / 128 by divisor:
 /// 1 (whole pool): 50k / 72k; 2: 64k / 92k; 4: 54k / 79k; 8: 56k / 68k. Noisy (the file's
 /// own d32 ceiling moved between 30k and 44k across those runs), but 1 is clearly worst.
-pub(crate) fn max_run_pages(batch: usize) -> usize {
+pub(crate) fn max_extent_pages(batch: usize) -> usize {
     (batch / 2).clamp(1, MAX_OP_BUFS)
 }
 
 /// Pages placed in blocks, waiting for their write. Invariant: every request buffer is in
 /// exactly one place: `idle`, `placed`, or in an op (in flight, or handed to the engine).
-pub(super) struct Runs<'a> {
+pub(super) struct Extents<'a> {
     target: &'a BitmapTarget,
     batch: usize,
     /// Idle request buffers.
@@ -46,34 +46,34 @@ pub(super) struct Runs<'a> {
     /// Placed pages: block, location (the block with the CRC of the buffer) and buffer (a
     /// page, or a multi-page object's blocks).
     placed: Vec<(BlockIndex, u64, AlignedBuf)>,
-    max_run: usize,
+    max_extent: usize,
     /// Page buffers standing for multi-page objects' buffers while those are placed or in
     /// flight: each object takes one place of the pool (so at most `batch` requests are out,
-    /// each at most a run of 64 KiB) and its own buffer, dropped when it completes.
+    /// each at most an extent of 64 KiB) and its own buffer, dropped when it completes.
     parked: Vec<AlignedBuf>,
 }
 
-impl<'a> Runs<'a> {
+impl<'a> Extents<'a> {
     /// A pool of `batch` request buffers over `target`.
-    pub(super) fn new(target: &'a BitmapTarget, batch: usize) -> Result<Runs<'a>> {
+    pub(super) fn new(target: &'a BitmapTarget, batch: usize) -> Result<Extents<'a>> {
         let page = target.page_size_bytes();
         let mut idle = Vec::with_capacity(batch);
         for _ in 0..batch {
             idle.push(AlignedBuf::new_zeroed(page)?);
         }
-        Ok(Runs {
+        Ok(Extents {
             target,
             batch,
             idle,
             reserved: None,
             placed: Vec::with_capacity(batch),
-            max_run: max_run_pages(batch),
+            max_extent: max_extent_pages(batch),
             parked: Vec::new(),
         })
     }
 }
 
-impl Placement for Runs<'_> {
+impl Placement for Extents<'_> {
     fn depth(&self) -> usize {
         self.batch
     }
@@ -113,9 +113,15 @@ impl Placement for Runs<'_> {
         Ok(location)
     }
 
-    fn place_run(&mut self, _first: SlotIndex, obj: &[u8], _codec: u8, blocks: u64) -> Result<u64> {
+    fn place_group(
+        &mut self,
+        _first: SlotIndex,
+        obj: &[u8],
+        _codec: u8,
+        blocks: u64,
+    ) -> Result<u64> {
         let page = self.target.page_size_bytes();
-        let block = self.target.bitmap().alloc_run(blocks).ok_or_else(|| {
+        let block = self.target.bitmap().alloc_extent(blocks).ok_or_else(|| {
             Error::new(
                 ErrorKind::NoSpace,
                 format!("no {blocks} adjacent free blocks on the backing device"),
@@ -124,7 +130,7 @@ impl Placement for Runs<'_> {
         let mut buf = match AlignedBuf::new_zeroed(blocks as usize * page) {
             Ok(buf) => buf,
             Err(err) => {
-                self.target.bitmap().release_run(block, blocks);
+                self.target.bitmap().release_extent(block, blocks);
                 return Err(err);
             }
         };
@@ -150,7 +156,7 @@ impl Placement for Runs<'_> {
             let mut end = first.0 + (buf.len() as u64).div_ceil(page);
             let mut locations = vec![location];
             let mut bufs = vec![buf];
-            while locations.len() < self.max_run {
+            while locations.len() < self.max_extent {
                 match it.peek() {
                     Some((b, _, _)) if b.0 == end => {
                         let (b, location, buf) = it.next().expect("peeked");
@@ -183,7 +189,7 @@ impl Placement for Runs<'_> {
                 self.idle.push(
                     self.parked
                         .pop()
-                        .expect("a run's buffer parks a page buffer"),
+                        .expect("an extent's buffer parks a page buffer"),
                 );
             }
         }
