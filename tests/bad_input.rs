@@ -143,17 +143,22 @@ fn bad_page_size_and_unknown_algorithm_are_einval() {
     assert!(dev.attr_show("comp_algorithm").unwrap().contains("[lz4]"));
 }
 
-#[test]
-fn malformed_attribute_values_are_rejected_and_change_nothing() {
-    let dev = Device::new_uninit(PAGE).unwrap();
-    let einval = |name: &str, value: &str| {
+/// A check that storing a value into an attribute of `dev` fails with `kind` and `errno`.
+fn refused_with(dev: &Device, kind: ErrorKind, errno: i32) -> impl Fn(&str, &str) + '_ {
+    move |name, value| {
         let e = dev.attr_store(name, value).expect_err(value);
         assert_eq!(
             (e.kind(), e.errno()),
-            (ErrorKind::InvalidArgument, libc::EINVAL),
+            (kind, errno),
             "{name}={value:?}: {e}"
         );
-    };
+    }
+}
+
+#[test]
+fn malformed_attribute_values_are_rejected_and_change_nothing() {
+    let dev = Device::new_uninit(PAGE).unwrap();
+    let einval = refused_with(&dev, ErrorKind::InvalidArgument, libc::EINVAL);
     einval("disksize", "0\n");
     einval("disksize", "foo\n");
     einval("disksize", " 1G"); // memparse takes no leading blank: 0
@@ -203,14 +208,7 @@ fn malformed_attribute_values_are_rejected_and_change_nothing() {
 fn settings_after_init_are_ebusy_and_change_nothing() {
     let dev = device(16);
     dev.write_at(&pattern(PAGE, 3), 0).unwrap();
-    let ebusy = |name: &str, value: &str| {
-        let e = dev.attr_store(name, value).expect_err(value);
-        assert_eq!(
-            (e.kind(), e.errno()),
-            (ErrorKind::Busy, libc::EBUSY),
-            "{name}: {e}"
-        );
-    };
+    let ebusy = refused_with(&dev, ErrorKind::Busy, libc::EBUSY);
     ebusy("disksize", "1G\n");
     ebusy("comp_algorithm", "zstd\n");
     // algorithm_params is taken after init, as the kernel takes it: kept for a disksize that

@@ -4,6 +4,7 @@
 //! algorithm without dictionaries) refused with zram's errno and changing nothing, lz4's
 //! `level` as acceleration. The model test runs a dictionary beside every other path.
 
+use std::path::PathBuf;
 use uzram::compress::{new_codec, CodecParams, Dictionary, MAX_DICT_BYTES};
 use uzram::device::{Device, RecompressSpec};
 use uzram_testkit::device::{errno, DeviceBuilder};
@@ -21,12 +22,18 @@ fn raw_dict(pages: &[Vec<u8>]) -> Vec<u8> {
         .collect()
 }
 
+/// `pages` (those the device will hold) and a [`raw_dict`] of them in `dir`, as `name`.
+fn pages_and_dict(dir: &tempfile::TempDir, name: &str, n: usize) -> (Vec<Vec<u8>>, PathBuf) {
+    let pages = program_pages(n, 0, Program::Any);
+    let path = dir.path().join(name);
+    std::fs::write(&path, raw_dict(&pages)).unwrap();
+    (pages, path)
+}
+
 #[test]
 fn zstd_dictionary_on_primary_and_secondary_shrinks_and_reads_back() {
     let dir = tempfile::tempdir().unwrap();
-    let pages = program_pages(256, 0, Program::Any);
-    let path = dir.path().join("pages.dict");
-    std::fs::write(&path, raw_dict(&pages)).unwrap();
+    let (pages, path) = pages_and_dict(&dir, "pages.dict", 256);
     let compr = |dev: &Device| dev.stats().compr_data_size_bytes;
 
     // Primary zstd, without and with the dictionary.
@@ -67,9 +74,7 @@ fn zstd_dictionary_on_primary_and_secondary_shrinks_and_reads_back() {
 #[test]
 fn bad_dictionaries_are_refused_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let pages = program_pages(32, 0, Program::Any);
-    let good = dir.path().join("good.dict");
-    std::fs::write(&good, raw_dict(&pages)).unwrap();
+    let (pages, good) = pages_and_dict(&dir, "good.dict", 32);
     let empty = dir.path().join("empty.dict");
     std::fs::write(&empty, b"").unwrap();
     let big = dir.path().join("big.dict");

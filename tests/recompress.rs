@@ -10,6 +10,7 @@ use uzram::backing::MemBacking;
 use uzram::device::{Device, RecompressSpec};
 use uzram_testkit::device::{errno, DeviceBuilder};
 use uzram_testkit::pages::{check_pages, page_of, program_pages, write_pages, Kind, Program, PAGE};
+use uzram_testkit::refused::{assert_refused, errno_of};
 
 /// A device of `pages` with the recompression algorithms `recomp`, priorities 1, 2...
 fn device(pages: u64, recomp: &[&str]) -> Device {
@@ -85,37 +86,34 @@ fn recomp_algorithm_syntax_show_and_errnos() {
         .unwrap();
     dev.attr_store("algorithm_params", "algo=deflate level=9")
         .unwrap();
-    assert_eq!(
-        errno(dev.attr_store("algorithm_params", "priority=2 level=1")),
-        libc::EINVAL,
-        "no algorithm at priority 2"
-    );
-    assert_eq!(
-        errno(dev.attr_store("algorithm_params", "algo=lz4hc level=1")),
-        libc::EINVAL,
-        "lz4hc is configured at no priority"
-    );
-    assert_eq!(
-        errno(dev.attr_store("algorithm_params", "priority=1 level=99")),
-        libc::EINVAL
-    );
-    assert_eq!(
-        errno(dev.attr_store("algorithm_params", "priority=4 level=1")),
-        libc::EINVAL
-    );
     // deflate.winbits: honoured (15, the window uzram's deflate uses) or refused.
     dev.attr_store(
         "algorithm_params",
         "algo=deflate level=9 deflate.winbits=15",
     )
     .unwrap();
-    assert_eq!(
-        errno(dev.attr_store("algorithm_params", "algo=deflate deflate.winbits=11")),
-        libc::EOPNOTSUPP
-    );
-    assert_eq!(
-        errno(dev.attr_store("algorithm_params", "algo=zstd deflate.winbits=15")),
-        libc::EINVAL
+    // Refused, changing no priority's parameters.
+    let params = [1, 3].map(|priority| dev.algorithm_params(priority));
+    assert_refused(
+        &[
+            (
+                libc::EINVAL,
+                &[
+                    "priority=2 level=1",           // no algorithm at priority 2
+                    "priority=4 level=1",           // nor at 4
+                    "algo=lz4hc level=1",           // lz4hc is at no priority
+                    "priority=1 level=99",          // zstd's levels end at 22
+                    "algo=zstd deflate.winbits=15", // winbits is deflate's
+                ],
+            ),
+            // A window uzram's deflate does not use.
+            (libc::EOPNOTSUPP, &["algo=deflate deflate.winbits=11"]),
+        ],
+        |value| errno_of(dev.attr_store("algorithm_params", value)),
+        |value| {
+            let now = [1, 3].map(|priority| dev.algorithm_params(priority));
+            assert_eq!(now, params, "{value}");
+        },
     );
     // A zstd level kept across a change to lz4hc (which takes 1..=12, so 9 still works),
     // then a negative zstd level kept across a change to lz4, which refuses it (its
@@ -341,30 +339,34 @@ fn bad_input_changes_nothing() {
     write_pages(&dev, 0, &pages);
     dev.attr_store("idle", "all").unwrap();
     let mm = dev.attr_show("mm_stat").unwrap();
-    for (value, want) in [
-        ("type=cold", libc::EINVAL),
-        ("type=", libc::EINVAL),
-        ("type", libc::EINVAL),
-        ("max_pages=x", libc::EINVAL),
-        ("max_pages=-1", libc::EINVAL),
-        ("threshold=abc", libc::EINVAL),
-        ("threshold=99999999999", libc::ERANGE),
-        ("threshold=4096", libc::EINVAL),
-        ("threshold=100000", libc::EINVAL),
-        ("algo=lz4hc", libc::EINVAL),
-        ("algo=lzo-rle", libc::EINVAL),
-        ("priority=2", libc::EINVAL),
-        ("priority=3", libc::EINVAL),
-        ("priority=x", libc::EINVAL),
-    ] {
-        assert_eq!(
-            errno(dev.attr_store("recompress", value)),
-            want,
-            "{value:?}"
-        );
-        assert_eq!(dev.attr_show("mm_stat").unwrap(), mm, "{value:?}");
-        assert_eq!(recomp_stat(&dev), [0, 0, 0], "{value:?}");
-    }
+    assert_refused(
+        &[
+            (
+                libc::EINVAL,
+                &[
+                    "type=cold",
+                    "type=",
+                    "type",
+                    "max_pages=x",
+                    "max_pages=-1",
+                    "threshold=abc",
+                    "threshold=4096",
+                    "threshold=100000",
+                    "algo=lz4hc",
+                    "algo=lzo-rle",
+                    "priority=2",
+                    "priority=3",
+                    "priority=x",
+                ],
+            ),
+            (libc::ERANGE, &["threshold=99999999999"]),
+        ],
+        |value| errno_of(dev.attr_store("recompress", value)),
+        |value| {
+            assert_eq!(dev.attr_show("mm_stat").unwrap(), mm, "{value:?}");
+            assert_eq!(recomp_stat(&dev), [0, 0, 0], "{value:?}");
+        },
+    );
     // Read-only and write-only.
     assert_eq!(errno(dev.attr_show("recompress")), libc::EACCES);
     assert_eq!(errno(dev.attr_store("recomp_stat", "1")), libc::EACCES);

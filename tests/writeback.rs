@@ -12,10 +12,11 @@ use uzram::device::{Device, DeviceConfig, IdleCutoff};
 use uzram::writeback::{WritebackMode, WritebackSpec};
 use uzram::ErrorKind;
 use uzram_testkit::device::{
-    bd, device_over, file_backing, mem_backing, real_tmpdir, DeviceBuilder,
+    bd, device_over, file_backing, mem_backing, real_tmpdir, writeback_all, DeviceBuilder,
 };
 use uzram_testkit::hook_backing::HookBacking;
 use uzram_testkit::pages::{check_all, fill, identical_or_eio, page, PAGE};
+use uzram_testkit::refused::{assert_refused, errno_of};
 
 #[test]
 fn attributes_syntax_and_errnos() {
@@ -77,20 +78,21 @@ fn attributes_syntax_and_errnos() {
             .errno(),
         libc::EBUSY
     );
-    for (bad, errno) in [
-        ("bogus", libc::EINVAL),
-        ("type=bogus", libc::EINVAL),
-        ("page_index=16", libc::ERANGE),
-        ("page_indexes=3-16", libc::ERANGE),
-        ("page_indexes=5-3", libc::ERANGE),
-        ("page_indexes=5", libc::EINVAL),
-        ("page_index=abc", libc::EINVAL),
-    ] {
-        let e = dev.attr_store("writeback", bad).unwrap_err();
-        assert_eq!(e.errno(), errno, "writeback {bad}: {e}");
-    }
     // The limit (enabled, 123 units) is untouched by rejected writebacks.
-    assert_eq!(dev.attr_show("writeback_limit").unwrap(), "123\n");
+    assert_refused(
+        &[
+            (
+                libc::EINVAL,
+                &["bogus", "type=bogus", "page_indexes=5", "page_index=abc"],
+            ),
+            (
+                libc::ERANGE,
+                &["page_index=16", "page_indexes=3-16", "page_indexes=5-3"],
+            ),
+        ],
+        |bad| errno_of(dev.attr_store("writeback", bad)),
+        |bad| assert_eq!(dev.attr_show("writeback_limit").unwrap(), "123\n", "{bad}"),
+    );
     // reset detaches the backing device, keeps the limit settings (as zram).
     dev.attr_store("reset", "1").unwrap();
     assert_eq!(dev.attr_show("backing_dev").unwrap(), "none\n");
@@ -305,9 +307,7 @@ fn eio_in_the_middle_of_a_batch_keeps_pages_in_ram_and_refunds_the_limit() {
             .fail_write(7, FaultKind::Eio),
     );
     let stats_before = dev.stats();
-    let r = dev
-        .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
-        .unwrap();
+    let r = writeback_all(&dev, n);
     assert_eq!(r.error.as_ref().map(|e| e.errno()), Some(libc::EIO));
     let candidates = n - n / 4;
     assert!(r.failed > 0, "{r:?}");
@@ -339,9 +339,7 @@ fn torn_and_short_writes_are_never_success() {
         // Some writes torn, the rest fine: exactly the fine ones are WB and read back.
         backing.set_plan(FaultPlan::new().fail_writes_randomly(3, kind, 11));
         dev.set_writeback_batch_size(4).unwrap();
-        let r = dev
-            .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
-            .unwrap();
+        let r = writeback_all(&dev, n);
         assert!(r.failed > 0 && r.written > 0, "{kind:?} {r:?}");
         backing.clear_plan();
         assert_eq!(bd(&dev)[0], r.written);

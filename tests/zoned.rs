@@ -12,7 +12,7 @@ use uzram::backing::{
 use uzram::device::Device;
 use uzram::writeback::{BackingLayout, WritebackSpec};
 use uzram::ErrorKind;
-use uzram_testkit::device::{bd, zoned_device, DeviceBuilder};
+use uzram_testkit::device::{bd, writeback_all, zoned_device, DeviceBuilder};
 use uzram_testkit::pages::{check, check_all, fill, page, PAGE};
 
 const ZONE: u64 = 1 << 20;
@@ -98,9 +98,7 @@ fn writes_back_and_reads_back(backing: Arc<dyn Backing>) {
     let dev = zoned_device(n, backing, "1M");
     fill(&dev, n, 1);
     let before = dev.stats();
-    let r = dev
-        .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
-        .unwrap();
+    let r = writeback_all(&dev, n);
     assert_eq!(r.error, None);
     assert_eq!(r.written, stored(n), "{r:?}");
     // Records are packed: far fewer writes than pages, each stage at least 128 KiB but the
@@ -304,9 +302,7 @@ fn write_errors_keep_pages_in_ram_and_refund_the_limit() {
         dev.set_writeback_limit_enable(true);
         dev.set_writeback_limit(10_000);
         backing.set_plan(FaultPlan::new().fail_write(2, kind));
-        let r = dev
-            .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
-            .unwrap();
+        let r = writeback_all(&dev, n);
         assert_eq!(
             r.error.as_ref().map(|e| e.kind()),
             Some(ErrorKind::Io),
@@ -422,9 +418,7 @@ fn large_pages_write_back_and_read_back() {
         for (i, p) in pages.iter().enumerate() {
             dev.write_at(p, i as u64 * ps as u64).unwrap();
         }
-        let r = dev
-            .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
-            .unwrap();
+        let r = writeback_all(&dev, n);
         assert_eq!(r.written, n, "{ps}: {r:?}");
         assert_eq!(bd(&dev)[0], n * ps as u64 / 4096, "bd_count in 4 KiB units");
         for (i, p) in pages.iter().enumerate() {
@@ -455,9 +449,7 @@ fn enospc_from_the_device_counts_only_completed_writes() {
         dev.set_writeback_limit(100_000);
         // Room for a little over 3 stages of 256 KiB.
         backing.set_plan(FaultPlan::new().no_space_after_bytes(800 << 10));
-        let r = dev
-            .writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
-            .unwrap();
+        let r = writeback_all(&dev, n);
         assert_eq!(
             r.error.as_ref().map(|e| e.kind()),
             Some(ErrorKind::NoSpace),

@@ -6,6 +6,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use uzram_testkit::nbd::RawClient;
 use uzram_testkit::process::{assert_private, is_root, proc_field, require, run};
+use uzram_testkit::refused::assert_refused;
 use uzram_testkit::serve::{stderr, stdout, uzram_bin, Running, Serve};
 use uzram_testkit::vm::mem_total_bytes;
 
@@ -26,13 +27,20 @@ fn qemu_img_size(uri: &str) -> u64 {
     info["virtual-size"].as_u64().unwrap()
 }
 
-#[test]
-fn ctl_shows_and_stores_attributes_with_zrams_errnos() {
+/// `uzram serve` of one 64 MiB device, zram0, on a unix socket, for qemu-io and qemu-img;
+/// its control sockets (the device's, and zram-control's for hot_add) are private.
+fn serve_zram0_for_qemu() -> Running {
     require("qemu-io");
     require("qemu-img");
     let r = Serve::args(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]).start();
-    let ctl_sock = r.dir().join("zram0.ctl");
-    assert_private(&ctl_sock);
+    assert_private(&r.dir().join("zram0.ctl"));
+    assert_private(&r.dir().join("zram-control"));
+    r
+}
+
+#[test]
+fn ctl_shows_and_stores_attributes_with_zrams_errnos() {
+    let r = serve_zram0_for_qemu();
 
     // Show, exactly as sysfs reads.
     let o = r.ctl(&["disksize"]);
@@ -443,11 +451,7 @@ fn wait_nbd_connections(r: &Running, dev: &str, n: usize) {
 
 #[test]
 fn hot_add_and_hot_remove_as_zram_control() {
-    require("qemu-io");
-    require("qemu-img");
-    let r = Serve::args(&["--disksize", "64M", "--socket", "{dir}/zram0.sock"]).start();
-    let class = r.dir().join("zram-control");
-    assert_private(&class);
+    let r = serve_zram0_for_qemu();
 
     // `cat /sys/class/zram-control/hot_add`: the new id, an uninitialised device.
     let o = r.ctl(&["hot_add"]);
@@ -497,16 +501,15 @@ fn hot_add_and_hot_remove_as_zram_control() {
     wait_nbd_connections(&r, "zram1", 0);
 
     // zram's errnos: kstrtoint's, negative ids, a missing device, the wrong direction.
-    for (value, errno) in [
-        ("abc", libc::EINVAL),
-        ("-1", libc::EINVAL),
-        ("1x", libc::EINVAL),
-        ("99999999999", libc::ERANGE),
-        ("7", libc::ENODEV),
-    ] {
-        let o = r.ctl(&["hot_remove", value]);
-        assert_eq!(o.status.code(), Some(errno), "hot_remove {value}: {o:?}");
-    }
+    assert_refused(
+        &[
+            (libc::EINVAL, &["abc", "-1", "1x"]),
+            (libc::ERANGE, &["99999999999"]),
+            (libc::ENODEV, &["7"]),
+        ],
+        |value| r.ctl(&["hot_remove", value]).status.code(),
+        |_| {},
+    );
     assert_eq!(r.ctl(&["hot_remove"]).status.code(), Some(libc::EACCES));
     assert_eq!(r.ctl(&["hot_add", "1"]).status.code(), Some(libc::EACCES));
     assert_eq!(

@@ -9,26 +9,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use uzram_testkit::process::require;
+use uzram_testkit::process::{require, run, run_stdout};
 
 const BIN: &str = env!("CARGO_BIN_EXE_uzram");
 const UNITS: [&str; 2] = ["uzram.service", "uzram-swap.service"];
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn text(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// The package, built by scripts/deb from the binary under test into `out`.
 fn build_package(out: &Path) -> PathBuf {
@@ -69,14 +53,12 @@ fn install(deb: &Path, root: &Path) {
         .arg(format!("--root={}", root.display()))
         .args(["--force-depends", "-i"])
         .arg(deb));
-    let status = run(Command::new("dpkg")
-        .arg(format!("--root={}", root.display()))
-        .args(["-s", "uzram"]));
-    assert!(
-        text(&status).contains("Status: install ok installed"),
-        "{}",
-        text(&status)
+    let status = run_stdout(
+        Command::new("dpkg")
+            .arg(format!("--root={}", root.display()))
+            .args(["-s", "uzram"]),
     );
+    assert!(status.contains("Status: install ok installed"), "{status}");
 }
 
 /// The commit `uzram --version` must name, when the sources are a git checkout.
@@ -133,7 +115,7 @@ fn the_package_installs_and_what_it_installs_works() {
 
     // The installed binary: version and commit.
     let installed = root.join("usr/bin/uzram");
-    let version = text(&run(Command::new(&installed).arg("--version")));
+    let version = run_stdout(Command::new(&installed).arg("--version"));
     assert!(
         version.starts_with(&format!("uzram {} (", env!("CARGO_PKG_VERSION"))),
         "{version}"
@@ -144,10 +126,12 @@ fn the_package_installs_and_what_it_installs_works() {
 
     // Its man pages: one per command, readable by man.
     let man1 = root.join("usr/share/man/man1");
-    let page = text(&run(Command::new("man")
-        .arg("-l")
-        .arg(man1.join("uzram-serve.1.gz"))
-        .env("MANWIDTH", "100")));
+    let page = run_stdout(
+        Command::new("man")
+            .arg("-l")
+            .arg(man1.join("uzram-serve.1.gz"))
+            .env("MANWIDTH", "100"),
+    );
     assert!(
         page.contains("uzram-serve") && page.contains("--config"),
         "{page}"
@@ -163,9 +147,7 @@ fn the_package_installs_and_what_it_installs_works() {
         conffiles.lines().any(|l| l == "/etc/uzram/uzram.toml"),
         "{conffiles}"
     );
-    let default = text(&run(
-        Command::new(&installed).args(["serve", "--print-default-config"])
-    ));
+    let default = run_stdout(Command::new(&installed).args(["serve", "--print-default-config"]));
     assert_eq!(
         std::fs::read_to_string(root.join("etc/uzram/uzram.toml")).unwrap(),
         default
@@ -173,9 +155,11 @@ fn the_package_installs_and_what_it_installs_works() {
 
     // The bash completion loads and completes `uzram`.
     let bash = root.join("usr/share/bash-completion/completions/uzram");
-    let complete = text(&run(Command::new("bash")
-        .arg("-c")
-        .arg(format!("source {} && complete -p uzram", bash.display()))));
+    let complete = run_stdout(
+        Command::new("bash")
+            .arg("-c")
+            .arg(format!("source {} && complete -p uzram", bash.display())),
+    );
     assert!(complete.contains("uzram"), "{complete}");
     for f in [
         "usr/share/zsh/vendor-completions/_uzram",
@@ -212,7 +196,7 @@ fn the_package_installs_and_what_it_installs_works() {
 
 #[test]
 fn version_names_the_commit() {
-    let out = text(&run(Command::new(BIN).arg("--version")));
+    let out = run_stdout(Command::new(BIN).arg("--version"));
     let expected = match git_commit() {
         Some(c) => c,
         None => "unknown commit".to_string(),

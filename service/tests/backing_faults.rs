@@ -9,9 +9,9 @@
 use std::sync::Arc;
 use uzram::backing::{FileBacking, FileOptions};
 use uzram::device::Device;
-use uzram::writeback::{BackingLayout, WritebackReport, WritebackSpec};
+use uzram::writeback::BackingLayout;
 use uzram::ErrorKind;
-use uzram_testkit::device::{bd, DeviceBuilder};
+use uzram_testkit::device::{bd, writeback_all, DeviceBuilder};
 use uzram_testkit::faults::{NbdBacking, NbdFaults, SmallTmpfs};
 use uzram_testkit::pages::{check_all, fill, identical_or_eio, page, PAGE};
 
@@ -35,11 +35,6 @@ fn device(layout: BackingLayout, path: &str, pages: u64) -> Device {
     dev.set_writeback_limit_enable(true);
     dev.set_writeback_limit(LIMIT);
     dev
-}
-
-fn writeback_all(dev: &Device, n: u64) -> WritebackReport {
-    dev.writeback_with_progress(&WritebackSpec::pages(0, n - 1), &mut |_| {})
-        .unwrap()
 }
 
 /// `zone_stat`'s `writeback_bytes` (0 without a zoned store).

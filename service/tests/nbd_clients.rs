@@ -4,7 +4,7 @@
 //! Every client must be installed (scripts/debian-packages.txt): a missing one fails the test
 //! with the package to install; nothing is skipped.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use uzram_testkit::nbd::{NbdLoop, Served};
 use uzram_testkit::pages::pattern;
@@ -12,13 +12,37 @@ use uzram_testkit::process::{require, run};
 
 const MIB: u64 = 1 << 20;
 
-/// A directory with `src.img`: `size` bytes of [`pattern`] `seed` (returned too), to copy into
-/// an export and back out to `back.img`.
-fn images(size: u64, seed: u64) -> (tempfile::TempDir, Vec<u8>) {
-    let dir = tempfile::tempdir().unwrap();
-    let data = pattern(size as usize, seed);
-    std::fs::write(dir.path().join("src.img"), &data).unwrap();
-    (dir, data)
+/// An export of `size` bytes, and an image `src` of `size` bytes of [`pattern`] `seed` (`data`)
+/// to copy into it and back out to the image `back`.
+struct RoundTrip {
+    srv: Served,
+    data: Vec<u8>,
+    src: PathBuf,
+    back: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl RoundTrip {
+    fn new(size: u64, seed: u64) -> RoundTrip {
+        let dir = tempfile::tempdir().unwrap();
+        let data = pattern(size as usize, seed);
+        let (src, back) = (dir.path().join("src.img"), dir.path().join("back.img"));
+        std::fs::write(&src, &data).unwrap();
+        RoundTrip {
+            srv: Served::new(size),
+            data,
+            src,
+            back,
+            _dir: dir,
+        }
+    }
+
+    /// Asserts that `back` holds exactly what `src` held.
+    fn assert_back(&self, client: &str) {
+        let got = std::fs::read(&self.back).unwrap();
+        assert_eq!(got.len(), self.data.len(), "{client}");
+        assert!(got == self.data, "{client} round trip differs");
+    }
 }
 
 #[test]
@@ -35,33 +59,29 @@ fn qemu_img_info_shows_the_export() {
 #[test]
 fn qemu_img_convert_round_trips() {
     require("qemu-img");
-    let size = 24 * MIB;
-    let srv = Served::new(size);
-    let (dir, data) = images(size, 1);
-    let (src, back) = (dir.path().join("src.img"), dir.path().join("back.img"));
+    let t = RoundTrip::new(24 * MIB, 1);
     // Into the export (-n: the target exists), then out of it into a new file.
     run(Command::new("qemu-img")
         .args(["convert", "-n", "-f", "raw", "-O", "raw"])
-        .arg(&src)
-        .arg(srv.uri()));
+        .arg(&t.src)
+        .arg(t.srv.uri()));
     run(Command::new("qemu-img")
         .args(["convert", "-f", "raw", "-O", "raw"])
-        .arg(srv.uri())
-        .arg(&back));
-    let got = std::fs::read(&back).unwrap();
-    assert!(got == data, "qemu-img convert round trip differs");
+        .arg(t.srv.uri())
+        .arg(&t.back));
+    t.assert_back("qemu-img convert");
     // And what qemu wrote is what the device holds.
     let mut direct = vec![0u8; 1 << 20];
-    srv.device.read_at(&mut direct, 5 * MIB).unwrap();
+    t.srv.device.read_at(&mut direct, 5 * MIB).unwrap();
     assert!(
-        direct[..] == data[5 << 20..6 << 20],
+        direct[..] == t.data[5 << 20..6 << 20],
         "device contents differ"
     );
     // qemu-img compare reads both through their own paths.
     run(Command::new("qemu-img")
         .args(["compare", "-f", "raw", "-F", "raw"])
-        .arg(&src)
-        .arg(srv.uri()));
+        .arg(&t.src)
+        .arg(t.srv.uri()));
 }
 
 #[test]
@@ -174,22 +194,17 @@ fn nbdinfo_lists_exports_and_block_sizes() {
 #[test]
 fn nbdcopy_with_four_connections_round_trips() {
     require("nbdcopy");
-    let size = 48 * MIB;
-    let srv = Served::new(size);
-    let (dir, data) = images(size, 2);
-    let (src, back) = (dir.path().join("src.img"), dir.path().join("back.img"));
-    std::fs::write(&back, b"").unwrap();
+    let t = RoundTrip::new(48 * MIB, 2);
+    std::fs::write(&t.back, b"").unwrap();
     run(Command::new("nbdcopy")
         .args(["--connections=4", "--requests=16", "--flush"])
-        .arg(&src)
-        .arg(srv.uri()));
+        .arg(&t.src)
+        .arg(t.srv.uri()));
     run(Command::new("nbdcopy")
         .args(["--connections=4"])
-        .arg(srv.uri())
-        .arg(&back));
-    let got = std::fs::read(&back).unwrap();
-    assert_eq!(got.len(), data.len());
-    assert!(got == data, "nbdcopy round trip differs");
+        .arg(t.srv.uri())
+        .arg(&t.back));
+    t.assert_back("nbdcopy");
 }
 
 #[test]

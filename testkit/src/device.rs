@@ -7,6 +7,7 @@ use std::sync::Arc;
 use uzram::backing::{Backing, Engine, FileBacking, FileOptions, MemBacking};
 use uzram::clock::{Clock, SystemClock};
 use uzram::device::Device;
+use uzram::writeback::{WritebackReport, WritebackSpec};
 use uzram::BlockDevice;
 
 use crate::pages::PAGE;
@@ -176,6 +177,13 @@ pub fn columns(dev: &Device, attr: &str) -> Vec<u64> {
                 .unwrap_or_else(|_| panic!("{attr}: {x:?} is not a number in {s:?}"))
         })
         .collect()
+}
+
+/// Writes back every page of the first `pages` (`writeback page_indexes=0-N`); a failed write
+/// is in the report, not an error.
+pub fn writeback_all(dev: &Device, pages: u64) -> WritebackReport {
+    dev.writeback_with_progress(&WritebackSpec::pages(0, pages - 1), &mut |_| {})
+        .unwrap()
 }
 
 /// The errno of a call that must fail.

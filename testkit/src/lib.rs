@@ -7,6 +7,7 @@
 //! - [`hook_backing`]: a memory backing whose queues run hooks (on submit, on wait).
 //! - [`nbd`]: a device served over NBD on a unix socket, a raw NBD client, an export as the
 //!   kernel's block device; [`nbd_servers`]: nbdkit and qemu-nbd; [`faults`]: faulty disks.
+//! - [`refused`]: tables of bad input, each errno with the values refused with it.
 //! - [`tls`]: certificates for the TLS tests.
 //! - [`serve`]: a running `uzram serve` (spawn, wait, ctl, URI, stop).
 //! - [`vm`]: tests inside a VM with a real kernel, and the swap kit run there (`Hog`,
@@ -21,6 +22,7 @@ pub mod nbd;
 pub mod nbd_servers;
 pub mod pages;
 pub mod process;
+pub mod refused;
 pub mod serve;
 pub mod tls;
 pub mod vm;
