@@ -45,11 +45,32 @@ pub mod zsmalloc;
 
 pub use error::{Error, ErrorKind, Result};
 
+/// What a range of a device holds, as block status reports it (NBD's `base:allocation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allocation {
+    /// Nothing stored: never written, discarded, or zeroed whole (reads as zeroes).
+    Hole,
+    /// A same-filled page of zero bytes (reads as zeroes; takes a slot and no object).
+    Zero,
+    /// Anything else: an object in RAM, a written-back page, a page filled with another word.
+    Data,
+}
+
+/// A run of bytes of one [`Allocation`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// The run's length.
+    pub len_bytes: u64,
+    /// What it holds.
+    pub allocation: Allocation,
+}
+
 /// The narrow interface every frontend (NBD, ublk, vhost-user-blk, the CLI) uses.
 ///
-/// Offsets and lengths are in bytes and must be multiples of 512 (a sector); requests smaller
-/// than a page are handled by the device with read-modify-write. All methods take `&self` and
-/// may be called from many threads at once. A failed request changes nothing.
+/// Offsets and lengths are in bytes and must be multiples of 512 (a sector), except in the
+/// `*_bytes*` methods, which take any; requests smaller than a page are handled by the device
+/// with read-modify-write. All methods take `&self` and may be called from many threads at
+/// once. A failed request changes nothing.
 pub trait BlockDevice: Send + Sync {
     /// The exported size in bytes (zram's `disksize`).
     fn size_bytes(&self) -> u64;
@@ -67,4 +88,25 @@ pub trait BlockDevice: Send + Sync {
     fn write_zeroes(&self, offset: u64, len: u64) -> Result<()>;
     /// Makes completed writes durable. Without a backing device there is nothing to do.
     fn flush(&self) -> Result<()>;
+    /// [`read_at`](Self::read_at) at any byte offset and length (an NBD client that negotiated
+    /// no block size may send them).
+    fn read_bytes_at(&self, buf: &mut [u8], offset: u64) -> Result<()>;
+    /// [`write_at`](Self::write_at) at any byte offset and length: a partial page is read,
+    /// patched and stored again under its slot lock, as zram's partial I/O, so writes to
+    /// different bytes of one page never lose each other's.
+    fn write_bytes_at(&self, buf: &[u8], offset: u64) -> Result<()>;
+    /// [`write_zeroes`](Self::write_zeroes) at any byte offset and length.
+    fn write_zeroes_bytes(&self, offset: u64, len: u64) -> Result<()>;
+    /// What `[offset, offset + len)` (any bytes, inside the device, `len` > 0) holds, page by
+    /// page, into `out` (cleared first): the first run starts at `offset`, each next run where
+    /// the allocation changes; at most `max_extents` runs (at least 1), which then cover less
+    /// than `len`. A page reported [`Hole`](Allocation::Hole) or [`Zero`](Allocation::Zero)
+    /// read so under its slot lock; a page written concurrently may be reported either way.
+    fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<()>;
 }

@@ -709,4 +709,22 @@ impl BlockDevice for Device {
     fn flush(&self) -> Result<()> {
         Device::flush(self)
     }
+    fn read_bytes_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        Device::read_bytes_at(self, buf, offset)
+    }
+    fn write_bytes_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        Device::write_bytes_at(self, buf, offset)
+    }
+    fn write_zeroes_bytes(&self, offset: u64, len: u64) -> Result<()> {
+        Device::write_zeroes_bytes(self, offset, len)
+    }
+    fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+        out: &mut Vec<crate::Extent>,
+    ) -> Result<()> {
+        Device::allocation(self, offset, len, max_extents, out)
+    }
 }

@@ -1,7 +1,8 @@
 //! The request paths: read, write, discard, write-zeroes (zram's `zram_bio_read`,
 //! `zram_bio_write`, `zram_bio_discard`).
 //!
-//! A request is validated whole before anything changes: offset and length multiples of 512,
+//! A request is validated whole before anything changes: offset and length multiples of 512
+//! (any bytes for the `*_bytes*` forms, which NBD clients that negotiated no block size use),
 //! length not 0, the range inside the device. It is then split into pages, and each page goes
 //! to the [store](crate::store): a full-page write compresses and allocates *outside* the slot
 //! lock and publishes under it; a partial page is read, patched, compressed and published with
@@ -22,6 +23,7 @@ use crate::error::{Error, Result};
 use crate::slot::SlotIndex;
 use crate::store::Store;
 use crate::units::SECTOR_SIZE_BYTES;
+use crate::Extent;
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 
@@ -83,13 +85,16 @@ fn segments(offset: u64, len: u64, page: usize) -> impl Iterator<Item = Segment>
     })
 }
 
+/// The alignment a request's offset and length must have: a sector (zram's), or a byte.
+const SECTOR: u64 = SECTOR_SIZE_BYTES as u64;
+const BYTE: u64 = 1;
+
 impl Device {
-    fn check_io(&self, store: &Store, offset: u64, len: u64) -> Result<()> {
+    fn check_io(&self, store: &Store, offset: u64, len: u64, align: u64) -> Result<()> {
         if len == 0 {
             return Err(Error::invalid("zero-length I/O"));
         }
-        let sector = SECTOR_SIZE_BYTES as u64;
-        if offset % sector != 0 || len % sector != 0 {
+        if offset % align != 0 || len % align != 0 {
             return Err(Error::invalid(format!(
                 "I/O at {offset}+{len} is not aligned to 512-byte sectors"
             )));
@@ -103,10 +108,19 @@ impl Device {
         }
     }
 
-    /// Reads `buf.len()` bytes at byte `offset`.
+    /// Reads `buf.len()` bytes at byte `offset` (both multiples of 512).
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.read(buf, offset, SECTOR)
+    }
+
+    /// Reads `buf.len()` bytes at byte `offset`, any of either.
+    pub fn read_bytes_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.read(buf, offset, BYTE)
+    }
+
+    fn read(&self, buf: &mut [u8], offset: u64, align: u64) -> Result<()> {
         let store = self.store()?;
-        self.check_io(&store, offset, buf.len() as u64)?;
+        self.check_io(&store, offset, buf.len() as u64, align)?;
         let _io = self.block_stat.start(Op::Read, buf.len() as u64);
         let page = self.page_size_bytes;
         let mut done = 0;
@@ -129,10 +143,20 @@ impl Device {
         Ok(())
     }
 
-    /// Writes `buf` at byte `offset`.
+    /// Writes `buf` at byte `offset` (both multiples of 512).
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.write(buf, offset, SECTOR)
+    }
+
+    /// Writes `buf` at byte `offset`, any of either: partial pages take the read-modify-write
+    /// path under their slot lock, as partial sectors do.
+    pub fn write_bytes_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        self.write(buf, offset, BYTE)
+    }
+
+    fn write(&self, buf: &[u8], offset: u64, align: u64) -> Result<()> {
         let store = self.store()?;
-        self.check_io(&store, offset, buf.len() as u64)?;
+        self.check_io(&store, offset, buf.len() as u64, align)?;
         let _io = self.block_stat.start(Op::Write, buf.len() as u64);
         let page = self.page_size_bytes;
         let limit = self.mem_limit_pages.load(Ordering::Relaxed);
@@ -187,7 +211,7 @@ impl Device {
     /// allocator free is deferred ([`ZsPool::free_deferred`](crate::zsmalloc::ZsPool)).
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
         let store = self.store()?;
-        self.check_io(&store, offset, len)?;
+        self.check_io(&store, offset, len, SECTOR)?;
         let _io = self.block_stat.start(Op::Discard, len);
         for seg in segments(offset, len, self.page_size_bytes) {
             if seg.len_bytes == self.page_size_bytes {
@@ -217,8 +241,17 @@ impl Device {
 
     /// Makes the range read back as zeroes: whole pages are freed, partial pages rewritten.
     pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<()> {
+        self.zero(offset, len, SECTOR)
+    }
+
+    /// [`write_zeroes`](Self::write_zeroes) at any byte offset and length.
+    pub fn write_zeroes_bytes(&self, offset: u64, len: u64) -> Result<()> {
+        self.zero(offset, len, BYTE)
+    }
+
+    fn zero(&self, offset: u64, len: u64, align: u64) -> Result<()> {
         let store = self.store()?;
-        self.check_io(&store, offset, len)?;
+        self.check_io(&store, offset, len, align)?;
         let _io = self.block_stat.start(Op::Write, len);
         let limit = self.mem_limit_pages.load(Ordering::Relaxed);
         for seg in segments(offset, len, self.page_size_bytes) {
@@ -228,6 +261,44 @@ impl Device {
                 store.note_failed_write();
                 return Err(e);
             }
+        }
+        Ok(())
+    }
+
+    /// What `[offset, offset + len)` holds, a run per change of allocation, at most
+    /// `max_extents` runs (see [`BlockDevice::allocation`](crate::BlockDevice::allocation)).
+    /// A page is a hole when its slot is empty and zero when it is same-filled with zero
+    /// bytes; both are read again under the slot lock before they are reported (the unlocked
+    /// look only skips the lock for pages holding data), so a page written before the call
+    /// is never reported as one that reads as zeroes.
+    pub fn allocation(
+        &self,
+        offset: u64,
+        len: u64,
+        max_extents: usize,
+        out: &mut Vec<Extent>,
+    ) -> Result<()> {
+        out.clear();
+        let store = self.store()?;
+        self.check_io(&store, offset, len, BYTE)?;
+        let page = self.page_size_bytes as u64;
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let index = pos / page;
+            let next = ((index + 1) * page).min(end);
+            let allocation = store.allocation(SlotIndex(index));
+            if let Some(e) = out.last_mut().filter(|e| e.allocation == allocation) {
+                e.len_bytes += next - pos;
+            } else if out.len() >= max_extents.max(1) {
+                break;
+            } else {
+                out.push(Extent {
+                    len_bytes: next - pos,
+                    allocation,
+                });
+            }
+            pos = next;
         }
         Ok(())
     }

@@ -77,6 +77,7 @@ use crate::error::{Error, Result};
 use crate::slot::{SlotFlags, SlotGuard, SlotIndex, SlotState, SlotTable};
 use crate::units::units_per_page;
 use crate::zsmalloc::{DeferredStats, Handle, PoolStats, ZsPool, POOL_PAGE_BYTES};
+use crate::Allocation;
 use stats::StoreStats;
 use target::WbPin;
 
@@ -626,6 +627,26 @@ impl Store {
             } else {
                 g.clear_flags(SlotFlags::IDLE);
             }
+        }
+    }
+
+    /// What slot `index` holds, for block status: [`Allocation::Hole`] (empty),
+    /// [`Allocation::Zero`] (same-filled with zero bytes) or [`Allocation::Data`]. Data is
+    /// answered from the unlocked state; the two answers that say the page reads as zeroes are
+    /// confirmed under the slot lock (an unlocked look may catch a rewrite half-published).
+    pub(crate) fn allocation(&self, index: SlotIndex) -> Allocation {
+        fn of(st: SlotState) -> Allocation {
+            if st.is_empty() {
+                Allocation::Hole
+            } else if st.same_word() == Some(0) {
+                Allocation::Zero
+            } else {
+                Allocation::Data
+            }
+        }
+        match of(self.slots.entry(index).state_unlocked()) {
+            Allocation::Data => Allocation::Data,
+            _ => of(self.slots.lock(index).state()),
         }
     }
 
