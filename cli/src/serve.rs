@@ -132,6 +132,11 @@ pub struct ServeArgs {
     /// its NBD socket (QEMU's vhost-user-blk-pci; docs/vhost-user.md).
     #[arg(long)]
     pub vhost_user: bool,
+    /// Export every device read-only over NBD: clients may read; writes, trims and
+    /// write-zeroes get EPERM (`read_only = true` per device in the file). Not with --ublk or
+    /// --vhost-user.
+    #[arg(long)]
+    pub read_only: bool,
 }
 
 fn human(bytes: u64) -> String {
@@ -204,10 +209,25 @@ fn config(args: &ServeArgs) -> Result<ServeConfig> {
             d.ublk = true;
         }
     }
+    if args.read_only {
+        for d in &mut cfg.devices {
+            d.read_only = true;
+        }
+    }
     if args.vhost_user {
         for d in &mut cfg.devices {
             d.vhost_user = true;
         }
+    }
+    if let Some(d) = cfg
+        .devices
+        .iter()
+        .find(|d| d.read_only && (d.ublk || d.vhost_user))
+    {
+        anyhow::bail!(
+            "{}: read-only is for NBD exports: ublk and vhost-user would still write",
+            d.name
+        );
     }
     if args.listen.is_some() {
         cfg.listen = args.listen;

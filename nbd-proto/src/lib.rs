@@ -53,6 +53,8 @@ pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
 pub const TFLAG_SEND_DF: u16 = 1 << 7;
 /// Transmission flag: several connections may be used at once; flushes are visible to all.
 pub const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
+/// Transmission flag: `NBD_CMD_CACHE` is supported.
+pub const TFLAG_SEND_CACHE: u16 = 1 << 10;
 /// Transmission flag: `NBD_CMD_FLAG_FAST_ZERO` is supported.
 pub const TFLAG_SEND_FAST_ZERO: u16 = 1 << 11;
 
@@ -70,6 +72,10 @@ pub const OPT_INFO: u32 = 6;
 pub const OPT_GO: u32 = 7;
 /// Option: use structured replies.
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
+/// Option: list the metadata contexts matching the queries.
+pub const OPT_LIST_META_CONTEXT: u32 = 9;
+/// Option: select metadata contexts for `NBD_CMD_BLOCK_STATUS`.
+pub const OPT_SET_META_CONTEXT: u32 = 10;
 
 /// Option reply: success (or end of a list).
 pub const REP_ACK: u32 = 1;
@@ -77,6 +83,8 @@ pub const REP_ACK: u32 = 1;
 pub const REP_SERVER: u32 = 2;
 /// Option reply: one piece of information for `NBD_OPT_INFO`/`NBD_OPT_GO`.
 pub const REP_INFO: u32 = 3;
+/// Option reply: a metadata context (id, name).
+pub const REP_META_CONTEXT: u32 = 4;
 /// Option error: the option is unknown to this server.
 pub const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 /// Option error: known but forbidden by policy.
@@ -115,6 +123,8 @@ pub const CMD_TRIM: u16 = 4;
 pub const CMD_CACHE: u16 = 5;
 /// Command: write zeroes.
 pub const CMD_WRITE_ZEROES: u16 = 6;
+/// Command: block status of a range, in the selected metadata contexts.
+pub const CMD_BLOCK_STATUS: u16 = 7;
 
 /// Command flag: force unit access (persist before replying).
 pub const CMD_FLAG_FUA: u16 = 1 << 0;
@@ -122,6 +132,8 @@ pub const CMD_FLAG_FUA: u16 = 1 << 0;
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 /// Command flag: do not fragment the read reply.
 pub const CMD_FLAG_DF: u16 = 1 << 2;
+/// Command flag: `NBD_CMD_BLOCK_STATUS` answers one extent, no longer than the request.
+pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 /// Command flag: fail `NBD_CMD_WRITE_ZEROES` with `ENOTSUP` unless it is fast.
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
 
@@ -159,12 +171,15 @@ pub const NBD_ENOTSUP: u32 = 95;
 /// NBD error: the server is shutting down.
 pub const NBD_ESHUTDOWN: u32 = 108;
 
-/// The minimum block size advertised: a sector. The device takes 512-byte-aligned I/O (sub-page
-/// requests go through its read-modify-write path), so nothing smaller is addressable.
+/// The minimum block size advertised: a sector, the device's own unit (sub-page requests go
+/// through its read-modify-write path). A client that asks for block sizes keeps to it; one
+/// that does not may send any byte offset and length ([`ExportLimits::min_block_bytes`] 1, as
+/// the protocol asks of a server then), served by the device's byte-granular forms.
 pub const MIN_BLOCK_SIZE_BYTES: u32 = SECTOR_SIZE_BYTES as u32;
-/// The maximum payload of one `NBD_CMD_READ`/`NBD_CMD_WRITE`: 32 MiB, the size the protocol
-/// says no server should treat as a denial of service and the limit qemu and libnbd already use.
-pub const MAX_PAYLOAD_BYTES: u32 = 32 << 20;
+/// The maximum payload of one `NBD_CMD_READ`/`NBD_CMD_WRITE`: 64 MiB, nbdkit's (the protocol
+/// asks servers to take at least 32 MiB); every payload is charged to the server's memory
+/// budget, whose minimum is one such request.
+pub const MAX_PAYLOAD_BYTES: u32 = 64 << 20;
 /// The largest option request accepted. The largest legal option this server understands is
 /// `NBD_OPT_GO` with a 4096-byte name and every information type listed a few times; 64 KiB is
 /// far above that and still harmless to buffer.
@@ -219,6 +234,60 @@ pub fn encode_option_reply(out: &mut Vec<u8>, option: u32, reply_type: u32, data
     out.extend_from_slice(&reply_type.to_be_bytes());
     out.extend_from_slice(&(data.len() as u32).to_be_bytes());
     out.extend_from_slice(data);
+}
+
+/// The one metadata context served: `base:allocation` (holes and zeroes).
+pub const META_BASE_ALLOCATION: &str = "base:allocation";
+/// Its context id in `NBD_REP_META_CONTEXT` and block status replies.
+pub const META_BASE_ALLOCATION_ID: u32 = 1;
+/// `base:allocation` flag: the extent is not allocated (a hole).
+pub const STATE_HOLE: u32 = 1 << 0;
+/// `base:allocation` flag: the extent reads as zeroes.
+pub const STATE_ZERO: u32 = 1 << 1;
+
+/// The data of `NBD_OPT_LIST_META_CONTEXT` / `NBD_OPT_SET_META_CONTEXT`: the export, then the
+/// queries (context names or namespace wildcards such as `base:`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaContextRequest {
+    /// The export name (empty: the default export).
+    pub name: String,
+    /// The queries, in order.
+    pub queries: Vec<String>,
+}
+
+impl MetaContextRequest {
+    /// Parses the option data; `None` if it is malformed (lengths that do not add up, strings
+    /// over 4096 bytes or not UTF-8): the caller answers `NBD_REP_ERR_INVALID`. The option's
+    /// data is bounded by [`MAX_OPTION_BYTES`], so the queries are too.
+    pub fn parse(data: &[u8]) -> Option<MetaContextRequest> {
+        fn string(data: &[u8], at: usize) -> Option<(String, usize)> {
+            let len = be_u32(data.get(at..at.checked_add(4)?)?) as usize;
+            if len > MAX_STRING_BYTES {
+                return None;
+            }
+            let start = at + 4;
+            let s = std::str::from_utf8(data.get(start..start.checked_add(len)?)?).ok()?;
+            Some((s.to_string(), start + len))
+        }
+        let (name, mut at) = string(data, 0)?;
+        let count = be_u32(data.get(at..at + 4)?) as usize;
+        at += 4;
+        let mut queries = Vec::new();
+        for _ in 0..count {
+            let (q, next) = string(data, at)?;
+            queries.push(q);
+            at = next;
+        }
+        (at == data.len()).then_some(MetaContextRequest { name, queries })
+    }
+}
+
+/// `NBD_REP_META_CONTEXT`'s payload: the context id, then its name.
+pub fn encode_meta_context(id: u32, name: &str) -> Vec<u8> {
+    let mut d = Vec::with_capacity(4 + name.len());
+    d.extend_from_slice(&id.to_be_bytes());
+    d.extend_from_slice(name.as_bytes());
+    d
 }
 
 /// The data of `NBD_OPT_INFO` / `NBD_OPT_GO`.
@@ -339,6 +408,12 @@ pub enum Action {
     WriteZeroes { offset: u64, length: u32, fua: bool },
     /// Nothing to do but reply success (zero-length requests, `NBD_CMD_CACHE`).
     Noop,
+    /// The allocation of the range in `base:allocation`; one extent only if `req_one`.
+    BlockStatus {
+        offset: u64,
+        length: u32,
+        req_one: bool,
+    },
     /// Reply with this NBD error. `discard_payload` bytes of write payload follow the header
     /// and must be read and thrown away to stay in sync.
     Reject { error: u32, discard_payload: u32 },
@@ -356,6 +431,13 @@ pub struct ExportLimits {
     pub size_bytes: u64,
     /// Whether structured replies were negotiated (`NBD_CMD_FLAG_DF` is valid only then).
     pub structured: bool,
+    /// The alignment of offsets and lengths: [`MIN_BLOCK_SIZE_BYTES`] for a client that asked
+    /// for block sizes (`NBD_INFO_BLOCK_SIZE` in `NBD_OPT_GO`), 1 for one that did not.
+    pub min_block_bytes: u32,
+    /// Whether a metadata context was selected (`NBD_CMD_BLOCK_STATUS` is valid only then).
+    pub block_status: bool,
+    /// A read-only export: writes, trims and write-zeroes get `EPERM`.
+    pub read_only: bool,
 }
 
 /// The largest invalid write payload that is read and thrown away (to answer `EINVAL` and keep
@@ -382,6 +464,7 @@ pub fn classify(h: &RequestHeader, limits: ExportLimits) -> Action {
         CMD_READ if limits.structured => CMD_FLAG_FUA | CMD_FLAG_DF,
         CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE | CMD_FLAG_FAST_ZERO,
         CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_DISC | CMD_CACHE => CMD_FLAG_FUA,
+        CMD_BLOCK_STATUS if limits.block_status => CMD_FLAG_REQ_ONE,
         _ => return reject(NBD_EINVAL),
     };
     if h.flags & !allowed_flags != 0 {
@@ -394,8 +477,14 @@ pub fn classify(h: &RequestHeader, limits: ExportLimits) -> Action {
         CMD_FLUSH => return Action::Flush,
         _ => {}
     }
-    let sector = u64::from(MIN_BLOCK_SIZE_BYTES);
-    if h.offset % sector != 0 || u64::from(h.length) % sector != 0 {
+    if limits.read_only && matches!(h.command, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES) {
+        return reject(NBD_EPERM);
+    }
+    if h.command == CMD_BLOCK_STATUS && h.length == 0 {
+        return reject(NBD_EINVAL);
+    }
+    let align = u64::from(limits.min_block_bytes.max(1));
+    if h.offset % align != 0 || u64::from(h.length) % align != 0 {
         return reject(NBD_EINVAL);
     }
     if matches!(h.command, CMD_READ | CMD_WRITE) && h.length > MAX_PAYLOAD_BYTES {
@@ -434,6 +523,11 @@ pub fn classify(h: &RequestHeader, limits: ExportLimits) -> Action {
             offset,
             length,
             fua,
+        },
+        CMD_BLOCK_STATUS => Action::BlockStatus {
+            offset,
+            length,
+            req_one: h.flags & CMD_FLAG_REQ_ONE != 0,
         },
         _ => Action::Noop, // CMD_CACHE
     }
@@ -536,6 +630,9 @@ mod tests {
     use super::*;
 
     const LIMITS: ExportLimits = ExportLimits {
+        block_status: false,
+        read_only: false,
+        min_block_bytes: MIN_BLOCK_SIZE_BYTES,
         size_bytes: 1 << 20,
         structured: false,
     };
@@ -627,7 +724,7 @@ mod tests {
         // Oversize writes: swallowed up to twice the maximum, then the connection drops.
         let big = ExportLimits {
             size_bytes: 1 << 40,
-            structured: false,
+            ..LIMITS
         };
         assert_eq!(
             classify(&req(CMD_WRITE, 0, 0, MAX_PAYLOAD_BYTES + 512), big),
@@ -644,6 +741,91 @@ mod tests {
             classify(&req(CMD_DISC, 0, 0, 0), LIMITS),
             Action::Disconnect
         );
+        // A client that negotiated no block size: any byte offset and length.
+        let bytes = ExportLimits {
+            min_block_bytes: 1,
+            ..LIMITS
+        };
+        assert!(matches!(
+            classify(&req(CMD_READ, 0, 1, 511), LIMITS),
+            Action::Reject { .. }
+        ));
+        assert_eq!(
+            classify(&req(CMD_READ, 0, 1, 511), bytes),
+            Action::Read {
+                offset: 1,
+                length: 511
+            }
+        );
+        assert!(matches!(
+            classify(&req(CMD_WRITE, 0, 4095, 3), bytes),
+            Action::Write {
+                offset: 4095,
+                length: 3,
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify(&req(CMD_WRITE, 0, (1 << 20) - 1, 2), bytes),
+            Action::Reject {
+                error: NBD_ENOSPC,
+                ..
+            }
+        ));
+        // Block status: only with a context selected; REQ_ONE its only flag; never zero-length.
+        let status = ExportLimits {
+            block_status: true,
+            ..LIMITS
+        };
+        assert!(matches!(
+            classify(&req(CMD_BLOCK_STATUS, 0, 0, 4096), LIMITS),
+            Action::Reject {
+                error: NBD_EINVAL,
+                ..
+            }
+        ));
+        assert_eq!(
+            classify(&req(CMD_BLOCK_STATUS, CMD_FLAG_REQ_ONE, 512, 4096), status),
+            Action::BlockStatus {
+                offset: 512,
+                length: 4096,
+                req_one: true
+            }
+        );
+        assert!(matches!(
+            classify(&req(CMD_BLOCK_STATUS, CMD_FLAG_FUA, 0, 4096), status),
+            Action::Reject { .. }
+        ));
+        assert!(matches!(
+            classify(&req(CMD_BLOCK_STATUS, 0, 0, 0), status),
+            Action::Reject { .. }
+        ));
+        // Read-only: every command that changes data gets EPERM (a write's payload swallowed).
+        let ro = ExportLimits {
+            read_only: true,
+            ..LIMITS
+        };
+        assert_eq!(
+            classify(&req(CMD_WRITE, 0, 0, 512), ro),
+            Action::Reject {
+                error: NBD_EPERM,
+                discard_payload: 512
+            }
+        );
+        for cmd in [CMD_TRIM, CMD_WRITE_ZEROES] {
+            assert!(matches!(
+                classify(&req(cmd, 0, 0, 512), ro),
+                Action::Reject {
+                    error: NBD_EPERM,
+                    discard_payload: 0
+                }
+            ));
+        }
+        assert!(matches!(
+            classify(&req(CMD_READ, 0, 0, 512), ro),
+            Action::Read { .. }
+        ));
+        assert_eq!(classify(&req(CMD_FLUSH, 0, 0, 0), ro), Action::Flush);
         assert_eq!(classify(&req(99, 0, 0, 0), LIMITS).clone(), {
             Action::Reject {
                 error: NBD_EINVAL,

@@ -23,6 +23,7 @@
 //! socket = "/run/uzram/zram0.sock"   # optional: where to listen (default: next to the others)
 //! ublk = true                    # optional: also a kernel block device /dev/ublkbN (docs/ublk.md)
 //! vhost_user = true              # optional: also a VM disk on NAME.vhost.sock (docs/vhost-user.md)
+//! read_only = true               # optional: NBD clients may only read (writes get EPERM)
 //! comp_algorithm = "zstd"        # every other key is an attribute, stored in file order
 //! algorithm_params = "level=8"   # before disksize, exactly as `echo VALUE > ATTR` would
 //! multi_page_size = "64K"        # runs written at once compressed as one object
@@ -59,6 +60,7 @@ const DEVICE_KEYS: &[&str] = &[
     "socket",
     "ublk",
     "vhost_user",
+    "read_only",
     "policy",
 ];
 
@@ -108,6 +110,9 @@ pub struct DeviceSpec {
     /// Also a vhost-user-blk socket `NAME.vhost.sock` for VM guests (`uzram serve
     /// --vhost-user`; docs/vhost-user.md).
     pub vhost_user: bool,
+    /// The NBD export is read-only: its flags say so and writes, trims and write-zeroes get
+    /// `EPERM` (docs/nbd.md). Not with `ublk` or `vhost_user`, which would still write.
+    pub read_only: bool,
     /// Attributes to store before `disksize`, in order: (name, value).
     pub attrs: Vec<(String, String)>,
     /// The device's policies, as `uzram ctl DEV policy` takes them (`key=value` tokens);
@@ -299,6 +304,18 @@ impl DeviceSpec {
                 .as_bool()
                 .ok_or_else(|| bad(format!("{}: true or false", at("vhost_user"))))?,
         };
+        let read_only = match t.get("read_only") {
+            None => false,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| bad(format!("{}: true or false", at("read_only"))))?,
+        };
+        if read_only && (ublk || vhost_user) {
+            return Err(bad(format!(
+                "{}: an NBD export only: ublk and vhost_user would still write",
+                at("read_only")
+            )));
+        }
         let policy = match t.get("policy") {
             None => None,
             Some(toml::Value::String(s)) => Some(s.clone()),
@@ -358,6 +375,7 @@ impl DeviceSpec {
             socket,
             ublk,
             vhost_user,
+            read_only,
             attrs,
             policy,
         })

@@ -376,6 +376,7 @@ impl HotPlug for Devices {
                 device.comp_algorithm()
             ),
             device: Arc::clone(&device) as Arc<dyn BlockDevice>,
+            read_only: false,
         };
         let socket = dir.join(format!("{name}.sock"));
         self.server.add_export(export, Some(socket.clone()))?;

@@ -491,6 +491,7 @@ pub fn parse_fragments(
             socket: None,
             ublk: false,
             vhost_user: false,
+            read_only: false,
             attrs: attrs.into_iter().map(|(k, v, _)| (k, v)).collect(),
             // zram-generator has no policies (its users run `idle`/`writeback` from timers).
             policy: None,

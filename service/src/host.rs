@@ -196,6 +196,7 @@ impl Host {
                     spec.page_size_bytes
                 ),
                 device: Arc::clone(&device) as Arc<dyn BlockDevice>,
+                read_only: spec.read_only,
             });
             listen.push(Listen::Unix {
                 path: socket,

@@ -115,7 +115,7 @@ fn options_get_their_replies() {
                 assert_eq!(d.len(), 14);
                 assert_eq!(u32::from_be_bytes(d[2..6].try_into().unwrap()), 512);
                 assert_eq!(u32::from_be_bytes(d[6..10].try_into().unwrap()), 4096);
-                assert_eq!(u32::from_be_bytes(d[10..14].try_into().unwrap()), 32 << 20);
+                assert_eq!(u32::from_be_bytes(d[10..14].try_into().unwrap()), 64 << 20);
             }
             _ => {}
         }
@@ -390,4 +390,93 @@ fn stop_answers_what_was_read_and_removes_the_socket() {
             "acknowledged write {i} lost at stop"
         );
     }
+}
+
+/// A client that asked for no block sizes (GO without `NBD_INFO_BLOCK_SIZE`, or
+/// `EXPORT_NAME`) may send any byte offset and length, as the protocol says a server should
+/// then accept: reads and writes of odd bytes land exactly, against a byte model; trims and
+/// zeroes of odd ranges work; the transmission flags offer `SEND_CACHE`; past the end is still
+/// refused.
+#[test]
+fn unaligned_requests_from_a_client_without_block_sizes() {
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+    for export_name in [false, true] {
+        let srv = Served::new(MIB);
+        let mut c = RawClient::connect(&srv.socket);
+        c.send_client_flags(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES);
+        let flags = if export_name {
+            c.send_option(OPT_EXPORT_NAME, b"zram0");
+            let mut b = [0u8; 10];
+            c.s.read_exact(&mut b).unwrap();
+            u16::from_be_bytes([b[8], b[9]])
+        } else {
+            c.send_option(OPT_GO, &RawClient::go_data("zram0", &[]));
+            let mut flags = 0;
+            loop {
+                let (_, ty, d) = c.read_option_reply();
+                if ty == REP_ACK {
+                    break;
+                }
+                assert_eq!(ty, REP_INFO);
+                if u16::from_be_bytes([d[0], d[1]]) == INFO_EXPORT {
+                    flags = u16::from_be_bytes([d[10], d[11]]);
+                }
+            }
+            flags
+        };
+        assert!(flags & TFLAG_SEND_CACHE != 0, "{flags:#x}");
+        let mut model = vec![0u8; MIB as usize];
+        let mut rng = SmallRng::seed_from_u64(export_name as u64);
+        for cookie in 0..400u64 {
+            let off = rng.gen_range(0..MIB - 1);
+            let len = rng.gen_range(1..=(MIB - off).min(10_000)) as u32;
+            let (o, l) = (off as usize, len as usize);
+            match cookie % 4 {
+                0 | 1 => {
+                    let data: Vec<u8> = (0..l).map(|_| rng.gen()).collect();
+                    assert_eq!(c.write(cookie, off, &data), 0, "write {off}+{len}");
+                    model[o..o + l].copy_from_slice(&data);
+                }
+                2 => {
+                    c.send_request(CMD_WRITE_ZEROES, 0, cookie, off, len);
+                    assert_eq!(c.read_reply(0).error, 0, "zero {off}+{len}");
+                    model[o..o + l].fill(0);
+                }
+                _ => {
+                    let r = c.read(cookie, off, len);
+                    assert_eq!(r.error, 0);
+                    assert!(r.data == model[o..o + l], "read {off}+{len}");
+                }
+            }
+        }
+        // An odd trim succeeds; its partial pages keep their bytes (only whole pages go).
+        c.send_request(CMD_TRIM, 0, 1000, 3, 3 * 4096 + 10);
+        assert_eq!(c.read_reply(0).error, 0);
+        model[4096..3 * 4096].fill(0);
+        c.send_request(CMD_CACHE, 0, 1001, 7, 9);
+        assert_eq!(c.read_reply(0).error, 0);
+        let r = c.read(1002, 0, MIB as u32);
+        assert!(r.data == model, "the whole export");
+        assert_eq!(c.write(1003, MIB - 1, &[1, 2]), NBD_ENOSPC);
+        assert_eq!(c.read(1005, 0, MAX_PAYLOAD_BYTES + 1).error, NBD_EINVAL);
+        assert_eq!(c.read(1004, MIB, 1).error, NBD_EINVAL);
+        assert_still_serving(&srv);
+    }
+}
+
+/// The largest request the server takes, 64 MiB (nbdkit's maximum), each way in one request;
+/// a byte more is refused and the connection goes on.
+#[test]
+fn the_largest_request_is_64_mib() {
+    assert_eq!(MAX_PAYLOAD_BYTES, 64 << 20);
+    let srv = Served::new(MAX_PAYLOAD_BYTES as u64 + MIB);
+    let (mut c, _) = RawClient::handshake(&srv.socket, true);
+    let data = pattern(MAX_PAYLOAD_BYTES as usize, 8);
+    assert_eq!(c.write(1, MIB, &data), 0);
+    let r = c.read(2, MIB, MAX_PAYLOAD_BYTES);
+    assert_eq!(r.error, 0);
+    assert!(r.data == data, "64 MiB read back differs");
+    assert_eq!(c.read(3, 0, MAX_PAYLOAD_BYTES + 512).error, NBD_EINVAL);
+    assert_still_serving(&srv);
 }

@@ -159,6 +159,47 @@ fn qemu_io_patterns_including_sub_page_io() {
     assert!(text.contains("read 512/512"), "{text}");
 }
 
+/// qemu-io at byte offsets and lengths (qemu turns them into whole sectors, the minimum block
+/// it was told, and does the read-modify-write itself), and 64 MiB each way.
+#[test]
+fn qemu_io_unaligned_bytes_and_the_largest_request() {
+    require("qemu-io");
+    let srv = Served::new(80 * MIB);
+    let cmds = [
+        "write -P 0x5a 1 3",
+        "write -P 0x6b 4095 2",
+        "write -P 0x7c 8191 8195",
+        "read -P 0x00 0 1",
+        "read -P 0x5a 1 3",
+        "read -P 0x00 4 4091",
+        "read -P 0x6b 4095 2",
+        "read -P 0x7c 8191 8195",
+        "read -P 0x00 16386 100",
+        "write -P 0x66 8M 64M",
+        "read -P 0x66 8M 64M",
+        "read -P 0x00 72M 8M",
+    ];
+    let mut cmd = Command::new("qemu-io");
+    cmd.args(["-f", "raw"]);
+    for c in cmds {
+        cmd.args(["-c", c]);
+    }
+    cmd.arg(srv.uri());
+    let out = run(&mut cmd);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !text.contains("failed") && !text.contains("rror"),
+        "qemu-io reported a failure:\n{text}"
+    );
+    assert_eq!(
+        text.matches("read ").count(),
+        cmds.iter().filter(|c| c.starts_with("read")).count(),
+        "{text}"
+    );
+    assert!(text.contains("wrote 67108864/67108864"), "{text}");
+}
+
 #[test]
 fn nbdinfo_lists_exports_and_block_sizes() {
     require("nbdinfo");
@@ -175,7 +216,8 @@ fn nbdinfo_lists_exports_and_block_sizes() {
     assert_eq!(export["export-size"], 32 * MIB, "{info}");
     assert_eq!(export["block_size_minimum"], 512, "{info}");
     assert_eq!(export["block_size_preferred"], 4096, "{info}");
-    assert_eq!(export["block_size_maximum"], 32 * MIB, "{info}");
+    assert_eq!(export["block_size_maximum"], 64 * MIB, "{info}");
+    assert_eq!(export["can_cache"], true, "{info}");
     assert_eq!(export["can_multi_conn"], true, "{info}");
     assert_eq!(export["can_flush"], true, "{info}");
     assert_eq!(export["can_fua"], true, "{info}");
@@ -314,4 +356,136 @@ fn kernel_block_device_via_nbdfuse_and_loop_ext4() {
     run(Command::new("umount").arg(&mnt));
     // A clean filesystem after all that.
     run(Command::new("e2fsck").args(["-f", "-n", &loop_dev]));
+}
+
+/// The layout block status is checked against: 64 MiB with data at [8, 12) MiB but a hole at
+/// [9, 10) MiB (discarded), a run of zero-filled pages at [20, 21) MiB, holes elsewhere.
+fn sparse_layout() -> Served {
+    let srv = Served::new(64 * MIB);
+    srv.device
+        .write_at(&pattern(4 * MIB as usize, 5), 8 * MIB)
+        .unwrap();
+    srv.device.discard(9 * MIB, MIB).unwrap();
+    srv.device
+        .write_at(&vec![0u8; MIB as usize], 20 * MIB)
+        .unwrap();
+    srv
+}
+
+/// Bytes the device has read (its `stat`'s read sectors × 512).
+fn bytes_read(srv: &Served) -> u64 {
+    let stat = srv.device.attr_show("stat").unwrap();
+    let f: Vec<u64> = stat
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    f[2] * 512
+}
+
+/// `NBD_CMD_BLOCK_STATUS` with `base:allocation`: nbdinfo --map and qemu-img map show holes
+/// where nothing is stored, zeroes where pages are zero-filled and data where data is, and
+/// nbdcopy reads only the data.
+#[test]
+fn block_status_maps_holes_zeroes_and_data() {
+    for p in ["nbdinfo", "qemu-img", "nbdcopy"] {
+        require(p);
+    }
+    let srv = sparse_layout();
+    let out = run(Command::new("nbdinfo").args(["--map", "--json", &srv.uri()]));
+    let map: serde_json::Value = serde_json::from_slice(&out.stdout).expect("nbdinfo json");
+    let got: Vec<(u64, u64, u64)> = map
+        .as_array()
+        .expect("an array of extents")
+        .iter()
+        .map(|e| {
+            (
+                e["offset"].as_u64().unwrap(),
+                e["length"].as_u64().unwrap(),
+                e["type"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    // type: 3 hole and zero, 2 zero, 0 data.
+    let want = vec![
+        (0, 8 * MIB, 3),
+        (8 * MIB, MIB, 0),
+        (9 * MIB, MIB, 3),
+        (10 * MIB, 2 * MIB, 0),
+        (12 * MIB, 8 * MIB, 3),
+        (20 * MIB, MIB, 2),
+        (21 * MIB, 43 * MIB, 3),
+    ];
+    assert_eq!(got, want, "{map}");
+
+    // qemu-img map: data exactly where data is.
+    let out = run(Command::new("qemu-img").args(["map", "--output=json", "-f", "raw", &srv.uri()]));
+    let map: serde_json::Value = serde_json::from_slice(&out.stdout).expect("qemu-img json");
+    let data: Vec<(u64, u64)> = map
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["data"] == true && e["zero"] == false)
+        .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(data, vec![(8 * MIB, MIB), (10 * MIB, 2 * MIB)], "{map}");
+
+    // nbdcopy reads the 3 MiB of data and nothing else.
+    let before = bytes_read(&srv);
+    run(Command::new("nbdcopy").arg(srv.uri()).arg("null:"));
+    assert_eq!(bytes_read(&srv) - before, 3 * MIB);
+    // qemu-img convert to a file copies the same bytes.
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("copy.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw", &srv.uri()])
+        .arg(&copy));
+    let mut all = vec![0u8; 64 * MIB as usize];
+    uzram::BlockDevice::read_at(&*srv.device, &mut all, 0).unwrap();
+    assert!(
+        std::fs::read(&copy).unwrap() == all,
+        "qemu-img convert's copy differs"
+    );
+}
+
+/// A read-only export: the flags say so (no trim or zero), libnbd and qemu see it, and the
+/// server answers writes, trims and write-zeroes with EPERM, changing nothing.
+#[test]
+fn read_only_export_refuses_changes_with_eperm() {
+    use uzram_testkit::nbd::RawClient;
+    require("nbdinfo");
+    require("qemu-io");
+    let device = std::sync::Arc::new(uzram_testkit::device::DeviceBuilder::bytes(16 * MIB).build());
+    let data = pattern(MIB as usize, 9);
+    uzram::BlockDevice::write_at(&*device, &data, 0).unwrap();
+    let srv = Served::with_device(device, true);
+    let out = run(Command::new("nbdinfo").args(["--json", &srv.uri()]));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).expect("nbdinfo json");
+    let export = &info["exports"][0];
+    assert_eq!(export["is_read_only"], true, "{info}");
+    assert_eq!(export["can_trim"], false, "{info}");
+    assert_eq!(export["can_zero"], false, "{info}");
+    // qemu-io reads it (-r), and will not open it for writing.
+    run(Command::new("qemu-io")
+        .args(["-r", "-f", "raw", "-c", "read 0 1M"])
+        .arg(srv.uri()));
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x11 0 4k"])
+        .arg(srv.uri())
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(!text.contains("wrote"), "{text}");
+    // The server itself refuses: EPERM for each command that changes data.
+    let (mut c, _) = RawClient::handshake(&srv.socket, true);
+    assert_eq!(c.write(1, 0, &[7u8; 4096]), uzram_nbd_proto::NBD_EPERM);
+    for (cookie, cmd) in [
+        (2, uzram_nbd_proto::CMD_TRIM),
+        (3, uzram_nbd_proto::CMD_WRITE_ZEROES),
+    ] {
+        c.send_request(cmd, 0, cookie, 0, 4096);
+        assert_eq!(c.read_reply(0).error, uzram_nbd_proto::NBD_EPERM);
+    }
+    let r = c.read(4, 0, MIB as u32);
+    assert!(r.data == data, "a refused command changed data");
 }

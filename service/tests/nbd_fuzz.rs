@@ -304,17 +304,29 @@ fn fuzz_request_classification() {
             b[5] &= 0x1f;
         }
         let h = RequestHeader::parse(&b).unwrap();
+        let min_block_bytes = if rng.gen() { MIN_BLOCK_SIZE_BYTES } else { 1 };
         let limits = ExportLimits {
             size_bytes: 512 * rng.gen_range(0..1u64 << 40),
             structured: rng.gen(),
+            min_block_bytes,
+            block_status: rng.gen(),
+            read_only: rng.gen(),
         };
         match classify(&h, limits) {
             Action::Read { offset, length }
             | Action::Write { offset, length, .. }
             | Action::Trim { offset, length, .. }
-            | Action::WriteZeroes { offset, length, .. } => {
+            | Action::WriteZeroes { offset, length, .. }
+            | Action::BlockStatus { offset, length, .. } => {
+                if limits.read_only {
+                    assert!(!matches!(
+                        h.command,
+                        CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES
+                    ));
+                }
                 assert!(offset + u64::from(length) <= limits.size_bytes);
-                assert!(offset % 512 == 0 && length % 512 == 0 && length > 0);
+                let align = u64::from(min_block_bytes);
+                assert!(offset % align == 0 && u64::from(length) % align == 0 && length > 0);
                 if matches!(h.command, CMD_READ | CMD_WRITE) {
                     assert!(length <= MAX_PAYLOAD_BYTES);
                 }

@@ -31,11 +31,16 @@ pub struct Served {
 impl Served {
     /// Serves a fresh device of `size_bytes`.
     pub fn new(size_bytes: u64) -> Served {
+        Served::with_device(Arc::new(DeviceBuilder::bytes(size_bytes).build()), false)
+    }
+
+    /// Serves `device`, read-only if asked.
+    pub fn with_device(device: Arc<Device>, read_only: bool) -> Served {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("zram0.sock");
-        let device = Arc::new(DeviceBuilder::bytes(size_bytes).build());
-        let server = Server::start_unix(Export::new("zram0", device.clone()), socket.clone())
-            .expect("server starts");
+        let mut export = Export::new("zram0", device.clone());
+        export.read_only = read_only;
+        let server = Server::start_unix(export, socket.clone()).expect("server starts");
         Served {
             server: Some(server),
             dir,

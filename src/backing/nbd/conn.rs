@@ -56,9 +56,13 @@ pub(super) const READER_TICK: Duration = Duration::from_millis(200);
 
 /// A read answered in more separate pieces than this (chunks that are not adjacent to one
 /// another) is a protocol error: it bounds what [`Chunks`] holds per read. Servers send
-/// chunks in order (one piece), and even a read of the largest request (32 MiB) cut into
+/// chunks in order (one piece), and even a read of the largest request (64 MiB) cut into
 /// 4 KiB data and holes out of order stays far below it.
 const MAX_READ_PIECES: usize = 4096;
+
+/// The maximum payload when the server advertises none: the 32 MiB the protocol says every
+/// server should take.
+const DEFAULT_MAX_PAYLOAD_BYTES: u32 = 32 << 20;
 
 /// The largest error chunk payload: error (4), message length (2), a message of at most
 /// 65535 bytes, an offset (8).
@@ -414,7 +418,9 @@ fn handshake(
         .map_err(|e| io_err("sending NBD_OPT_GO", e))?;
 
     let mut export_info = None;
-    let (mut min, mut pref, mut max) = (1u32, 4096u32, MAX_PAYLOAD_BYTES);
+    // The protocol's defaults: a server that sends no sizes takes 32 MiB (not this server's
+    // own larger maximum, which another server need not take).
+    let (mut min, mut pref, mut max) = (1u32, 4096u32, DEFAULT_MAX_PAYLOAD_BYTES);
     loop {
         let mut h = [0u8; 20];
         rd(&mut h)?;

@@ -12,7 +12,7 @@
 //!   buffers of the floor's class as were preallocated (for `--swap`) stay.
 //!
 //! Buffers come in power-of-two size classes (4 KiB << k of data plus a page for a reply
-//! header, k = 0..=13, up to the 32 MiB maximum payload), so a lookup is a few vector pops and
+//! header, k = 0..=14, up to the 64 MiB maximum payload), so a lookup is a few vector pops and
 //! a buffer's capacity is at most twice its request's size.
 
 use super::ReqBuf;
@@ -20,8 +20,8 @@ use std::io;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// The size classes: 4 KiB << k of data, k = 0..=13 (4 KiB to 32 MiB).
-const CLASSES: usize = 14;
+/// The size classes: 4 KiB << k of data, k = 0..=14 (4 KiB to 64 MiB).
+const CLASSES: usize = 15;
 /// Room for a reply header in front of read data.
 const HEADROOM_BYTES: usize = 4096;
 /// A request takes a recycled buffer up to this many classes larger than its own (at most 8
@@ -270,7 +270,8 @@ mod tests {
         assert_eq!(class_of(8192), 0);
         assert_eq!(class_of(8193), 1);
         assert_eq!(class_of((32 << 20) + 20), 13);
-        assert_eq!(class_capacity(13) as u64, super::super::MIN_INFLIGHT_BYTES);
+        assert_eq!(class_of((64 << 20) + 20), 14);
+        assert_eq!(class_capacity(14) as u64, super::super::MIN_INFLIGHT_BYTES);
     }
 
     #[test]

@@ -70,15 +70,15 @@ pub struct Limits {
     /// qemu after CVE-2024-7409 (`NBD_DEFAULT_HANDSHAKE_MAX_SECS`); real clients take
     /// milliseconds.
     pub handshake: Duration,
-    /// One request, from its first byte to its last payload byte. 30 s: a 32 MiB payload at
-    /// 1 MB/s, far slower than any link a block device is served over.
+    /// One request, from its first byte to its last payload byte. 30 s: a 64 MiB payload at
+    /// 2 MB/s, far slower than any link a block device is served over.
     pub request: Duration,
     /// One reply, from its first byte to its last: a client that does not take its replies for
     /// this long is disconnected. 30 s, as [`Limits::request`].
     pub reply: Duration,
     /// On stop, how long connections may go on answering the requests they have read before
-    /// their sockets are shut down. 2 s: a request in flight takes milliseconds (a 32 MiB write
-    /// compresses in about 50 ms); only a client that stopped reading needs longer, and it is
+    /// their sockets are shut down. 2 s: a request in flight takes milliseconds (a 64 MiB write
+    /// compresses in about 100 ms); only a client that stopped reading needs longer, and it is
     /// not waited for.
     pub stop_grace: Duration,
     /// Buffers kept for reuse that nothing has used for this long are released. 1 s: a busy
@@ -89,9 +89,9 @@ pub struct Limits {
     pub preallocated_bytes: u64,
 }
 
-/// The smallest budget accepted: one maximum-size request (32 MiB of payload and a reply
-/// header), so every request the protocol allows can be served.
-pub const MIN_INFLIGHT_BYTES: u64 = (32 << 20) + 4096;
+/// The smallest budget accepted: one maximum-size request (64 MiB of payload and a reply
+/// header), so every request the server allows can be served.
+pub const MIN_INFLIGHT_BYTES: u64 = (64 << 20) + 4096;
 
 /// The buffers `--swap` preallocates: 64 of 128 KiB (the kernel's usual largest swap request,
 /// `max_sectors_kb`), 8 MiB server-wide.
@@ -120,7 +120,7 @@ impl Limits {
         }
         if self.max_inflight_bytes < MIN_INFLIGHT_BYTES {
             return Err(Error::invalid(format!(
-                "max_inflight must be at least {MIN_INFLIGHT_BYTES} bytes (one 32 MiB request)"
+                "max_inflight must be at least {MIN_INFLIGHT_BYTES} bytes (one 64 MiB request)"
             )));
         }
         if self.preallocated_bytes > self.max_inflight_bytes / 2 {

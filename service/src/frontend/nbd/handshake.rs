@@ -3,8 +3,9 @@
 //! [`negotiate`] runs on the connection's own thread over any [`HandshakeIo`] (a socket, with
 //! the handshake deadline, or in-memory bytes in the fuzz test). It answers every option the
 //! protocol defines: `GO`, `INFO`, `EXPORT_NAME`, `LIST`, `ABORT`, `STRUCTURED_REPLY`,
-//! `STARTTLS` (where the connection offers TLS: see [`TlsPolicy`]); everything else (metadata
-//! contexts, extended headers, unknown codes) gets `NBD_REP_ERR_UNSUP` and the negotiation
+//! `STARTTLS` (where the connection offers TLS: see [`TlsPolicy`]), `LIST_META_CONTEXT` and
+//! `SET_META_CONTEXT` (the one context `base:allocation`); everything else (extended headers,
+//! unknown codes) gets `NBD_REP_ERR_UNSUP` and the negotiation
 //! goes on. While TLS is required and not yet up, every option but `STARTTLS` and `ABORT` gets
 //! `NBD_REP_ERR_TLS_REQD` (and `EXPORT_NAME`, which cannot fail, closes the connection).
 //! Protocol violations the spec says to drop the connection for (unknown client flags, a bad
@@ -86,21 +87,32 @@ pub struct Negotiated {
     /// The export size sent to the client: if the device no longer has it when transmission
     /// starts (it was reset in between), the connection is closed.
     pub size_bytes: u64,
+    /// Whether the client asked for block sizes (`NBD_INFO_BLOCK_SIZE` in `NBD_OPT_GO`) and so
+    /// keeps to the advertised minimum; otherwise it may send any byte offset and length.
+    pub block_sizes: bool,
+    /// Whether `base:allocation` was selected for this export (`NBD_OPT_SET_META_CONTEXT`, with
+    /// structured replies): `NBD_CMD_BLOCK_STATUS` is valid.
+    pub block_status: bool,
 }
 
 /// The transmission flags of every export (uzram's exports are all writable and share one
-/// device between connections, so `CAN_MULTI_CONN` holds). `SEND_DF` only with structured
+/// device between connections, so `CAN_MULTI_CONN` holds). `SEND_CACHE`: a cache request is
+/// validated and answered at once (every page is in RAM or read back on demand). `SEND_DF` only with structured
 /// replies, as the spec requires: a read reply is always one data chunk, so `DF` costs nothing.
 /// `SEND_FAST_ZERO` is honest because zeroing never compresses anything: whole pages become
 /// same-filled slots and partial pages take one read-modify-write, never slower than a write.
-pub fn transmission_flags(structured: bool) -> u16 {
+/// A read-only export has `READ_ONLY` and none of the flags of commands that change data.
+pub fn transmission_flags(structured: bool, read_only: bool) -> u16 {
     let mut f = TFLAG_HAS_FLAGS
         | TFLAG_SEND_FLUSH
         | TFLAG_SEND_FUA
-        | TFLAG_SEND_TRIM
-        | TFLAG_SEND_WRITE_ZEROES
         | TFLAG_CAN_MULTI_CONN
-        | TFLAG_SEND_FAST_ZERO;
+        | TFLAG_SEND_CACHE;
+    if read_only {
+        f |= TFLAG_READ_ONLY;
+    } else {
+        f |= TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_FAST_ZERO;
+    }
     if structured {
         f |= TFLAG_SEND_DF;
     }
@@ -172,6 +184,8 @@ pub fn negotiate<S: HandshakeIo>(
     // a client that does not know it only ever sends EXPORT_NAME).
     let no_zeroes = client_flags & FLAG_C_NO_ZEROES != 0;
     let mut structured = false;
+    // The export `base:allocation` was selected for (`NBD_OPT_SET_META_CONTEXT`).
+    let mut meta_export: Option<usize> = None;
 
     loop {
         let mut hdr = [0u8; OPTION_HEADER_BYTES];
@@ -230,7 +244,7 @@ pub fn negotiate<S: HandshakeIo>(
                 let Some(export) = find_export(exports, name, default_export) else {
                     return Err(protocol_error("unknown export"));
                 };
-                let tflags = transmission_flags(structured);
+                let tflags = transmission_flags(structured, exports[export].read_only);
                 let size_bytes = exports[export].device.size_bytes();
                 let mut out = Vec::with_capacity(134);
                 out.extend_from_slice(&size_bytes.to_be_bytes());
@@ -244,6 +258,8 @@ pub fn negotiate<S: HandshakeIo>(
                     structured,
                     transmission_flags: tflags,
                     size_bytes,
+                    block_sizes: false,
+                    block_status: structured && meta_export == Some(export),
                 }));
             }
             OPT_LIST => {
@@ -291,7 +307,7 @@ pub fn negotiate<S: HandshakeIo>(
                     continue;
                 };
                 let e = &exports[export];
-                let tflags = transmission_flags(structured);
+                let tflags = transmission_flags(structured, e.read_only);
                 let mut out = Vec::new();
                 let size_bytes = e.device.size_bytes();
                 let info = encode_info_export(size_bytes, tflags);
@@ -320,6 +336,8 @@ pub fn negotiate<S: HandshakeIo>(
                         structured,
                         transmission_flags: tflags,
                         size_bytes,
+                        block_sizes: req.requests.contains(&INFO_BLOCK_SIZE),
+                        block_status: structured && meta_export == Some(export),
                     }));
                 }
             }
@@ -339,6 +357,50 @@ pub fn negotiate<S: HandshakeIo>(
                     // Whatever was negotiated in the clear could have been tampered with:
                     // start over, as the protocol's TLS document recommends.
                     structured = false;
+                    meta_export = None;
+                }
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let set = opt.option == OPT_SET_META_CONTEXT;
+                let Some(req) = MetaContextRequest::parse(&data) else {
+                    reply(
+                        io,
+                        opt.option,
+                        REP_ERR_INVALID,
+                        b"malformed meta context request",
+                    )?;
+                    continue;
+                };
+                if set && !structured {
+                    reply(
+                        io,
+                        opt.option,
+                        REP_ERR_INVALID,
+                        b"SET_META_CONTEXT needs structured replies first",
+                    )?;
+                    continue;
+                }
+                let Some(export) = find_export(exports, &req.name, default_export) else {
+                    let msg = format!("no export named {:?}", req.name);
+                    reply(io, opt.option, REP_ERR_UNKNOWN, msg.as_bytes())?;
+                    continue;
+                };
+                // `base:allocation` is the one context: named, or (listing only) matched by an
+                // empty list or the `base:` wildcard; anything else is ignored, as the
+                // protocol asks.
+                let wanted = req.queries.iter().any(|q| q == META_BASE_ALLOCATION)
+                    || (!set
+                        && (req.queries.is_empty() || req.queries.iter().any(|q| q == "base:")));
+                let mut out = Vec::new();
+                if wanted {
+                    let d = encode_meta_context(META_BASE_ALLOCATION_ID, META_BASE_ALLOCATION);
+                    encode_option_reply(&mut out, opt.option, REP_META_CONTEXT, &d);
+                }
+                encode_option_reply(&mut out, opt.option, REP_ACK, &[]);
+                send(io, &out)?;
+                if set {
+                    // A new selection replaces the old one.
+                    meta_export = wanted.then_some(export);
                 }
             }
             _ => reply(io, opt.option, REP_ERR_UNSUP, b"option not supported")?,

@@ -56,6 +56,9 @@ pub struct Export {
     pub description: String,
     /// The device behind it, shared by every connection.
     pub device: Arc<dyn BlockDevice>,
+    /// Clients may only read: the transmission flags say `READ_ONLY`, and writes, trims and
+    /// write-zeroes get `EPERM`.
+    pub read_only: bool,
 }
 
 impl Export {
@@ -65,6 +68,7 @@ impl Export {
             name: name.into(),
             description: String::new(),
             device,
+            read_only: false,
         }
     }
 }

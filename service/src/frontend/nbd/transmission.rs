@@ -40,6 +40,13 @@ pub const MAX_INFLIGHT_REQUESTS: usize = 128;
 /// A connection's receive buffer: one `read` fetches many small requests. 64 KiB: sixteen 4 KiB
 /// writes with their headers; larger payloads are read straight into their own buffers.
 pub const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
+/// Extents in one block status reply at most: a client asks again from where the reply ends.
+/// 1024 runs cover a 4 GiB device of alternating pages in 256 replies, and one reply's memory
+/// (its bytes and the run list, [`BLOCK_STATUS_BYTES_PER_EXTENT`] each) is charged to the
+/// budget before it is taken.
+pub const MAX_BLOCK_STATUS_EXTENTS: usize = 1024;
+/// What one extent costs while a reply is built: 8 bytes on the wire, 16 in the run list.
+const BLOCK_STATUS_BYTES_PER_EXTENT: usize = 8 + 16;
 
 /// A connection's byte stream as the transmission phase uses it: the real socket (plain or
 /// TLS, [`Wire`](super::wire::Wire)) or, in tests, memory.
@@ -302,7 +309,7 @@ impl<C: Channel> Conn<'_, C> {
             Action::Read { offset, length } => {
                 let mut buf = job.buf.expect("a read has its reply buffer");
                 let prefix = buf.len() - length as usize;
-                match dev.read_at(&mut buf[prefix..], offset) {
+                match dev.read_bytes_at(&mut buf[prefix..], offset) {
                     Ok(()) => {
                         if self.structured {
                             // The whole read is one data chunk, final: every error that can
@@ -327,7 +334,7 @@ impl<C: Channel> Conn<'_, C> {
             }
             Action::Write { offset, fua, .. } => {
                 let buf = job.buf.expect("a write has its payload");
-                match with_fua(dev.write_at(&buf, offset), fua) {
+                match with_fua(dev.write_bytes_at(&buf, offset), fua) {
                     Ok(()) => self.send_ok(&h),
                     Err(e) => fail(&e, true),
                 }
@@ -337,7 +344,7 @@ impl<C: Channel> Conn<'_, C> {
                 offset,
                 length,
                 fua,
-            } => match with_fua(dev.discard(offset, u64::from(length)), fua) {
+            } => match with_fua(discard_sectors(dev, offset, u64::from(length)), fua) {
                 Ok(()) => self.send_ok(&h),
                 Err(e) => fail(&e, true),
             },
@@ -348,7 +355,7 @@ impl<C: Channel> Conn<'_, C> {
             } => {
                 // NO_HOLE and FAST_ZERO need nothing special: see `transmission_flags` and
                 // docs/nbd.md (a zero page is a same-filled slot either way).
-                match with_fua(dev.write_zeroes(offset, u64::from(length)), fua) {
+                match with_fua(dev.write_zeroes_bytes(offset, u64::from(length)), fua) {
                     Ok(()) => self.send_ok(&h),
                     Err(e) => fail(&e, true),
                 }
@@ -357,6 +364,23 @@ impl<C: Channel> Conn<'_, C> {
                 Ok(()) => self.send_ok(&h),
                 Err(e) => fail(&e, true),
             },
+            Action::BlockStatus {
+                offset,
+                length,
+                req_one,
+            } => {
+                let mut buf = job.buf.expect("a block status has its reply buffer");
+                let max = if req_one { 1 } else { MAX_BLOCK_STATUS_EXTENTS };
+                let mut runs = Vec::with_capacity(max);
+                match dev.allocation(offset, u64::from(length), max, &mut runs) {
+                    Ok(()) => {
+                        let n = encode_block_status(&mut buf, h.cookie, &runs, length, req_one);
+                        self.send(&buf[..n]);
+                    }
+                    Err(e) => fail(&e, false),
+                }
+                self.cx.budget.give(buf);
+            }
             Action::Noop => self.send_ok(&h),
             Action::Reject { error, .. } => {
                 self.send_error(h.cookie, error, nbd_error_name(error));
@@ -364,6 +388,60 @@ impl<C: Channel> Conn<'_, C> {
             Action::Disconnect | Action::HardDisconnect => {}
         }
     }
+}
+
+/// Writes the block status reply for `runs` into `buf` (one `NBD_REPLY_TYPE_BLOCK_STATUS`
+/// chunk for `base:allocation`, flagged `DONE`) and returns its length. Holes read as zeroes,
+/// so they are `HOLE | ZERO`; zero pages `ZERO`; data 0. With `req_one` the one extent is cut
+/// to the request's `length`.
+fn encode_block_status(
+    buf: &mut [u8],
+    cookie: u64,
+    runs: &[uzram::Extent],
+    length: u32,
+    req_one: bool,
+) -> usize {
+    let payload = 4 + 8 * runs.len();
+    let hdr = encode_structured_header(
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_BLOCK_STATUS,
+        cookie,
+        payload as u32,
+    );
+    let mut at = STRUCTURED_REPLY_HEADER_BYTES;
+    buf[..at].copy_from_slice(&hdr);
+    buf[at..at + 4].copy_from_slice(&META_BASE_ALLOCATION_ID.to_be_bytes());
+    at += 4;
+    for r in runs {
+        let len = if req_one {
+            r.len_bytes.min(u64::from(length))
+        } else {
+            r.len_bytes
+        };
+        let flags = match r.allocation {
+            uzram::Allocation::Hole => STATE_HOLE | STATE_ZERO,
+            uzram::Allocation::Zero => STATE_ZERO,
+            uzram::Allocation::Data => 0,
+        };
+        // A run is never longer than the request's length, a u32.
+        buf[at..at + 4].copy_from_slice(&(len as u32).to_be_bytes());
+        buf[at + 4..at + 8].copy_from_slice(&flags.to_be_bytes());
+        at += 8;
+    }
+    at
+}
+
+/// Discards the whole sectors inside `[offset, offset + len)` (a range of any bytes, from a
+/// client that negotiated no block size): the device frees whole pages only, so the partial
+/// sectors at either end would be left as they are anyway.
+fn discard_sectors(dev: &dyn BlockDevice, offset: u64, len: u64) -> Result<()> {
+    let sector = u64::from(MIN_BLOCK_SIZE_BYTES);
+    let start = offset.div_ceil(sector) * sector;
+    let end = (offset + len) / sector * sector;
+    if start >= end {
+        return Ok(());
+    }
+    dev.discard(start, end - start)
 }
 
 /// Runs the transmission phase on one connection until the client disconnects, breaks the
@@ -378,6 +456,13 @@ pub fn transmission<C: Channel>(
     let limits = ExportLimits {
         size_bytes: device.size_bytes(),
         structured: neg.structured,
+        min_block_bytes: if neg.block_sizes {
+            MIN_BLOCK_SIZE_BYTES
+        } else {
+            1
+        },
+        block_status: neg.block_status,
+        read_only: neg.transmission_flags & TFLAG_READ_ONLY != 0,
     };
     let conn = Conn {
         ch,
@@ -487,6 +572,10 @@ fn read_requests<C: Channel>(
                     SIMPLE_REPLY_HEADER_BYTES
                 };
                 prefix + length as usize
+            }
+            Action::BlockStatus { req_one, .. } => {
+                let n = if req_one { 1 } else { MAX_BLOCK_STATUS_EXTENTS };
+                STRUCTURED_REPLY_HEADER_BYTES + 4 + n * BLOCK_STATUS_BYTES_PER_EXTENT
             }
             _ => 0,
         };
