@@ -21,6 +21,11 @@
 //!   thread, and the trigger after writebacks) under the same faults; GC may fail with `EIO` or
 //!   `ENOSPC` but never change what a page reads back, and the store's books must balance (no
 //!   live byte left after discarding everything).
+//! - Writes, reads and write-zeroes come sector aligned (zram's rule) and at any byte offset
+//!   and length (the device's byte-granular forms an NBD client without block sizes uses: a
+//!   few bytes either side of a page boundary, runs over several pages); the allocation map
+//!   is checked against the model (a page reported as a hole or zeroes must read as zeroes,
+//!   the runs must cover the range).
 //! - The canary corrupts the device on purpose (swaps two slots) and the harness must catch it.
 //! - Release paths (discard, free notifications) hand objects to the allocator's deferred-free
 //!   queue, made small (`deferred_capacity`) so its worker drains while the same slots are
@@ -50,7 +55,7 @@ use uzram::backing::{
 };
 use uzram::clock::{Clock, ManualClock};
 use uzram::device::{Device, IdleCutoff};
-use uzram::ErrorKind;
+use uzram::{Allocation, ErrorKind};
 use uzram_service::policy::{
     DevicePolicy, ManualPressure, PolicyKind, PolicyRunner, PressureSource,
 };
@@ -485,19 +490,24 @@ impl Harness {
                         Err(e) => return self.fail(format!("write failed: {e}")),
                     }
                 }
-                // Sub-page and page-crossing writes, sector aligned.
+                // Sub-page and page-crossing writes, sector aligned or (as from an NBD client
+                // that negotiated no block size) at any byte offset and length.
                 35..=49 => {
-                    let sectors = (npages as usize * ps) / 512;
-                    let start = rng.gen_range(0..sectors);
-                    let len = rng.gen_range(1..=(ps / 512 + 2)).min(sectors - start);
-                    let mut buf = vec![0u8; len * 512];
+                    let bytes = rng.gen_bool(0.4);
+                    let (off, len) =
+                        random_range(&mut rng, npages as usize * ps, ps, ps + 1024, bytes);
+                    let mut buf = vec![0u8; len];
                     if rng.gen_bool(0.7) {
                         rng.fill(&mut buf[..]);
                     } else {
                         buf.fill(rng.gen());
                     }
-                    let off = start * 512;
-                    let r = self.dev.write_at(&buf, base * ps as u64 + off as u64);
+                    let at = base * ps as u64 + off as u64;
+                    let r = if bytes {
+                        self.dev.write_bytes_at(&buf, at)
+                    } else {
+                        self.dev.write_at(&buf, at)
+                    };
                     let all_or_none = match &r {
                         Ok(()) => false,
                         Err(e) if e.kind() == ErrorKind::NoMemory => {
@@ -509,14 +519,53 @@ impl Harness {
                     };
                     apply(&mut region, ps, off, &buf, all_or_none);
                 }
-                // Reads, checked.
-                50..=79 => {
-                    let sectors = (npages as usize * ps) / 512;
-                    let start = rng.gen_range(0..sectors);
-                    let len = rng.gen_range(1..=(3 * ps / 512)).min(sectors - start);
-                    let mut buf = vec![0u8; len * 512];
-                    let off = start * 512;
-                    if let Err(e) = self.dev.read_at(&mut buf, base * ps as u64 + off as u64) {
+                // The allocation map: a page reported as a hole or as zeroes must read as
+                // zeroes, and the runs cover the range.
+                50..=54 => {
+                    let (off, len) = random_range(&mut rng, npages as usize * ps, ps, 3 * ps, true);
+                    let at = base * ps as u64 + off as u64;
+                    let mut extents = Vec::new();
+                    if let Err(e) = self
+                        .dev
+                        .allocation(at, len as u64, usize::MAX, &mut extents)
+                    {
+                        return self.fail(format!("allocation failed: {e}"));
+                    }
+                    let covered: u64 = extents.iter().map(|e| e.len_bytes).sum();
+                    if covered != len as u64 {
+                        return self.fail(format!(
+                            "allocation of {at}+{len} covers {covered} bytes: {extents:?}"
+                        ));
+                    }
+                    let zero = vec![0u8; ps];
+                    let mut pos = off;
+                    for e in &extents {
+                        let end = pos + e.len_bytes as usize;
+                        if e.allocation != Allocation::Data {
+                            while pos < end {
+                                let (p, in_page) = (pos / ps, pos % ps);
+                                let n = (ps - in_page).min(end - pos);
+                                let what = format!("allocation {:?}", e.allocation);
+                                self.check(&mut region, p, in_page, &zero[..n], &what)?;
+                                pos += n;
+                            }
+                        }
+                        pos = end;
+                    }
+                }
+                // Reads, checked: sector aligned or at any byte offset and length.
+                55..=79 => {
+                    let bytes = rng.gen_bool(0.4);
+                    let (off, len) =
+                        random_range(&mut rng, npages as usize * ps, ps, 3 * ps, bytes);
+                    let mut buf = vec![0u8; len];
+                    let at = base * ps as u64 + off as u64;
+                    let r = if bytes {
+                        self.dev.read_bytes_at(&mut buf, at)
+                    } else {
+                        self.dev.read_at(&mut buf, at)
+                    };
+                    if let Err(e) = r {
                         if self.read_eio_allowed(&e, rf) {
                             continue;
                         }
@@ -549,16 +598,18 @@ impl Harness {
                         region.pages[p] = vec![vec![0u8; ps]];
                     }
                 }
-                // Write zeroes.
+                // Write zeroes, sector aligned or at any byte offset and length.
                 87..=92 => {
-                    let sectors = (npages as usize * ps) / 512;
-                    let start = rng.gen_range(0..sectors);
-                    let len = rng.gen_range(1..=(3 * ps / 512)).min(sectors - start);
-                    let off = start * 512;
-                    let zeros = vec![0u8; len * 512];
-                    let r = self
-                        .dev
-                        .write_zeroes(base * ps as u64 + off as u64, (len * 512) as u64);
+                    let bytes = rng.gen_bool(0.4);
+                    let (off, len) =
+                        random_range(&mut rng, npages as usize * ps, ps, 3 * ps, bytes);
+                    let zeros = vec![0u8; len];
+                    let at = base * ps as u64 + off as u64;
+                    let r = if bytes {
+                        self.dev.write_zeroes_bytes(at, len as u64)
+                    } else {
+                        self.dev.write_zeroes(at, len as u64)
+                    };
                     let all_or_none = match &r {
                         Ok(()) => false,
                         Err(e) if e.kind() == ErrorKind::NoMemory => true,
@@ -1034,6 +1085,36 @@ fn random_recompress(rng: &mut SmallRng, cfg: &ModelConfig) -> String {
 
 /// Applies a write of `data` at byte `off` of a region to the model. When the write failed
 /// (`failed_any`), each touched page may have it or not.
+/// A range `(offset, len)` inside `region_bytes`, `len` at most `max_len`: whole sectors, or
+/// any bytes (`bytes`), the offset then often a few bytes either side of a boundary of pages
+/// of `page_bytes`, the length often a few bytes.
+fn random_range(
+    rng: &mut SmallRng,
+    region_bytes: usize,
+    page_bytes: usize,
+    max_len: usize,
+    bytes: bool,
+) -> (usize, usize) {
+    if !bytes {
+        let sectors = region_bytes / 512;
+        let start = rng.gen_range(0..sectors);
+        let len = rng.gen_range(1..=max_len / 512).min(sectors - start);
+        return (start * 512, len * 512);
+    }
+    let off = if rng.gen_bool(0.3) {
+        let boundary = rng.gen_range(1..region_bytes / page_bytes) * page_bytes;
+        (boundary + rng.gen_range(0..16)).saturating_sub(8)
+    } else {
+        rng.gen_range(0..region_bytes)
+    };
+    let len = if rng.gen_bool(0.3) {
+        rng.gen_range(1..=16)
+    } else {
+        rng.gen_range(1..=max_len)
+    };
+    (off, len.min(region_bytes - off))
+}
+
 fn apply(region: &mut Region, ps: usize, off: usize, data: &[u8], failed_any: bool) {
     let mut pos = 0;
     while pos < data.len() {
