@@ -82,3 +82,55 @@ fn serve_refuses_a_socket_in_use() {
         "the running server's socket must stay"
     );
 }
+
+/// `nbdinfo --json` of `uri`: the first export's `is_read_only`.
+fn is_read_only(uri: &str) -> bool {
+    let out = run(Command::new("nbdinfo").args(["--json", uri]));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    info["exports"][0]["is_read_only"].as_bool().unwrap()
+}
+
+/// `--read-only` exports every device read-only, `read_only = true` one device of a config:
+/// libnbd sees the flag, qemu-io reads and cannot write, the server answers a write with
+/// EPERM; the other device stays writable. With ublk it is refused before anything starts.
+#[test]
+fn read_only_exports_from_the_flag_and_the_config() {
+    require("nbdinfo");
+    require("qemu-io");
+    let r = serve(&["--read-only"]);
+    assert!(is_read_only(&r.uri("zram0")));
+    let (mut c, _) = RawClient::handshake(&r.socket("zram0"), true);
+    assert_eq!(c.write(1, 0, &[9u8; 4096]), NBD_EPERM);
+    assert_eq!(c.read(2, 0, 4096).data, vec![0u8; 4096]);
+    drop(r);
+
+    let r = Serve::config(
+        "[[device]]\nname = \"zram0\"\ndisksize = \"16M\"\nsocket = \"{dir}/zram0.sock\"\n\
+         read_only = true\n\
+         [[device]]\nname = \"zram1\"\ndisksize = \"16M\"\nsocket = \"{dir}/zram1.sock\"\n",
+    )
+    .start();
+    assert!(is_read_only(&r.uri("zram0")));
+    assert!(!is_read_only(&r.uri("zram1")));
+    let out = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x11 0 4k", &r.uri("zram0")])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("wrote"));
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x11 0 4k", &r.uri("zram1")]));
+    let out = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-r",
+        "-c",
+        "read -P 0 0 4k",
+        &r.uri("zram0"),
+    ]));
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("fail"));
+    drop(r);
+
+    let e = Serve::args(&["--disksize", "1M", "--read-only", "--ublk"])
+        .refused()
+        .stderr;
+    assert!(e.contains("read-only is for NBD exports"), "{e}");
+}
