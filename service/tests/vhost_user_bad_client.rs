@@ -627,6 +627,21 @@ fn bad_requests_get_errors() {
     let (hdr, status) = g.header(0, T_OUT, 0);
     let (_, len) = g.submit(0, &[Desc(hdr, 16, F_WRITE), Desc(status, 1, F_WRITE)]);
     assert_eq!((g.status(0), len), (S_IOERR, 1));
+    // Data in the wrong direction: a read with device-readable data, a write with
+    // device-writable data; and a device-readable descriptor after the device-writable ones.
+    let data = Desc(req_area(0) + DATA_OFF, 4096, 0);
+    let data_w = Desc(req_area(0) + DATA_OFF, 4096, F_WRITE);
+    for (kind, wrong) in [(T_IN, "read"), (T_OUT, "write"), (T_OUT, "order")] {
+        let (hdr, status) = g.header(0, kind, 0);
+        let (hdr, status) = (Desc(hdr, 16, 0), Desc(status, 1, F_WRITE));
+        let chain = match wrong {
+            "read" => [hdr, data, status],
+            "write" => [hdr, data_w, status],
+            _ => [hdr, status, data],
+        };
+        let (_, len) = g.submit(0, &chain);
+        assert_eq!((g.status(0), len), (S_IOERR, 1), "{wrong}");
+    }
     // No writable byte for the status: returned used, length 0, nothing written.
     let (hdr, status) = g.header(0, T_IN, 0);
     let (_, len) = g.submit(0, &[Desc(hdr, 16, 0), Desc(status, 1, 0)]);

@@ -9,7 +9,8 @@
 //! - `ublk` (feature `ublk`, on by default): the device as a kernel block device
 //!   `/dev/ublkbN` on this host, through `ublk_drv` (docs/ublk.md).
 //! - `vhost_user` (feature `vhost-user`, on by default): the device as a VM's virtio-blk disk
-//!   through a vhost-user-blk socket (docs/vhost-user.md).
+//!   through a vhost-user-blk socket (docs/vhost-user.md); `virtio_blk`: its requests parsed
+//!   by the virtio-blk spec's rules, one pure function.
 //! - [`metrics`]: every device's statistics in Prometheus's text format, and the HTTP endpoint
 //!   that serves them (`uzram serve --metrics-listen`; docs/metrics.md).
 //! - [`control`]: a running device's attributes over a unix socket (`uzram ctl`, `uzram status`).
@@ -27,3 +28,5 @@ pub mod ublk;
 pub mod unix_socket;
 #[cfg(feature = "vhost-user")]
 pub mod vhost_user;
+#[cfg(feature = "vhost-user")]
+pub mod virtio_blk;

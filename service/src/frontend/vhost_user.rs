@@ -11,10 +11,11 @@
 //! that queue's requests synchronously, until its ring is empty or the connection has ended.
 //!
 //! Nothing the guest gives is trusted: every descriptor is checked to lie in guest memory
-//! (`vm-memory`'s `check_range`) before anything is served (a chain with one outside, or
-//! without a byte for the status, is returned unused); more descriptors than `SEG_MAX` allows
-//! get `VIRTIO_BLK_S_IOERR`; sector ranges are checked against the device size; unknown
-//! request types get `VIRTIO_BLK_S_UNSUPP`. Serving a request allocates nothing: its
+//! (`vm-memory`'s `check_range`) before anything is served (a chain with one outside is
+//! returned unused); then [`virtio_blk::parse`](super::virtio_blk::parse) applies the
+//! virtio-blk spec's rules to the chain's shape and first bytes (a chain without a byte for the
+//! status is returned unused, a malformed request gets `VIRTIO_BLK_S_IOERR`, one the device
+//! does not offer `VIRTIO_BLK_S_UNSUPP`). Serving a request allocates nothing: its
 //! descriptors go into two lists of a fixed capacity per queue and its data through one
 //! bounce buffer per queue of [`BOUNCE_BYTES`] (all made when the export starts), a chunk at
 //! a time, copied with `vm-memory`'s checked `read_slice`/`write_slice`.
@@ -27,6 +28,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use uzram::error::{Error, Result};
 use uzram::BlockDevice;
+
+use super::virtio_blk::{self, BlkRequest, Chain, HEAD_BYTES, OUTHDR_BYTES, SECTOR_SHIFT};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
@@ -56,12 +59,6 @@ pub const BOUNCE_BYTES: usize = 128 << 10;
 
 /// The most queues by default (one per CPU up to this).
 pub const MAX_DEFAULT_QUEUES: u16 = 16;
-
-/// `virtio_blk_outhdr`: type, ioprio, sector (little-endian).
-const OUTHDR_BYTES: usize = 16;
-/// `virtio_blk_discard_write_zeroes`: sector, num_sectors, flags.
-const SEGMENT_BYTES: usize = 16;
-const SECTOR_SHIFT: u32 = 9;
 
 /// How a vhost-user-blk export is set up.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -190,6 +187,7 @@ impl BlkBackend {
         // The chain's device-readable and device-writable descriptors, each checked to lie in
         // guest memory; the last byte of the writable ones is the status.
         let mut too_long = false;
+        let (mut seen_writable, mut readable_after_writable) = (false, false);
         let mut last_writable: Option<Segment> = None;
         for desc in chain {
             let seg = Segment {
@@ -207,11 +205,13 @@ impl BlkBackend {
                 return 0;
             }
             let list = if desc.is_write_only() {
+                seen_writable = true;
                 if seg.len > 0 {
                     last_writable = Some(seg);
                 }
                 &mut *writable
             } else {
+                readable_after_writable |= seen_writable;
                 &mut *readable
             };
             // Never past the capacity made at start: no allocation per request.
@@ -232,120 +232,92 @@ impl BlkBackend {
             writable[i].len -= 1;
             writable.truncate(i + 1);
         }
-        let mut written = 0u32;
-        let result = if too_long {
-            // More descriptors than `SEG_MAX` allows.
-            Err(blk::VIRTIO_BLK_S_IOERR)
-        } else {
-            let req = Request {
-                mem,
-                readable,
-                writable,
-            };
-            self.serve_request(&req, bounce, &mut written)
+        let req = Request {
+            mem,
+            readable,
+            writable,
         };
-        let code = match result {
-            Ok(()) => blk::VIRTIO_BLK_S_OK,
-            Err(code) => code,
-        } as u8;
+        // The header and a segment, for the parser.
+        let mut head = [0u8; HEAD_BYTES];
+        let head_len = req.readable_bytes().min(HEAD_BYTES as u64) as usize;
+        let mut written = 0u32;
+        let code = match req.read(0, &mut head[..head_len]) {
+            Err(()) => blk::VIRTIO_BLK_S_IOERR as u8,
+            Ok(()) => {
+                let chain = Chain {
+                    head: &head[..head_len],
+                    readable_bytes: req.readable_bytes(),
+                    writable_bytes: req.writable_bytes(),
+                    has_status: true,
+                    readable_after_writable,
+                    too_many_segments: too_long,
+                };
+                match virtio_blk::parse(&chain, self.device.size_bytes()) {
+                    Ok(parsed) => match self.serve_request(parsed, &req, bounce, &mut written) {
+                        Ok(()) => blk::VIRTIO_BLK_S_OK as u8,
+                        Err(()) => blk::VIRTIO_BLK_S_IOERR as u8,
+                    },
+                    Err(refused) => match refused.status() {
+                        Some(code) => code,
+                        None => return 0,
+                    },
+                }
+            }
+        };
         if mem.write_slice(&[code], status_addr).is_err() {
             return written;
         }
         written + 1
     }
 
-    /// Serves request `req`; `written` counts the data bytes written into guest memory.
+    /// Serves `parsed`, whose data is in `req`; `written` counts the data bytes written into
+    /// guest memory. An error is the device's or guest memory's (`VIRTIO_BLK_S_IOERR`).
     fn serve_request(
         &self,
+        parsed: BlkRequest,
         req: &Request<'_>,
         bounce: &mut [u8],
         written: &mut u32,
-    ) -> std::result::Result<(), u32> {
-        let ioerr = blk::VIRTIO_BLK_S_IOERR;
-        let mut hdr = [0u8; OUTHDR_BYTES];
-        req.read(0, &mut hdr).map_err(|_| ioerr)?;
-        let kind = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
-        let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
-        // The bytes after the header that the device reads (a write's data, a segment).
-        let payload = req.readable_bytes() - OUTHDR_BYTES as u64;
+    ) -> std::result::Result<(), ()> {
         let dev = &*self.device;
-        match kind {
-            blk::VIRTIO_BLK_T_IN => {
-                let len = req.writable_bytes();
-                let mut offset = self.range(sector, len)?;
+        let err = |_| ();
+        match parsed {
+            BlkRequest::Read { mut offset, len } => {
                 let mut done = 0u64;
                 while done < len {
                     let n = (len - done).min(bounce.len() as u64) as usize;
-                    dev.read_at(&mut bounce[..n], offset).map_err(|_| ioerr)?;
-                    req.write(done, &bounce[..n]).map_err(|_| ioerr)?;
+                    dev.read_at(&mut bounce[..n], offset).map_err(err)?;
+                    req.write(done, &bounce[..n])?;
                     *written += n as u32;
                     offset += n as u64;
                     done += n as u64;
                 }
                 Ok(())
             }
-            blk::VIRTIO_BLK_T_OUT => {
-                let len = payload;
-                let mut offset = self.range(sector, len)?;
+            BlkRequest::Write { mut offset, len } => {
                 let mut done = 0u64;
                 while done < len {
                     let n = (len - done).min(bounce.len() as u64) as usize;
-                    req.read(OUTHDR_BYTES as u64 + done, &mut bounce[..n])
-                        .map_err(|_| ioerr)?;
-                    dev.write_at(&bounce[..n], offset).map_err(|_| ioerr)?;
+                    req.read(OUTHDR_BYTES as u64 + done, &mut bounce[..n])?;
+                    dev.write_at(&bounce[..n], offset).map_err(err)?;
                     offset += n as u64;
                     done += n as u64;
                 }
                 Ok(())
             }
-            blk::VIRTIO_BLK_T_FLUSH => dev.flush().map_err(|_| ioerr),
-            blk::VIRTIO_BLK_T_GET_ID => {
+            BlkRequest::Flush => dev.flush().map_err(err),
+            BlkRequest::GetId { len } => {
                 let mut id = [0u8; blk::VIRTIO_BLK_ID_BYTES as usize];
                 let name = self.name.as_bytes();
                 let n = name.len().min(id.len());
                 id[..n].copy_from_slice(&name[..n]);
-                let n = (id.len() as u64).min(req.writable_bytes()) as usize;
-                req.write(0, &id[..n]).map_err(|_| ioerr)?;
+                let n = (id.len() as u64).min(len) as usize;
+                req.write(0, &id[..n])?;
                 *written += n as u32;
                 Ok(())
             }
-            blk::VIRTIO_BLK_T_DISCARD | blk::VIRTIO_BLK_T_WRITE_ZEROES => {
-                // We offer one segment per request (max_discard_seg = max_write_zeroes_seg = 1).
-                if payload != SEGMENT_BYTES as u64 {
-                    return Err(ioerr);
-                }
-                let mut seg = [0u8; SEGMENT_BYTES];
-                req.read(OUTHDR_BYTES as u64, &mut seg).map_err(|_| ioerr)?;
-                let sector = u64::from_le_bytes(seg[0..8].try_into().unwrap());
-                let sectors = u32::from_le_bytes(seg[8..12].try_into().unwrap());
-                let flags = u32::from_le_bytes(seg[12..16].try_into().unwrap());
-                let len = u64::from(sectors) << SECTOR_SHIFT;
-                let offset = self.range(sector, len)?;
-                if kind == blk::VIRTIO_BLK_T_DISCARD {
-                    // The spec: a discard's flags must be zero.
-                    if flags != 0 {
-                        return Err(blk::VIRTIO_BLK_S_UNSUPP);
-                    }
-                    dev.discard(offset, len).map_err(|_| ioerr)
-                } else {
-                    if flags & !1 != 0 {
-                        return Err(blk::VIRTIO_BLK_S_UNSUPP);
-                    }
-                    dev.write_zeroes(offset, len).map_err(|_| ioerr)
-                }
-            }
-            _ => Err(blk::VIRTIO_BLK_S_UNSUPP),
-        }
-    }
-
-    /// The byte offset of `len` bytes at `sector`, when they lie in the device.
-    fn range(&self, sector: u64, len: u64) -> std::result::Result<u64, u32> {
-        let offset = sector
-            .checked_mul(1 << SECTOR_SHIFT)
-            .ok_or(blk::VIRTIO_BLK_S_IOERR)?;
-        match offset.checked_add(len) {
-            Some(end) if end <= self.device.size_bytes() => Ok(offset),
-            _ => Err(blk::VIRTIO_BLK_S_IOERR),
+            BlkRequest::Discard { offset, len } => dev.discard(offset, len).map_err(err),
+            BlkRequest::WriteZeroes { offset, len } => dev.write_zeroes(offset, len).map_err(err),
         }
     }
 }
