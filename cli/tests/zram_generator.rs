@@ -64,11 +64,11 @@ fn the_manuals_example_configures_what_zram_generator_would() {
     ];
     let example = fixtures().join("zram-generator.conf.example");
 
-    // As shipped, its writeback device does not exist here: refused, naming file, line, key.
+    // As shipped, its writeback device does not exist here: refused, naming file and key.
     let (_, err) = serve(&["--zram-generator-conf", example.to_str().unwrap()], &env)
         .expect_err("a missing writeback device is an error");
     assert!(
-        err.contains("zram-generator.conf.example:53: zram0: backing_dev = \"/dev/zvol/tarta-zoot/swap-writeback\""),
+        err.contains("zram-generator.conf.example: zram0: backing_dev = \"/dev/zvol/tarta-zoot/swap-writeback\""),
         "{err}"
     );
 
@@ -83,9 +83,9 @@ fn the_manuals_example_configures_what_zram_generator_would() {
     std::fs::write(&conf, text).unwrap();
     let r = serve(&["--zram-generator-conf", conf.to_str().unwrap()], &env).unwrap();
     let err = r.log();
-    // lzo-rle is not in uzram: a warning with the line, the device keeps lz4.
+    // lzo-rle is not in uzram: a warning with the file and key, the device keeps lz4.
     assert!(
-        err.contains("zram-generator.conf:44: zram0: compression-algorithm"),
+        err.contains("zram-generator.conf: zram0: compression-algorithm"),
         "{err}"
     );
     assert!(r.show("zram0", "comp_algorithm").contains("[lz4]"));

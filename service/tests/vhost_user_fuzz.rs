@@ -13,12 +13,12 @@ use uzram_service::frontend::virtio_blk::{
     parse, BlkRequest, Chain, Refused, HEAD_BYTES, OUTHDR_BYTES, SECTOR_SHIFT,
 };
 
-const T_IN: u32 = 0;
-const T_OUT: u32 = 1;
-const T_FLUSH: u32 = 4;
-const T_GET_ID: u32 = 8;
-const T_DISCARD: u32 = 11;
-const T_WRITE_ZEROES: u32 = 13;
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_T_DISCARD as T_DISCARD, VIRTIO_BLK_T_FLUSH as T_FLUSH,
+    VIRTIO_BLK_T_GET_ID as T_GET_ID, VIRTIO_BLK_T_IN as T_IN, VIRTIO_BLK_T_OUT as T_OUT,
+    VIRTIO_BLK_T_WRITE_ZEROES as T_WRITE_ZEROES,
+};
+
 const TYPES: [u32; 6] = [T_IN, T_OUT, T_FLUSH, T_GET_ID, T_DISCARD, T_WRITE_ZEROES];
 
 fn iterations() -> usize {
