@@ -10,10 +10,14 @@
 //! - [`refused`]: tables of bad input, each errno with the values refused with it.
 //! - [`tls`]: certificates for the TLS tests.
 //! - [`serve`]: a running `uzram serve` (spawn, wait, ctl, URI, stop).
+//! - [`virtio_blk`]: a virtio-blk driver on a vhost-user-blk socket (the vhost-user front end
+//!   and the guest's split virtqueues, no VM), for the request-path tests and `uzram bench
+//!   vhost`.
 //! - [`vm`]: tests inside a VM with a real kernel, and the swap kit run there (`Hog`,
 //!   `/proc/meminfo`, `/proc/vmstat`, the host's programs).
 //!
-//! Dev-only: the other members use it as a dev-dependency, never in what they ship.
+//! Dev-only: the other members use it as a dev-dependency (and the harness, `uzram-bench`,
+//! which is no part of the product either), never in what they ship.
 
 pub mod device;
 pub mod faults;
@@ -25,4 +29,5 @@ pub mod process;
 pub mod refused;
 pub mod serve;
 pub mod tls;
+pub mod virtio_blk;
 pub mod vm;
