@@ -34,6 +34,9 @@ enum BenchCommand {
     Recompress(RecompressArgs),
     /// Multi-page objects (`multi_page_size`) against 4 KiB granularity and the kernel's zram.
     Multipage(MultipageArgs),
+    /// vhost-user-blk without a VM: a virtio-blk driver against `uzram serve --vhost-user` and
+    /// qemu-storage-daemon (null-co and a raw file on tmpfs), IOPS, latency, server CPU.
+    Vhost(VhostArgs),
     /// A VM guest's disk: vhost-user-blk against QEMU's NBD client and the guest's own kernel
     /// zram, fio inside one guest.
     Vm(GuestArgs),
@@ -73,6 +76,40 @@ struct GuestArgs {
     #[arg(long, hide = true)]
     guest: bool,
     /// Where to write the JSON (default: bench/results/vm-UNIXTIME.json or blk-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct VhostArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Seconds per point (fractions taken).
+    #[arg(long, default_value_t = 5.0)]
+    runtime: f64,
+    /// Size of every target (K, M, G suffixes).
+    #[arg(long, default_value = "256M")]
+    size: String,
+    /// Runs per point; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Workloads, comma-separated: randread, randwrite.
+    #[arg(long, value_delimiter = ',', default_value = "randread,randwrite")]
+    rw: Vec<String>,
+    /// Queue depths per queue, comma-separated (at most 32).
+    #[arg(long, value_delimiter = ',', default_value = "1,32")]
+    depths: Vec<u16>,
+    /// Queue counts, comma-separated (at most 2).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    queues: Vec<u16>,
+    /// qemu-storage-daemon's I/O engine for the tmpfs file: io_uring or threads.
+    #[arg(long, default_value = "io_uring")]
+    qsd_aio: String,
+    /// Where to write the JSON (default: bench/results/vhost-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
     /// Also draw the main comparison into this PNG (bench/README.md shows them).
@@ -424,6 +461,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = crate::multipage::run(&corpus, &opts)?;
             write_results(a.json.as_deref(), "multipage", &doc, a.plot.as_deref())
+        }
+        BenchCommand::Vhost(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let opts = crate::vhost::VhostBenchOptions {
+                runtime_secs: a.runtime,
+                size_bytes: uzram::units::parse_size_bytes(&a.size)
+                    .with_context(|| format!("--size {}", a.size))?,
+                repeats: a.repeats,
+                rws: a.rw,
+                depths: a.depths,
+                queues: a.queues,
+                qsd_aio: a.qsd_aio,
+            };
+            let doc = crate::vhost::run(&corpus, &opts)?;
+            write_results(a.json.as_deref(), "vhost", &doc, a.plot.as_deref())
         }
         BenchCommand::Blk(a) => run_guest_bench(&a, "blk", crate::blk::guest, crate::blk::run),
         BenchCommand::Vm(a) => run_guest_bench(&a, "vm", crate::vm::guest, crate::vm::run),

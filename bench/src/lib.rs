@@ -22,6 +22,7 @@ pub mod plot;
 pub mod recompress;
 pub mod remote;
 pub mod store;
+pub mod vhost;
 pub mod vm;
 pub mod writeback;
 

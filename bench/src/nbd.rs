@@ -262,7 +262,7 @@ fn start_nbdkit(socket: &Path, size_bytes: u64, allocator: &str) -> Result<Nbdki
     Ok(k)
 }
 
-fn program_version(program: &str, arg: &str) -> String {
+pub(crate) fn program_version(program: &str, arg: &str) -> String {
     Command::new(program)
         .arg(arg)
         .output()

@@ -216,6 +216,30 @@ pub fn chart_for(doc: &Value) -> Result<Chart> {
                 })
                 .unwrap_or_default(),
         ),
+        "vhost" => (
+            "uzram bench vhost: vhost-user-blk IOPS, no VM".to_string(),
+            "IOPS (higher is better)",
+            doc.get("points")
+                .and_then(Value::as_array)
+                .map(|ps| {
+                    ps.iter()
+                        .map(|p| {
+                            let target = p["target"].as_str().unwrap_or("?");
+                            bar(
+                                format!(
+                                    "{target} {} d{} q{}",
+                                    p["rw"].as_str().unwrap_or("?"),
+                                    p["depth"],
+                                    p["queues"]
+                                ),
+                                p["iops"].as_f64(),
+                                target != "uzram",
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        ),
         "recompress" => (
             "uzram bench recompress: compressed size".to_string(),
             "MiB of compr_data_size (lower is better)",

@@ -411,3 +411,54 @@ fn bench_multipage_writes_its_table_and_json() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("64 KiB pages"));
 }
+
+/// `uzram bench vhost` end to end at a tiny size: its vhost-user-blk driver against
+/// `uzram serve --vhost-user` and qemu-storage-daemon (null-co and a raw file on tmpfs; a
+/// missing qemu-storage-daemon fails), every point on every target, the read-back of every
+/// page of uzram and of the tmpfs file, the ratio rows and the plot. No timing is asserted.
+#[test]
+fn bench_vhost_writes_its_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus_path = self_corpus(dir.path(), 256);
+    let doc = run_bench(
+        dir.path(),
+        "vhost",
+        &[
+            "vhost",
+            "--runtime",
+            "0.2",
+            "--size",
+            "4M",
+            "--repeats",
+            "1",
+        ],
+        &corpus_path,
+        None,
+        &["uzram/qsd-tmpfs IOPS", "qsd-null + codec", "targets met:"],
+    );
+    let points = doc["points"].as_array().unwrap();
+    for target in ["uzram", "qsd-null", "qsd-tmpfs"] {
+        let mine: Vec<_> = points.iter().filter(|p| p["target"] == target).collect();
+        // randread and randwrite, depth 1 and 32, 1 and 2 queues.
+        assert_eq!(mine.len(), 8, "{target}: {doc}");
+        for p in mine {
+            for key in ["iops", "p50_us", "p99_us", "server_cpu_us_per_request"] {
+                let v = p[key].as_f64().unwrap_or_else(|| panic!("{key}: {p}"));
+                assert!(v.is_finite() && v > 0.0, "{key} = {v}: {p}");
+            }
+            assert!(p["p99_us"].as_f64() >= p["p50_us"].as_f64(), "{p}");
+        }
+    }
+    assert_eq!(doc["ratios"].as_array().unwrap().len(), 8);
+    for key in ["compress_us_per_page", "decompress_us_per_page"] {
+        let v = doc["codec"][key].as_f64().unwrap();
+        assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+    }
+    // Every page of the two targets that keep data was read back and matched.
+    assert_eq!(doc["verified_pages"]["uzram"], 1024);
+    assert_eq!(doc["verified_pages"]["qsd-tmpfs"], 1024);
+    assert!(doc["commands"]["qsd-null"]
+        .as_str()
+        .unwrap()
+        .contains("null-co"));
+}
