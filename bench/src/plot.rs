@@ -481,6 +481,9 @@ mod tests {
                 {"codec": "lz4", "multi_page_size": 4096, "mem_used_total_bytes": 50_000_000},
                 {"codec": "lz4", "multi_page_size": 65536, "mem_used_total_bytes": 38_000_000}],
                 "kernel": [{"codec": "lz4", "mem_used_total_bytes": 52_000_000}]}),
+            json!({"benchmark": "vhost", "points": [
+                {"target": "uzram", "rw": "randread", "depth": 1, "queues": 1, "iops": 60000.0},
+                {"target": "qsd-tmpfs", "rw": "randread", "depth": 1, "queues": 1, "iops": 40000.0}]}),
             json!({"bench": "vm", "points": [
                 {"rw": "randread", "iodepth": 1,
                  "iops": {"vhost-user": 9000.0, "nbd": 3000.0, "guest-zram": 12000.0}},

@@ -291,6 +291,12 @@ fn every_kind_of_request_matches_a_model() {
     assert!(back == model, "seed {seed}: the device itself differs");
 }
 
+/// A chain of a slot's descriptors from its (header, data, status) addresses.
+type Chain<'a> = Box<dyn Fn(u64, u64, u64) -> Vec<Desc> + 'a>;
+/// A bad request: what it is, its type and sector, its chain, the status and used length it
+/// gets.
+type BadCase<'a> = (&'static str, u32, u64, Chain<'a>, u8, u32);
+
 #[test]
 fn bad_requests_get_an_error_and_lose_nothing() {
     let s = serve();
@@ -336,14 +342,7 @@ fn bad_requests_get_an_error_and_lose_nothing() {
         len: 1,
         write,
     };
-    let cases: Vec<(
-        &str,
-        u32,
-        u64,
-        Box<dyn Fn(u64, u64, u64) -> Vec<Desc>>,
-        u8,
-        u32,
-    )> = vec![
+    let cases: Vec<BadCase> = vec![
         (
             "a header of 15 bytes and nothing else readable (a flush)",
             T_FLUSH,
