@@ -60,6 +60,16 @@ fn real_dir() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
 }
 
+/// A file `name` of DEVICE_BYTES in `dir`, through io_uring.
+fn uring_file(dir: &tempfile::TempDir, name: &str) -> FileBacking {
+    FileBacking::create(
+        dir.path().join(name),
+        DEVICE_BYTES,
+        &FileOptions::with_engine(Engine::Uring),
+    )
+    .unwrap()
+}
+
 fn file_case(name: &str, dir: tempfile::TempDir, options: FileOptions) -> Case {
     let path = dir.path().join("backing.img");
     let file = FileBacking::create(&path, DEVICE_BYTES, &options).unwrap();
@@ -109,12 +119,7 @@ fn cases() -> Vec<Case> {
         },
     ];
     let dir = real_dir();
-    let inner = FileBacking::create(
-        dir.path().join("faulty.img"),
-        DEVICE_BYTES,
-        &FileOptions::with_engine(Engine::Uring),
-    )
-    .unwrap();
+    let inner = uring_file(&dir, "faulty.img");
     cases.push(Case {
         name: "faulty(file+uring), no faults".into(),
         backing: Box::new(FaultyBacking::new(inner)),
@@ -470,12 +475,7 @@ type FaultyCase = (
 
 fn faulty_cases() -> Vec<FaultyCase> {
     let dir = real_dir();
-    let file = FileBacking::create(
-        dir.path().join("f.img"),
-        DEVICE_BYTES,
-        &FileOptions::with_engine(Engine::Uring),
-    )
-    .unwrap();
+    let file = uring_file(&dir, "f.img");
     vec![
         (
             "faulty(mem)".into(),

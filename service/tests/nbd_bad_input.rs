@@ -35,22 +35,16 @@ fn malformed_handshakes_close_only_that_connection() {
     c.send_client_flags(0x8000_0001);
     assert!(c.is_closed());
     // Bad option magic.
-    let mut c = RawClient::connect(&srv.socket);
-    c.send_client_flags(FLAG_C_FIXED_NEWSTYLE);
+    let mut c = RawClient::fixed_newstyle(&srv.socket);
     c.s.write_all(&[0x55; 16]).unwrap();
     assert!(c.is_closed());
     // Truncated option data, then the client vanishes.
-    let mut c = RawClient::connect(&srv.socket);
-    c.send_client_flags(FLAG_C_FIXED_NEWSTYLE);
-    let mut b = IHAVEOPT.to_be_bytes().to_vec();
-    b.extend_from_slice(&OPT_GO.to_be_bytes());
-    b.extend_from_slice(&100u32.to_be_bytes());
-    b.extend_from_slice(&[1, 2, 3]);
-    c.s.write_all(&b).unwrap();
+    let mut c = RawClient::fixed_newstyle(&srv.socket);
+    c.announce_option(OPT_GO, 100);
+    c.s.write_all(&[1, 2, 3]).unwrap();
     drop(c);
     // EXPORT_NAME of an unknown export: the only possible answer is a close.
-    let mut c = RawClient::connect(&srv.socket);
-    c.send_client_flags(FLAG_C_FIXED_NEWSTYLE);
+    let mut c = RawClient::fixed_newstyle(&srv.socket);
     c.send_option(OPT_EXPORT_NAME, b"nope");
     assert!(c.is_closed());
     assert_still_serving(&srv);
@@ -130,12 +124,8 @@ fn options_get_their_replies() {
     assert!(c.is_closed());
 
     // A huge option announcement is a denial of service: closed at once.
-    let mut c = RawClient::connect(&srv.socket);
-    c.send_client_flags(FLAG_C_FIXED_NEWSTYLE);
-    let mut b = IHAVEOPT.to_be_bytes().to_vec();
-    b.extend_from_slice(&OPT_GO.to_be_bytes());
-    b.extend_from_slice(&u32::MAX.to_be_bytes());
-    c.s.write_all(&b).unwrap();
+    let mut c = RawClient::fixed_newstyle(&srv.socket);
+    c.announce_option(OPT_GO, u32::MAX);
     assert!(c.is_closed());
     assert_still_serving(&srv);
 }
@@ -143,8 +133,7 @@ fn options_get_their_replies() {
 #[test]
 fn export_name_enters_transmission_with_zero_padding() {
     let srv = Served::new(4 * MIB);
-    let mut c = RawClient::connect(&srv.socket);
-    c.send_client_flags(FLAG_C_FIXED_NEWSTYLE);
+    let mut c = RawClient::fixed_newstyle(&srv.socket);
     c.send_option(OPT_EXPORT_NAME, b"");
     let mut b = [0u8; 8 + 2 + 124];
     c.s.read_exact(&mut b).unwrap();

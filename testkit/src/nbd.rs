@@ -178,16 +178,29 @@ impl RawClient {
         }
     }
 
+    /// [`connect`](Self::connect)ed, with the client flags `FIXED_NEWSTYLE` sent (the
+    /// padding of `NBD_OPT_EXPORT_NAME`'s reply kept): ready for options.
+    pub fn fixed_newstyle(socket: &Path) -> RawClient {
+        let mut c = RawClient::connect(socket);
+        c.send_client_flags(FLAG_C_FIXED_NEWSTYLE);
+        c
+    }
+
     pub fn send_client_flags(&mut self, flags: u32) {
         self.s.write_all(&flags.to_be_bytes()).unwrap();
     }
 
     pub fn send_option(&mut self, option: u32, data: &[u8]) {
-        let mut b = Vec::new();
-        b.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        self.announce_option(option, data.len() as u32);
+        self.s.write_all(data).unwrap();
+    }
+
+    /// The header of an option of `len` bytes of data, without the data (what a client that
+    /// stops half-way, or lies about the length, sends).
+    pub fn announce_option(&mut self, option: u32, len: u32) {
+        let mut b = IHAVEOPT.to_be_bytes().to_vec();
         b.extend_from_slice(&option.to_be_bytes());
-        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        b.extend_from_slice(data);
+        b.extend_from_slice(&len.to_be_bytes());
         self.s.write_all(&b).unwrap();
     }
 
