@@ -23,17 +23,7 @@ fn long_operations_show_a_bar_on_a_terminal_and_nothing_elsewhere() {
     let bin = uzram_bin().display().to_string();
     let backing = tempfile::NamedTempFile::new().unwrap();
     backing.as_file().set_len(64 << 20).unwrap();
-    let s = Serve::config(&format!(
-        r#"
-[[device]]
-name = "zram0"
-disksize = "32M"
-backing_dev = "{}"
-socket = "{{dir}}/zram0.sock"
-"#,
-        backing.path().display()
-    ))
-    .start();
+    let s = Serve::zram0_over("32M", backing.path(), "").start();
     // Real pages: the first 8 MiB of the uzram executable (2048 pages), through nbdcopy; and
     // a same-filled MiB after them.
     let exe = std::fs::read(&bin).unwrap();

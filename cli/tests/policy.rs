@@ -77,17 +77,11 @@ fn serve_runs_policies_on_the_real_clock_and_ctl_shows_them() {
     require("qemu-img");
     let backing = tempfile::NamedTempFile::new_in("/var/tmp").unwrap();
     backing.as_file().set_len(16 << 20).unwrap();
-    let s = Serve::config(&format!(
-        r#"
-[[device]]
-name = "zram0"
-disksize = "16M"
-socket = "{{dir}}/zram0.sock"
-backing_dev = "{}"
-policy = {{ period_s = 1, idle_age_s = 1, writeback_age_s = 3 }}
-"#,
-        backing.path().display()
-    ))
+    let s = Serve::zram0_over(
+        "16M",
+        backing.path(),
+        "policy = { period_s = 1, idle_age_s = 1, writeback_age_s = 3 }",
+    )
     .start();
     let policy = s.show("zram0", "policy");
     assert!(policy.contains("idle_age_s=1\n") && policy.contains("writeback_age_s=3\n"));

@@ -122,6 +122,16 @@ impl Serve {
         }
     }
 
+    /// `uzram serve --config` of one device, zram0 of `disksize` on `{dir}/zram0.sock`, over
+    /// the file `backing` (its `backing_dev`), with `more` (TOML keys of the device's table).
+    pub fn zram0_over(disksize: &str, backing: &Path, more: &str) -> Serve {
+        Serve::config(&format!(
+            "[[device]]\nname = \"zram0\"\ndisksize = \"{disksize}\"\n\
+             socket = \"{{dir}}/zram0.sock\"\nbacking_dev = \"{}\"\n{more}\n",
+            backing.display()
+        ))
+    }
+
     /// More arguments.
     pub fn arg(mut self, args: &[&str]) -> Serve {
         self.args.extend(args.iter().map(|a| a.to_string()));
