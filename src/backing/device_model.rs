@@ -3,7 +3,7 @@
 //! transfer rate, one request at a time per actuator. For benchmarks of I/O patterns whose
 //! cost depends on the device (`uzram bench gc --device-model smr-hdd|smr-hdd-no-cache|ssd`): the zoned GC's
 //! scratch ring pays where the scratch is smaller than the device's bandwidth-delay product,
-//! which the host's virtual SSD never shows (bench/README.md, "bench gc").
+//! which the host's virtual SSD never shows (bench/notes.md, "Under a device model").
 //!
 //! # The model
 //!

@@ -7,7 +7,7 @@
 //! # Why liblz4 and not `lz4_flex`
 //!
 //! Measured side by side on the page corpus (`uzram bench store` prints the table "lz4
-//! implementations"; figures in `bench/README.md`): liblz4's `LZ4_compress_fast` compresses the
+//! implementations"; figures in `bench/notes.md`): liblz4's `LZ4_compress_fast` compresses the
 //! corpus's pages faster than `lz4_flex` 0.11 with its safe encoder (which also allocates and
 //! zeroes an 8 KiB hash table per call: its block API takes no caller-owned table), and
 //! `LZ4_decompress_safe` decodes them faster than `lz4_flex`'s safe decoder. Both write the same

@@ -9,7 +9,7 @@
 //! it on every call (liblz4 is built with `LZ4HC_HEAPMODE=1`); the `lz4` crate exposes no
 //! external-state variant. That is invisible to Rust's allocator but costs a memset per page.
 //! lz4hc is a recompression (secondary) codec in zram, not the write path, so the safe API is
-//! kept; `bench/README.md` has the measured throughput.
+//! kept; `bench/notes.md` has the measured throughput.
 
 use super::{check_dst, Codec, CodecParams};
 use crate::error::{Error, Result};

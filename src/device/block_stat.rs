@@ -92,7 +92,7 @@ impl BlockStat {
     /// dropped.
     /// One clock read here and one when the request ends (profiled on the store path: the
     /// clock was 2.8% of a page write's CPU with four reads per request and the slot's
-    /// access time; bench/README.md, "Where write_vs_raw's missing tenth goes").
+    /// access time; bench/notes.md, "Where write_vs_raw's missing tenth goes").
     pub fn start(&self, op: Op, bytes: u64) -> InFlight<'_> {
         let c = self.counters(op);
         c.ios.fetch_add(1, Ordering::Relaxed);

@@ -273,7 +273,7 @@ pub(crate) struct FrameAllocator {
 /// pools (4 MiB over the sixteen page counts spans use in 64 KiB-page pools), and only sizes that
 /// were asked for are refilled. Why it exists: on a fresh device each new zspage's pages are
 /// fresh anonymous memory, faulted in, zeroed and charged to the cgroup (`MADV_POPULATE_WRITE`),
-/// a fifth of the store path's CPU time on the corpus (bench/README.md); the kernel's zsmalloc
+/// a fifth of the store path's CPU time on the corpus (bench/notes.md); the kernel's zsmalloc
 /// takes pages from the buddy allocator's free lists instead. The reserve moves that work to a
 /// background thread, off the writer's path. Why 64: a writer on this machine allocates about
 /// 30,000 pool pages a second (1 GB/s of pages at a 2.7 compression ratio spread over the
@@ -383,7 +383,8 @@ pub(crate) const FRAME_CACHE_BYTES: usize = 2 << 20;
 /// range of adjacent frames rather than one per zspage. Each `madvise(MADV_DONTNEED)`
 /// takes the process's `mmap_lock`, walks the page tables and flushes the TLB of every CPU
 /// running the process (an IPI), which made it about 90% of the cost of a free that empties a
-/// zspage (`bench/README.md`, "bench free"); a batch pays the lock and the flush once per range.
+/// zspage (`bench/notes.md`, "Releasing pages"); a batch pays the lock and the flush once
+/// per range.
 /// Frames are carved in address order, so zspages created together (a fill) and freed together
 /// (a process exit, a TRIM of a range) are mostly neighbours. Why 256 pages: it bounds the
 /// extra resident memory (at most 1 MiB beyond `mem_used_total`, on top of the cache) while a

@@ -5,7 +5,7 @@
 //! - [`snapshot_pid`] reads one process's anonymous pages (the memory zram would be handed when
 //!   that process is swapped out) through `/proc/PID/{maps,pagemap,mem}`.
 //! - [`Corpus`] holds pages from one or more named sources in memory and reads and writes the
-//!   corpus file (format below, also in `bench/README.md`).
+//!   corpus file (format below, also in `bench/notes.md`).
 //!
 //! # Which memory is snapshotted
 //!
