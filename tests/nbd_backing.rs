@@ -700,3 +700,41 @@ fn tls_to_nbdkit_with_certificates() {
     assert_eq!(errno(&to_plain), libc::EOPNOTSUPP);
     assert_eq!(dev.attr_show("backing_dev").unwrap(), "none\n");
 }
+
+/// `nbds://` with the keys nbdkit takes: a server and a client certificate on RSA keys of
+/// 2432 bits (PKCS#8) and 2304 bits (PKCS#1), against nbdkit --tls-verify-peer; a client key
+/// the TLS library cannot sign with (RSA of 1024 bits) is refused with EINVAL naming
+/// client-key.pem and what the key is, and the device keeps no backing.
+#[test]
+fn tls_client_keys_of_the_sizes_nbdkit_takes() {
+    use uzram_testkit::tls::{make_creds_with, KeyKind};
+    for kind in [KeyKind::Rsa(2432), KeyKind::RsaPkcs1(2304)] {
+        let creds = make_creds_with(kind);
+        let certs = format!("--tls-certificates={}", creds.server().display());
+        let server =
+            NbdServer::nbdkit(&["--tls=require", &certs, "--tls-verify-peer", "memory", "8M"]);
+        let uri = format!(
+            "nbds+unix:///?socket={}&tls-certificates={}",
+            server.socket.display(),
+            creds.client().display()
+        );
+        let b = open(&uri);
+        assert!(b.is_tls(), "{kind:?}");
+        queued_round_trip(&b, 256);
+    }
+    let creds = make_creds_with(KeyKind::RsaPkcs1(1024));
+    let uri = format!(
+        "nbds+unix:///?socket=/nonexistent.sock&tls-certificates={}",
+        creds.client().display()
+    );
+    let dev = Device::new_uninit(PAGE).unwrap();
+    let e = dev.attr_store("backing_dev", &uri).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    let key = creds.client().join("client-key.pem");
+    assert!(
+        e.to_string()
+            .contains(&format!("{}: an RSA key of 1024 bits", key.display())),
+        "{e}"
+    );
+    assert_eq!(dev.attr_show("backing_dev").unwrap(), "none\n");
+}

@@ -8,10 +8,11 @@ use std::path::Path;
 use std::process::Command;
 use uzram_nbd_proto::*;
 use uzram_testkit::nbd::RawClient;
+use uzram_testkit::nbd_servers::NbdServer;
 use uzram_testkit::pages::pattern;
 use uzram_testkit::process::{require, run};
 use uzram_testkit::serve::{Running, Serve};
-use uzram_testkit::tls::{make_creds, Creds};
+use uzram_testkit::tls::{make_creds, make_creds_with, Creds, KeyKind};
 
 /// `uzram serve` of a 64 MiB device on a unix socket and TCP with TLS `tls` and the server's
 /// certificate (and the CA to verify clients with, if `client_ca`).
@@ -187,4 +188,82 @@ fn tls_needs_its_files_and_tcp() {
         .refused()
         .stderr;
     assert!(e.contains("bogus.pem"), "{e}");
+}
+
+/// The server keys people have, as nbdkit serves with them: RSA of 2048, 2304 (PKCS#1),
+/// 2432, 2560, 3072 and 4096 bits, ECDSA on P-256 and P-384, Ed25519 (made by openssl). For
+/// each, nbdkit serves it (the anchor: nbdinfo reaches it) and so must uzram: nbdinfo over
+/// `nbds://`, and qemu-img through its own TLS stack for the odd RSA sizes.
+#[test]
+fn server_keys_of_the_sizes_and_kinds_nbdkit_takes() {
+    require("nbdinfo");
+    require("qemu-img");
+    require("nbdkit");
+    for kind in [
+        KeyKind::Rsa(2048),
+        KeyKind::RsaPkcs1(2304),
+        KeyKind::Rsa(2432),
+        KeyKind::Rsa(2560),
+        KeyKind::Rsa(3072),
+        KeyKind::Rsa(4096),
+        KeyKind::Ec("prime256v1"),
+        KeyKind::Ec("secp384r1"),
+        KeyKind::Ed25519,
+    ] {
+        let creds = make_creds_with(kind);
+        let certs = format!("--tls-certificates={}", creds.server().display());
+        let (nbdkit, port) = NbdServer::nbdkit_tcp(&["--tls=require", &certs, "memory", "1M"]);
+        let uri = format!(
+            "nbds://127.0.0.1:{port}/?tls-certificates={}",
+            creds.anonymous().display()
+        );
+        run(Command::new("nbdinfo").arg(&uri));
+        drop(nbdkit);
+
+        let r = serve(&creds, "require", false);
+        let port = r.tcp_port();
+        let out = run(Command::new("nbdinfo").args(["--json", &nbds(port, &creds.anonymous())]));
+        let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(info["exports"][0]["export-size"], 64u64 << 20, "{kind:?}");
+        if matches!(kind, KeyKind::RsaPkcs1(_) | KeyKind::Rsa(2432 | 2560)) {
+            run(&mut qemu_img_tls(&["info"], port, &creds.anonymous(), &[]));
+        }
+    }
+}
+
+/// A key the TLS library cannot sign with (RSA of 1024 bits, ECDSA on secp256k1) or that is
+/// not the certificate's: `uzram serve` refuses to start, naming the key file and the reason.
+#[test]
+fn unusable_server_keys_are_refused_by_name() {
+    let refused = |creds: &Creds, key: &Path| {
+        let cert = creds.server().join("server-cert.pem");
+        Serve::args(&[
+            "--disksize",
+            "1M",
+            "--tls=require",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg(&["--tls-cert", cert.to_str().unwrap()])
+        .arg(&["--tls-key", key.to_str().unwrap()])
+        .arg(&["--socket", "{dir}/s.sock"])
+        .refused()
+        .stderr
+    };
+    for (kind, what) in [
+        (KeyKind::RsaPkcs1(1024), "an RSA key of 1024 bits"),
+        (KeyKind::Ec("secp256k1"), "an EC key on secp256k1"),
+    ] {
+        let creds = make_creds_with(kind);
+        let key = creds.server().join("server-key.pem");
+        let e = refused(&creds, &key);
+        assert!(
+            e.contains(&format!("{}: {what}", key.display())),
+            "{kind:?}: {e}"
+        );
+        assert!(e.contains("RSA of 2048 to 8192 bits"), "{e}");
+    }
+    let (a, b) = (make_creds(), make_creds());
+    let e = refused(&a, &b.server().join("server-key.pem"));
+    assert!(e.contains("not the key of the certificate"), "{e}");
 }

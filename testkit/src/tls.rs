@@ -37,17 +37,53 @@ fn openssl(dir: &Path, args: &[&str]) {
     assert!(out.status.success(), "openssl {args:?}: {out:?}");
 }
 
-/// New credentials in a temporary directory.
+/// The kind of the server's and the client's keys (the CA's is always ECDSA on P-256).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// ECDSA on the named curve (openssl's name: `prime256v1`, `secp384r1`, `secp256k1`...),
+    /// PKCS#8.
+    Ec(&'static str),
+    /// RSA of so many bits, PKCS#8 (openssl's default).
+    Rsa(u32),
+    /// RSA of so many bits, PKCS#1 (`BEGIN RSA PRIVATE KEY`, as certtool and older openssl
+    /// write it).
+    RsaPkcs1(u32),
+    /// Ed25519.
+    Ed25519,
+}
+
+impl KeyKind {
+    /// `openssl req`'s arguments making a new key of this kind.
+    fn newkey(self) -> Vec<String> {
+        let v: Vec<String> = match self {
+            KeyKind::Ec(curve) => vec![
+                "-newkey".into(),
+                "ec".into(),
+                "-pkeyopt".into(),
+                format!("ec_paramgen_curve:{curve}"),
+            ],
+            KeyKind::Rsa(bits) | KeyKind::RsaPkcs1(bits) => {
+                vec!["-newkey".into(), format!("rsa:{bits}")]
+            }
+            KeyKind::Ed25519 => vec!["-newkey".into(), "ed25519".into()],
+        };
+        [v, vec!["-nodes".into()]].concat()
+    }
+}
+
+/// New credentials in a temporary directory, with ECDSA P-256 keys.
 pub fn make_creds() -> Creds {
+    make_creds_with(KeyKind::Ec("prime256v1"))
+}
+
+/// New credentials in a temporary directory, the server's and the client's keys of `kind`.
+pub fn make_creds_with(kind: KeyKind) -> Creds {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-    ];
+    let ec = KeyKind::Ec("prime256v1").newkey();
+    let ec: Vec<&str> = ec.iter().map(String::as_str).collect();
+    let leaf = kind.newkey();
+    let leaf: Vec<&str> = leaf.iter().map(String::as_str).collect();
     openssl(
         d,
         &[
@@ -79,7 +115,7 @@ pub fn make_creds() -> Creds {
             d,
             &[
                 &["req"][..],
-                &ec,
+                &leaf,
                 &[
                     "-keyout",
                     &format!("{who}-key.pem"),
@@ -91,6 +127,12 @@ pub fn make_creds() -> Creds {
             ]
             .concat(),
         );
+        if let KeyKind::RsaPkcs1(_) = kind {
+            let key = format!("{who}-key.pem");
+            let pkcs8 = format!("{who}-key.pkcs8.pem");
+            std::fs::rename(d.join(&key), d.join(&pkcs8)).unwrap();
+            openssl(d, &["pkey", "-in", &pkcs8, "-out", &key, "-traditional"]);
+        }
         openssl(
             d,
             &[

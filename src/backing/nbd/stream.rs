@@ -279,7 +279,7 @@ impl Stream {
 /// for client certificates, `client-cert.pem` and `client-key.pem`. `EINVAL` naming the file
 /// that is missing or wrong.
 pub(super) fn client_config(dir: &Path) -> Result<Arc<ClientConfig>> {
-    use uzram_nbd_proto::tls::{load_certs, load_private_key, load_roots, provider};
+    use uzram_nbd_proto::tls::{load_certified_key, load_roots, provider};
     let invalid = |e: uzram_nbd_proto::tls::CredentialError| Error::invalid(e.to_string());
     let roots = load_roots(&dir.join("ca-cert.pem")).map_err(invalid)?;
     let builder = ClientConfig::builder_with_provider(provider())
@@ -288,11 +288,8 @@ pub(super) fn client_config(dir: &Path) -> Result<Arc<ClientConfig>> {
         .with_root_certificates(roots);
     let (cert, key) = (dir.join("client-cert.pem"), dir.join("client-key.pem"));
     let config = if cert.exists() {
-        let chain = load_certs(&cert).map_err(invalid)?;
-        let key = load_private_key(&key).map_err(invalid)?;
-        builder
-            .with_client_auth_cert(chain, key)
-            .map_err(|e| Error::invalid(format!("{}: {e}", cert.display())))?
+        let certified = load_certified_key(&cert, &key).map_err(invalid)?;
+        builder.with_client_cert_resolver(Arc::new(rustls::sign::SingleCertAndKey::from(certified)))
     } else {
         builder.with_no_client_auth()
     };

@@ -1,4 +1,4 @@
-//! NBD over TLS: `NBD_OPT_STARTTLS` with x509 certificates (rustls, ring provider).
+//! NBD over TLS: `NBD_OPT_STARTTLS` with x509 certificates (rustls, aws-lc-rs provider).
 //!
 //! The server offers TLS on TCP listeners only (a unix socket is reachable by its owner alone,
 //! mode 0600, so TLS adds nothing there). [`TlsMode::On`] lets a client choose;
@@ -7,14 +7,16 @@
 //! "FORCEDTLS" mode. With a client CA, clients must present a certificate it signed.
 //!
 //! Certificates are PEM files: the server's certificate chain and private key (PKCS#8, PKCS#1
-//! or SEC1), and optionally the CA that signs client certificates. The file names of qemu's
+//! or SEC1; the kinds and sizes of [`uzram_nbd_proto::tls::USABLE_KEYS`], refused at load
+//! otherwise with the key file and the reason), and optionally the CA that signs client
+//! certificates. The file names of qemu's
 //! `tls-creds-x509` directories (`server-cert.pem`, `server-key.pem`, `ca-cert.pem`) work as
 //! they are.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use uzram::error::{Error, Result};
-use uzram_nbd_proto::tls::{load_certs, load_private_key, load_roots, provider, CredentialError};
+use uzram_nbd_proto::tls::{load_certified_key, load_roots, provider, CredentialError};
 
 fn invalid(e: CredentialError) -> Error {
     Error::invalid(e.to_string())
@@ -78,8 +80,7 @@ impl Tls {
         if mode == TlsMode::Off {
             return Err(Error::invalid("TLS is off"));
         }
-        let chain = load_certs(&files.cert).map_err(invalid)?;
-        let key = load_private_key(&files.key).map_err(invalid)?;
+        let certified = load_certified_key(&files.cert, &files.key).map_err(invalid)?;
         let builder = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| Error::invalid(format!("TLS: {e}")))?;
@@ -96,9 +97,8 @@ impl Tls {
                 builder.with_client_cert_verifier(verifier)
             }
         };
-        let config = builder
-            .with_single_cert(chain, key)
-            .map_err(|e| Error::invalid(format!("{}: {e}", files.cert.display())))?;
+        let config =
+            builder.with_cert_resolver(Arc::new(rustls::sign::SingleCertAndKey::from(certified)));
         Ok(Tls {
             mode,
             config: Arc::new(config),
