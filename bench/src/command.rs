@@ -29,6 +29,9 @@ enum BenchCommand {
     Free(FreeArgs),
     /// The NBD server with fio, against nbdkit's memory plugin and the kernel's zram.
     Nbd(NbdArgs),
+    /// Copying a sparse device with nbdcopy, with and without block status, against nbdkit's
+    /// memory plugin holding the same data.
+    SparseCopy(SparseCopyArgs),
     /// Recompression: lz4 -> zstd, then zstd with a dictionary trained from the device, and
     /// reads of recompressed pages against raw decompression.
     Recompress(RecompressArgs),
@@ -349,6 +352,31 @@ struct NbdArgs {
 }
 
 #[derive(Debug, Args)]
+struct SparseCopyArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// The device's size (K, M, G suffixes).
+    #[arg(long, default_value = "4G")]
+    size: String,
+    /// Data it holds: real pages, not same-filled (K, M, G suffixes).
+    #[arg(long, default_value = "400M")]
+    data: String,
+    /// Bytes per run of data; runs are spread evenly, holes between (K, M suffixes).
+    #[arg(long, default_value = "1M")]
+    run: String,
+    /// Copies per mode and server; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Where to write the JSON (default: bench/results/sparse-copy-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
 struct StoreArgs {
     /// Page corpus (from `uzram corpus`); built with default settings if missing.
     #[arg(long, default_value = DEFAULT_CORPUS)]
@@ -425,6 +453,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = crate::store::run(&corpus, &opts)?;
             write_results(a.json.as_deref(), "store", &doc, a.plot.as_deref())
+        }
+        BenchCommand::SparseCopy(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let size = |s: &str| uzram::units::parse_size_bytes(s);
+            let opts = crate::sparse_copy::SparseCopyOptions {
+                size_bytes: size(&a.size)?,
+                data_bytes: size(&a.data)?,
+                run_bytes: size(&a.run)?,
+                repeats: a.repeats,
+            };
+            let doc = crate::sparse_copy::run(&corpus, &opts)?;
+            write_results(a.json.as_deref(), "sparse-copy", &doc, a.plot.as_deref())
         }
         BenchCommand::Free(a) => {
             let corpus = load_or_build_corpus(&a.corpus)?;

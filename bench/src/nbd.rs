@@ -219,8 +219,8 @@ enum Guard {
     Kernel(KernelZram),
 }
 
-/// nbdkit's memory plugin on a unix socket, killed when dropped.
-struct Nbdkit {
+/// nbdkit on a unix socket, killed when dropped.
+pub(crate) struct Nbdkit {
     child: Child,
 }
 
@@ -232,14 +232,23 @@ impl Drop for Nbdkit {
 }
 
 fn start_nbdkit(socket: &Path, size_bytes: u64, allocator: &str) -> Result<Nbdkit> {
+    start_nbdkit_with(
+        socket,
+        &[
+            "memory".to_string(),
+            format!("size={size_bytes}"),
+            format!("allocator={allocator}"),
+        ],
+    )
+}
+
+/// `nbdkit ARGS` (filters, the plugin and its parameters) on the unix socket `socket`, in the
+/// foreground, exiting with this process; returns once the socket exists.
+pub(crate) fn start_nbdkit_with(socket: &Path, args: &[String]) -> Result<Nbdkit> {
     let child = Command::new("nbdkit")
         .args(["--foreground", "--exit-with-parent", "-U"])
         .arg(socket)
-        .args([
-            "memory",
-            &format!("size={size_bytes}"),
-            &format!("allocator={allocator}"),
-        ])
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -277,7 +286,7 @@ pub(crate) fn program_version(program: &str, arg: &str) -> String {
         .unwrap_or_else(|| "not installed".into())
 }
 
-fn have(program: &str) -> bool {
+pub(crate) fn have(program: &str) -> bool {
     Command::new(program)
         .arg("--version")
         .stdout(Stdio::null())

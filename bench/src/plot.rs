@@ -331,6 +331,36 @@ pub fn chart_for(doc: &Value) -> Result<Chart> {
                     .collect(),
             )
         }
+        "sparse-copy" => (
+            format!(
+                "uzram bench sparse-copy: nbdcopy of {} MiB holding {} MiB, vs nbdkit memory",
+                num(doc, "/options/size_bytes").map_or(0.0, mib),
+                num(doc, "/options/data_bytes").map_or(0.0, mib)
+            ),
+            "seconds (lower is better)",
+            vec![
+                bar(
+                    "uzram: block status",
+                    num(doc, "/uzram_median_s_block_status"),
+                    false,
+                ),
+                bar(
+                    "nbdkit: block status",
+                    num(doc, "/nbdkit_median_s_block_status"),
+                    true,
+                ),
+                bar(
+                    "uzram: --no-extents",
+                    num(doc, "/uzram_median_s_no_extents"),
+                    false,
+                ),
+                bar(
+                    "nbdkit: --no-extents",
+                    num(doc, "/nbdkit_median_s_no_extents"),
+                    true,
+                ),
+            ],
+        ),
         other => bail!("no plot for benchmark {other:?}"),
     };
     let bars: Vec<Bar> = bars.into_iter().flatten().collect();
@@ -484,6 +514,10 @@ mod tests {
             json!({"benchmark": "vhost", "points": [
                 {"target": "uzram", "rw": "randread", "depth": 1, "queues": 1, "iops": 60000.0},
                 {"target": "qsd-tmpfs", "rw": "randread", "depth": 1, "queues": 1, "iops": 40000.0}]}),
+            json!({"benchmark": "sparse-copy",
+                   "options": {"size_bytes": 4u64 << 30, "data_bytes": 400u64 << 20},
+                   "uzram_median_s_block_status": 0.7, "nbdkit_median_s_block_status": 0.6,
+                   "uzram_median_s_no_extents": 2.1, "nbdkit_median_s_no_extents": 1.5}),
             json!({"bench": "vm", "points": [
                 {"rw": "randread", "iodepth": 1,
                  "iops": {"vhost-user": 9000.0, "nbd": 3000.0, "guest-zram": 12000.0}},
