@@ -13,8 +13,11 @@
 //!   server having locked its memory): one zsmalloc frame allocator for every pool of the
 //!   server (`zsmalloc::page_alloc`, "The reserve"), refilled by one thread
 //!   (`uzram-zs-reserve`) off the request path between watermarks that follow the write rate;
-//! - a write that needs a new zspage when the reserve has no frame for it faults one in
-//!   itself, which may wait for memory; that is counted ([`SwapReserveStats::misses`]).
+//! - a write that needs a new zspage when the reserve has no frame for it waits for the
+//!   refiller a tenth of a second at most, then fails with `ENOMEM` (as zram's write fails when
+//!   zsmalloc gets no page; the kernel keeps the page); that is counted
+//!   ([`SwapReserveStats::misses`]). The refiller is the one thread of the server that is not
+//!   an I/O flusher: its reclaim swaps out and may call the OOM killer, as a process's does.
 //!
 //! The reserve is one per server, not one per device: its size (`--swap-reserve`) bounds the
 //! memory held ahead of need whatever the number of devices.
@@ -75,6 +78,15 @@ impl SwapReserve {
     /// What the reserve holds and has done now.
     pub fn stats(&self) -> SwapReserveStats {
         self.frames.swap_stats()
+    }
+
+    /// `hook` is called when the reserve is starved: a write failed because it was empty, and
+    /// it has gained no frame for ten seconds (memory has run out, and the refiller, whose
+    /// reclaim waits for swap-outs that need the reserve, cannot get any); at most every ten
+    /// seconds, on the failing writer's thread. The server asks the kernel's OOM killer to act
+    /// (`uzram_service::frontend::swap`).
+    pub fn on_starved(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        self.frames.on_starved(hook);
     }
 
     /// The frame allocator every pool serving swap takes its zspages from.

@@ -373,6 +373,20 @@ fn swap_locks_memory_and_marks_an_io_flusher_as_root() {
         assert!(log.contains("NOT marked an I/O flusher"), "{log}");
         assert!(log.contains("(needs CAP_SYS_RESOURCE)"), "{log}");
     }
+    // /proc/sysrq-trigger is root's, but a container may mount /proc read-only: the log says
+    // whether the server can ask the OOM killer to act.
+    let sysrq = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/sysrq-trigger")
+        .is_ok();
+    if sysrq {
+        assert!(
+            log.contains("the kernel's OOM killer is asked to act (sysrq f)"),
+            "{log}"
+        );
+    } else {
+        assert!(log.contains("cannot open /proc/sysrq-trigger"), "{log}");
+    }
     assert!(vm_lck_kib(r.child.id()) > 0, "nothing locked");
     // The preallocated buffers are used: a connection's requests are served and read back.
     run(Command::new("qemu-io").args([
@@ -430,6 +444,7 @@ fn swap_without_privileges_says_what_it_could_not_do_and_serves() {
         "{log}"
     );
     assert!(log.contains("NOT marked an I/O flusher"), "{log}");
+    assert!(log.contains("cannot open /proc/sysrq-trigger"), "{log}");
     assert_eq!(vm_lck_kib(r.child.id()), 0);
     run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x44 0 64k", &r.uri("zram0")]));
     r.stop();

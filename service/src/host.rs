@@ -158,6 +158,21 @@ impl Host {
                 let bytes = usize::try_from(bytes).context("swap_reserve too large")?;
                 let reserve = uzram::memory::SwapReserve::new(bytes)
                     .context("faulting in the swap reserve")?;
+                match crate::frontend::swap::oom_trigger() {
+                    Some(hook) => {
+                        reserve.on_starved(hook);
+                        report.push(
+                            "when the swap reserve stays empty (memory run out), the kernel's \
+                             OOM killer is asked to act (sysrq f)"
+                                .into(),
+                        );
+                    }
+                    None => report.push(
+                        "cannot open /proc/sysrq-trigger: when memory runs out, swap on this \
+                         server may stall instead of the OOM killer acting"
+                            .into(),
+                    ),
+                }
                 report.push(format!(
                     "a swap reserve of {} MiB for every device, faulted in and refilled off the \
                      request path (--swap-reserve)",
@@ -221,10 +236,7 @@ impl Host {
             Server::start(exports, &listen, server_config).context("starting the NBD server")?,
         );
         // The frontends every device of the server gets (a device added by hot_add too).
-        let ublk_config = UblkConfig {
-            swap: cfg.swap,
-            ..UblkConfig::default()
-        };
+        let ublk_config = UblkConfig::new(cfg.swap);
         let vhost_config = VhostUserConfig {
             swap: cfg.swap,
             ..VhostUserConfig::default()

@@ -166,7 +166,7 @@ pub struct MetaStats {
     pub swap_reserve_bytes: u64,
     /// Serving swap: the swap reserve's size (`--swap-reserve`).
     pub swap_reserve_size_bytes: u64,
-    /// Serving swap: writes that failed at once because the swap reserve was empty (of every
-    /// device of the server), ever.
+    /// Serving swap: new zspages (of every device of the server) the swap reserve had no frame
+    /// for at once, ever; each writer waited for the refiller and failed if none came.
     pub swap_reserve_misses: u64,
 }

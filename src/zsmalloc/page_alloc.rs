@@ -39,22 +39,25 @@
 //!   spawned on demand and exits after [`REFILLER_IDLE`] without work (a device that stopped
 //!   growing keeps no thread), and compaction's [`FrameAllocator::trim`] empties the reserve.
 //! - **Swap** (`uzram serve --swap`, [`FrameAllocator::set_reserve`]): a server backing swap
-//!   stores the pages the kernel writes out to free memory, so it should not wait for memory
-//!   itself: its page faults would enter direct reclaim, which (the server being an I/O
+//!   stores the pages the kernel writes out to free memory, so a request must not wait for
+//!   memory: its page faults would enter direct reclaim, which (the server being an I/O
 //!   flusher, `PF_MEMALLOC_NOIO`) cannot swap anything out, and wait for the very writes it is
 //!   serving (seen in a VM: both queue threads looping in `try_to_free_pages` under
 //!   `madvise(MADV_POPULATE_WRITE)` of a new zspage, kswapd and the memory hog waiting in
 //!   `mempool_alloc` for swap bios that never completed). So one allocator serves every pool
 //!   of the server (`crate::memory::SwapReserve`), with a reserve of `--swap-reserve` worth of
 //!   pages, faulted in before the pools serve, never trimmed; a zspage takes a frame of its
-//!   page count, else a *larger* one (the extra pages are dropped: that needs no memory), and
-//!   only when the reserve has none faults a fresh frame in itself (counted: the one case where
-//!   a request may wait for memory). Frames released by emptied zspages go back to the reserve
-//!   first. The refiller (one thread for the server, never exits) keeps the reserve between
-//!   watermarks that follow the write rate ([`SwapMarks`]); it may wait in reclaim, which
-//!   makes progress as the swap-outs it serves meanwhile complete. Pages are faulted in by
-//!   touching them, not by `MADV_POPULATE_WRITE` (which holds the mmap lock a request thread's
-//!   `mmap` then waits for).
+//!   page count, else a *larger* one (the extra pages are dropped: that needs no memory).
+//!   When the reserve has none, the writer wakes the refiller and waits for it at most
+//!   [`SWAP_MISS_WAIT`], then fails (`ENOMEM`, as zram's write when zsmalloc gets no page: the
+//!   kernel keeps the page); counted. Frames released by emptied zspages go back to the
+//!   reserve first. The refiller (one thread for the server, never exits) keeps the reserve
+//!   between watermarks that follow the write rate ([`SwapMarks`]). It is the one thread that
+//!   waits for memory, and the one that is not an I/O flusher ([`leave_io_flusher`]): its
+//!   reclaim swaps pages out like any process's (to the queue threads, which store them from
+//!   the reserve) and, when nothing is left to reclaim, calls the OOM killer. Pages are faulted
+//!   in by touching them, not by `MADV_POPULATE_WRITE` (which holds the mmap lock a request
+//!   thread's `mmap` then waits for).
 //!
 //! # Locked memory
 //!
@@ -226,10 +229,21 @@ struct FrameState {
     reserve_epoch: u64,
     /// The refiller must exit ([`FrameAllocator::stop_refiller`]).
     refill_stop: bool,
+    /// Tests: the swap refiller keeps running but adds nothing (a refiller stuck in reclaim).
+    refill_paused: bool,
     /// A refiller thread is running (or being spawned). It clears this itself, under this
     /// mutex, when it exits after [`REFILLER_IDLE`] without work, so a writer that finds it
     /// false spawns a new one and no wake-up is lost.
     refiller_running: bool,
+}
+
+/// The hook of [`FrameAllocator::on_starved`].
+struct StarvedHook(Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for StarvedHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StarvedHook")
+    }
 }
 
 /// Hands out frames of `frame_pages` pages (at least `MAX_PAGES_PER_ZSPAGE`); see the module
@@ -264,6 +278,12 @@ pub(crate) struct FrameAllocator {
     reserve_enabled: bool,
     /// Signals the refiller (with `state`): a reserve list fell below half its target, or stop.
     refill_cond: Condvar,
+    /// Serving swap: signals writers waiting for a frame of the reserve (with `state`): the
+    /// refiller added one, or stops.
+    reserve_cond: Condvar,
+    /// Serving swap: called by a writer whose allocation failed when the reserve has gained no
+    /// frame for [`SWAP_STARVED`] (at most once per that time).
+    starved: std::sync::OnceLock<StarvedHook>,
     /// The last refiller thread spawned, joined by `stop_refiller` (or by the next spawn).
     refiller: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -310,15 +330,16 @@ const SWAP_TICK: std::time::Duration = std::time::Duration::from_millis(100);
 /// - per page count `k`, `reserve_target[k]` frames: a quarter of `high_pages` shared evenly
 ///   by the page counts in use, the rest in proportion to what each was asked for lately.
 ///
-/// Nothing waits for the reserve: an allocation it cannot serve faults a frame in itself
-/// (counted in `misses`), as every allocation did before there was a reserve.
+/// An allocation the reserve cannot serve waits for the refiller at most [`SWAP_MISS_WAIT`],
+/// then fails (counted in `misses`); it never faults a frame in itself.
 #[derive(Debug)]
 struct SwapMarks {
     high_pages: usize,
     low_pages: usize,
     /// Pages taken from the reserve, ever.
     taken_pages: u64,
-    /// Allocations the reserve had no frame for (faulted in by the writer), ever.
+    /// Allocations the reserve had no frame for at once (each waited for the refiller, at
+    /// most [`SWAP_MISS_WAIT`], then failed: zram's `failed_writes`), ever.
     misses: u64,
     /// Pages asked for by page count since the last tick (taken or refused).
     asked_pages: Vec<u64>,
@@ -328,7 +349,24 @@ struct SwapMarks {
     in_use: Vec<bool>,
     /// A writer asked the refiller to run (cleared by the refiller when it starts filling).
     kicked: bool,
+    /// When the reserve last gained a frame (refilled or released into it).
+    added_at: std::time::Instant,
+    /// When a writer last called the starved hook ([`FrameAllocator::on_starved`]).
+    starved_at: Option<std::time::Instant>,
 }
+
+/// Serving swap, the longest a writer waits for the refiller when the reserve has no frame
+/// for it, before its write fails (`ENOMEM`): long enough for a refiller that is merely late
+/// (woken at the low mark, faulting pages in); short, because when memory has run out the
+/// refiller's own reclaim waits for swap-outs, hence for this writer (seen in the VM: at 1 s
+/// the queue served one request a second, the refiller and kswapd waiting for bios that only
+/// its completions free, the hog stopped); failing instead completes the request, and the
+/// refiller's reclaim, making no progress, ends in the OOM killer as the kernel's zram does.
+const SWAP_MISS_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Serving swap: a reserve that has gained no frame for this long while writers fail is
+/// starved (see [`FrameAllocator::on_starved`]).
+const SWAP_STARVED: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The low mark is this many ticks of the last tick's consumption (see [`SwapMarks`]).
 const SWAP_LOW_TICKS: usize = 4;
@@ -344,6 +382,8 @@ impl SwapMarks {
             demand_pages: vec![0; frame_pages + 1],
             in_use: vec![false; frame_pages + 1],
             kicked: false,
+            added_at: std::time::Instant::now(),
+            starved_at: None,
         }
     }
 }
@@ -359,9 +399,26 @@ pub struct SwapReserveStats {
     pub low_pages: u64,
     /// Pages taken from the reserve, ever.
     pub taken_pages: u64,
-    /// Allocations the reserve had no frame for, ever: each faulted a new zspage in on the
-    /// request path (which may wait for memory).
+    /// Allocations the reserve had no frame for at once, ever: each waited for the refiller
+    /// (at most a tenth of a second), and failed (`ENOMEM`) if it brought none.
     pub misses: u64,
+}
+
+/// `PR_SET_IO_FLUSHER` from `include/uapi/linux/prctl.h` (the libc crate has it only for
+/// Android).
+const PR_SET_IO_FLUSHER: libc::c_int = 57;
+
+/// Clears the calling thread's I/O-flusher mark (`PF_MEMALLOC_NOIO`), which a server backing
+/// swap sets before it starts its threads, so they inherit it. The swap refiller is the one
+/// thread that should not have it: its page faults then reclaim as any process's do, swapping
+/// pages out (to the queue threads, which store them from the reserve, never from this thread)
+/// and calling the OOM killer when nothing is left to reclaim, where with the mark they could
+/// only drop clean pages and retry forever (the kernel does not OOM-kill for an allocation
+/// without `__GFP_FS`). Without `CAP_SYS_RESOURCE` (or the mark) this changes nothing.
+fn leave_io_flusher() {
+    // SAFETY: prctl with PR_SET_IO_FLUSHER takes integer arguments only; it changes the
+    // calling thread's flags.
+    unsafe { libc::prctl(PR_SET_IO_FLUSHER, 0 as libc::c_ulong, 0, 0, 0) };
 }
 
 /// Frames `reserve[k]` holds when full, for speed ([`FRAME_RESERVE_PAGES`]).
@@ -472,6 +529,7 @@ impl FrameAllocator {
                 refill_wanted: 0,
                 reserve_epoch: 0,
                 refill_stop: false,
+                refill_paused: false,
                 refiller_running: false,
             }),
             populate: AtomicBool::new(true),
@@ -481,6 +539,8 @@ impl FrameAllocator {
             drop_batch_pages: 1,
             reserve_enabled: false,
             refill_cond: Condvar::new(),
+            reserve_cond: Condvar::new(),
+            starved: std::sync::OnceLock::new(),
             refiller: Mutex::new(None),
         }
     }
@@ -591,9 +651,10 @@ impl FrameAllocator {
     /// cache (resident, holding stale bytes of freed objects); one from the reserve (faulted in
     /// by the refiller; serving swap, a larger one if none of this count is left), waking the
     /// refiller when a list reaches its low mark; else a fresh frame faulted in here
-    /// ([`populate`](Self::populate)). Serving swap that last case is counted
-    /// ([`SwapReserveStats::misses`]): it is a page fault on a request path, which may wait
-    /// for memory.
+    /// ([`populate`](Self::populate)). Serving swap, not that last: the writer waits for the
+    /// refiller at most [`SWAP_MISS_WAIT`], then fails with `ENOMEM` (counted,
+    /// [`SwapReserveStats::misses`]); only once the refiller has stopped does it fault a frame
+    /// in.
     pub(crate) fn alloc_populated(self: &Arc<Self>, pages: usize) -> Result<Frame> {
         let mut wake = Wake::No;
         let mut taken = None;
@@ -614,14 +675,47 @@ impl FrameAllocator {
                     st.swap.kicked = true;
                     self.refill_cond.notify_one();
                 }
-                match have {
-                    Some(have) => {
-                        let frame = st.reserve[have].pop().expect("found non-empty");
-                        st.reserve_pages -= have;
-                        st.swap.taken_pages += have as u64;
-                        taken = Some((frame, have));
+                let mut have = have;
+                if have.is_none() {
+                    st.swap.misses += 1;
+                    // Wait for the refiller (woken above), at most SWAP_MISS_WAIT: it reclaims
+                    // as any process does, which a writer must not (module docs, "The
+                    // reserve"). Still none: the write fails, as zram's when zsmalloc gets no
+                    // page, and the kernel keeps the page. Not if the refiller stopped: then
+                    // nobody refills, and the writer faults a frame in itself.
+                    let deadline = std::time::Instant::now() + SWAP_MISS_WAIT;
+                    while have.is_none() && !st.refill_stop {
+                        let out = self.reserve_cond.wait_until(&mut st, deadline);
+                        have = (pages..=self.frame_pages).find(|&k| !st.reserve[k].is_empty());
+                        if out.timed_out() {
+                            break;
+                        }
                     }
-                    None => st.swap.misses += 1,
+                    if have.is_none() && !st.refill_stop {
+                        let now = std::time::Instant::now();
+                        let starved = now.duration_since(st.swap.added_at) >= SWAP_STARVED
+                            && !st
+                                .swap
+                                .starved_at
+                                .is_some_and(|t| now.duration_since(t) < SWAP_STARVED);
+                        if starved {
+                            st.swap.starved_at = Some(now);
+                        }
+                        drop(st);
+                        if let Some(hook) = self.starved.get().filter(|_| starved) {
+                            (hook.0)();
+                        }
+                        return Err(Error::no_memory(
+                            "zsmalloc: the swap reserve is empty and was not refilled in time"
+                                .to_string(),
+                        ));
+                    }
+                }
+                if let Some(have) = have {
+                    let frame = st.reserve[have].pop().expect("found non-empty");
+                    st.reserve_pages -= have;
+                    st.swap.taken_pages += have as u64;
+                    taken = Some((frame, have));
                 }
             } else if self.reserve_enabled {
                 // Lists without a target (0) are never refilled (`want_refill`).
@@ -829,6 +923,14 @@ impl FrameAllocator {
         Self::swap_retarget(st);
     }
 
+    /// Serving swap: `hook` is called (on a writer's thread, no lock held) when a write fails
+    /// because the reserve is empty and has gained no frame for [`SWAP_STARVED`], at most once
+    /// per that time: memory has run out and the refiller cannot get any. Only the first hook
+    /// set is kept.
+    pub(crate) fn on_starved(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.starved.set(StarvedHook(hook));
+    }
+
     /// What the swap reserve holds and has done.
     pub(crate) fn swap_stats(&self) -> SwapReserveStats {
         let st = self.state.lock();
@@ -848,6 +950,7 @@ impl FrameAllocator {
     ///
     /// [`swap_tick`]: Self::swap_tick
     fn swap_refill_loop(&self) {
+        leave_io_flusher();
         let mut st = self.state.lock();
         let mut tick = std::time::Instant::now();
         let mut taken_at_tick = st.swap.taken_pages;
@@ -867,7 +970,7 @@ impl FrameAllocator {
                 st.swap.kicked = false;
                 filling = true;
             }
-            let k = if filling {
+            let k = if filling && !st.refill_paused {
                 Self::swap_deficit(&st)
             } else {
                 None
@@ -888,6 +991,8 @@ impl FrameAllocator {
                 Ok(frame) => {
                     st.reserve[k].push(frame);
                     st.reserve_pages += k;
+                    st.swap.added_at = std::time::Instant::now();
+                    self.reserve_cond.notify_all();
                 }
                 // No address space: try again at the next tick rather than spin.
                 Err(_) => {
@@ -1002,6 +1107,7 @@ impl FrameAllocator {
     pub(crate) fn stop_refiller(&self) {
         self.state.lock().refill_stop = true;
         self.refill_cond.notify_all();
+        self.reserve_cond.notify_all();
         if let Some(t) = self.refiller.lock().take() {
             let _ = t.join();
         }
@@ -1020,6 +1126,7 @@ impl FrameAllocator {
             if st.reserve_resident && st.reserve[pages].len() < st.reserve_target[pages] {
                 st.reserve[pages].push(frame);
                 st.reserve_pages += pages;
+                st.swap.added_at = std::time::Instant::now();
                 return;
             }
             if st.cached_pages + pages <= self.cache_limit_pages {
@@ -1245,6 +1352,62 @@ mod tests {
         let addr = f.addr();
         a.release(f, 1);
         assert_eq!(a.alloc().unwrap().addr(), addr);
+    }
+
+    /// Serving swap, a writer that finds the reserve empty waits for the refiller: served
+    /// when it adds a frame, failed (`ENOMEM`, nothing faulted in) when it adds none in
+    /// [`SWAP_MISS_WAIT`]; counted either way; the starved hook called once the reserve has
+    /// gained nothing for [`SWAP_STARVED`].
+    #[test]
+    fn swap_reserve_miss_waits_for_the_refiller_then_fails() {
+        let a = Arc::new(FrameAllocator::with_cache_bytes(4096, 0));
+        a.set_reserve(8, &[1]).unwrap();
+        a.state.lock().refill_paused = true;
+        let mut taken: Vec<Frame> = (0..8).map(|_| a.alloc_populated(1).unwrap()).collect();
+        assert_eq!(a.reserve_pages(), 0);
+        let resident = a.resident_bytes();
+        let t = std::time::Instant::now();
+        let e = a.alloc_populated(1).unwrap_err();
+        assert!(t.elapsed() >= SWAP_MISS_WAIT, "{:?}", t.elapsed());
+        assert!(e.to_string().contains("swap reserve is empty"), "{e}");
+        assert_eq!(
+            a.resident_bytes(),
+            resident,
+            "nothing faulted in by the writer"
+        );
+        assert_eq!(a.swap_stats().misses, 1);
+        // Starved (no frame gained for SWAP_STARVED): a failing writer calls the hook, at
+        // most once per SWAP_STARVED.
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let c = Arc::clone(&calls);
+        a.on_starved(Box::new(move || {
+            c.fetch_add(1, Ordering::Relaxed);
+        }));
+        a.state.lock().swap.added_at -= SWAP_STARVED;
+        assert!(a.alloc_populated(1).is_err());
+        assert!(a.alloc_populated(1).is_err());
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
+        assert_eq!(a.swap_stats().misses, 3);
+        // The refiller resumes while a writer waits: the writer gets its frame.
+        let waiter = {
+            let a = Arc::clone(&a);
+            std::thread::spawn(move || a.alloc_populated(1))
+        };
+        std::thread::sleep(SWAP_MISS_WAIT / 4);
+        a.state.lock().refill_paused = false;
+        a.state.lock().swap.kicked = true;
+        a.refill_cond.notify_all();
+        taken.push(
+            waiter
+                .join()
+                .unwrap()
+                .expect("served once the refiller added a frame"),
+        );
+        assert_eq!(a.swap_stats().misses, 4);
+        a.stop_refiller();
+        for f in taken {
+            a.release(f, 1);
+        }
     }
 
     #[test]

@@ -41,7 +41,8 @@
 //!    process as part of the I/O path (as it does loop and nbd's own threads): its allocations
 //!    never start I/O to reclaim memory (`PF_MEMALLOC_NOIO`) and it is not throttled for
 //!    dirty pages it does not own (`PF_LOCAL_THROTTLE`). Threads created afterwards inherit
-//!    it, which is why this runs first.
+//!    it, which is why this runs first; the swap reserve's refiller alone clears it for itself
+//!    (step 5).
 //! 4. The NBD server preallocates request buffers (8 MiB server-wide, faulted in, hence
 //!    locked, inside its request memory budget:
 //!    [`ServerConfig::for_swap`](super::nbd::ServerConfig::for_swap)) and recycles them, so the
@@ -50,12 +51,15 @@
 //! 5. The devices' memory is got ahead of need, not on a write under pressure
 //!    (`uzram::memory`): each device's slot table whole when it is initialised, and zsmalloc's
 //!    zspages from one swap reserve for the whole server (`uzram serve --swap-reserve`),
-//!    refilled by one thread off the request path; only when it is empty does a write fault a
-//!    zspage in itself (counted). Without a reserve a VM running a memory hog over swap on
-//!    `/dev/ublkb0` deadlocked at the first swap-out: both queue threads looped in direct
-//!    reclaim faulting in a new zspage (`madvise(MADV_POPULATE_WRITE)` →
-//!    `try_to_free_pages`), which as I/O flushers they could only satisfy from the swap-outs
-//!    they were serving.
+//!    refilled by one thread off the request path; when it is empty a write waits for the
+//!    refiller a tenth of a second at most, then fails (counted), and never faults memory in.
+//!    Without a reserve a VM running a memory hog over swap on `/dev/ublkb0` deadlocked at the
+//!    first swap-out: both queue threads looped in direct reclaim faulting in a new zspage
+//!    (`madvise(MADV_POPULATE_WRITE)` → `try_to_free_pages`), which as I/O flushers they could
+//!    only satisfy from the swap-outs they were serving. The refiller is not an I/O flusher:
+//!    its reclaim swaps out and, when nothing is left, calls the OOM killer (which the kernel
+//!    never calls for an allocation that may not start I/O); marked, it waited forever in the
+//!    same VM.
 //!
 //! Thread stacks keep their default size (2 MiB of address space): locked on fault, a stack
 //! costs the pages its thread has touched (8–12 KiB measured for a connection's threads under
@@ -210,6 +214,33 @@ fn lock_mappings() -> (bool, String) {
             format!("memory locked only as mapped at start: mlockall(MCL_FUTURE): {e}"),
         ),
     }
+}
+
+/// What a server backing swap does when its swap reserve is starved (`SwapReserve::on_starved`:
+/// writes failing, no frame gained for ten seconds): asks the kernel's OOM killer to act, as
+/// root may through `/proc/sysrq-trigger` (`f`: the kernel picks the process by its OOM score,
+/// never this server, whose score is -1000). Why: then memory has run out and nothing else
+/// ends it. Kernel zram's swap-out is synchronous, so reclaim keeps failing quickly and the
+/// kernel calls the OOM killer itself; a swap-out to ublk is a bio in flight, and when the
+/// server cannot store it every reclaimer (kswapd, the memory hog, the reserve's refiller)
+/// waits in `mempool_alloc` for a bio that only the server's completions free, so the kernel
+/// never gets to the OOM killer (seen in the VM: a hog stopped for minutes, PSI `full` 90%).
+/// The file is opened now, so that asking allocates nothing; `None` when it cannot be opened
+/// (not root), and then nothing is asked.
+pub fn oom_trigger() -> Option<Box<dyn Fn() + Send + Sync>> {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/sysrq-trigger")
+        .ok()?;
+    Some(Box::new(move || {
+        use std::io::Write;
+        eprintln!(
+            "uzram: --swap: writes fail for want of a frame of the swap reserve, which has \
+             gained none for 10 s: memory has run out; asking the kernel's OOM killer to act \
+             (sysrq f)"
+        );
+        let _ = (&file).write_all(b"f");
+    }))
 }
 
 /// Locks memory and marks the process an I/O flusher where permitted. Call before any thread

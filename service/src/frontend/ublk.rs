@@ -45,6 +45,26 @@ pub const DEFAULT_QUEUE_DEPTH: u16 = 128;
 /// queue holds at most `depth × 128 KiB` of buffers (16 MiB at depth 128), allocated once.
 pub const IO_BUF_BYTES: u32 = 128 << 10;
 
+/// Serving swap (`--swap`): tags per queue and each tag's buffer, 32 × 64 KiB = 2 MiB a queue,
+/// locked. Swap writes one page or a few adjacent ones and reads ahead 8 pages (32 KiB); a
+/// queue thread serves its requests one by one from memory, so a deeper queue adds no speed,
+/// and the locked buffers are memory taken from the machine exactly when it runs out (at the
+/// defaults a 512 MiB guest lost 16 MiB a queue to them).
+pub const SWAP_QUEUE_DEPTH: u16 = 32;
+/// See [`SWAP_QUEUE_DEPTH`].
+pub const SWAP_IO_BUF_BYTES: u32 = 64 << 10;
+
+/// Serving swap: turns the block layer's writeback throttling off for `/dev/ublkbN`
+/// (`queue/wbt_lat_usec` 0), as a kernel zram device (which has no request queue) never has
+/// it. Swap-outs from reclaim are background writes to it, each waiting in `wbt_wait` while
+/// the device's writes are slow; under memory pressure that held the swap reserve's refiller
+/// (whose reclaim swaps out too) behind the very writes it refills for (seen in the VM: the
+/// reserve drained, the hog stopped). Best effort: without it the device still works.
+fn no_writeback_throttling(dev_id: u32) {
+    let attr = format!("/sys/block/ublkb{dev_id}/queue/wbt_lat_usec");
+    let _ = std::fs::write(attr, "0");
+}
+
 /// The most queues by default (one per CPU up to this).
 pub const MAX_DEFAULT_QUEUES: u16 = 16;
 
@@ -58,6 +78,8 @@ pub struct UblkConfig {
     pub nr_queues: u16,
     /// Tags per queue.
     pub queue_depth: u16,
+    /// Each tag's buffer: the largest request.
+    pub io_buf_bytes: u32,
     /// Serving swap: lock the request buffers in memory (they are always preallocated).
     pub swap: bool,
 }
@@ -68,7 +90,25 @@ impl Default for UblkConfig {
         UblkConfig {
             nr_queues: cpus.clamp(1, MAX_DEFAULT_QUEUES as usize) as u16,
             queue_depth: DEFAULT_QUEUE_DEPTH,
+            io_buf_bytes: IO_BUF_BYTES,
             swap: false,
+        }
+    }
+}
+
+impl UblkConfig {
+    /// The default, or for a server backing swap: its buffers locked, and smaller
+    /// ([`SWAP_QUEUE_DEPTH`], [`SWAP_IO_BUF_BYTES`]).
+    pub fn new(swap: bool) -> UblkConfig {
+        let default = UblkConfig::default();
+        if !swap {
+            return default;
+        }
+        UblkConfig {
+            queue_depth: SWAP_QUEUE_DEPTH,
+            io_buf_bytes: SWAP_IO_BUF_BYTES,
+            swap: true,
+            ..default
         }
     }
 }
@@ -217,7 +257,7 @@ impl UblkExport {
         if cfg.swap {
             flags |= UblkFlags::UBLK_DEV_F_MLOCK_IO_BUFFER;
         }
-        let (nr_queues, depth) = (cfg.nr_queues, cfg.queue_depth);
+        let (nr_queues, depth, io_buf_bytes) = (cfg.nr_queues, cfg.queue_depth, cfg.io_buf_bytes);
         let counters = Arc::new(QueueCounters::default());
         let queue_counters = Arc::clone(&counters);
         let (tx, rx) = mpsc::channel::<Result<Arc<UblkCtrl>>>();
@@ -231,7 +271,7 @@ impl UblkExport {
                     .name("uzram")
                     .nr_queues(nr_queues)
                     .depth(depth)
-                    .io_buf_bytes(IO_BUF_BYTES)
+                    .io_buf_bytes(io_buf_bytes)
                     .dev_flags(flags)
                     .build()
                 {
@@ -274,12 +314,18 @@ impl UblkExport {
             })
             .map_err(|e| Error::io(format!("ublk: starting a thread: {e}")))?;
         match rx.recv_timeout(START_TIMEOUT) {
-            Ok(Ok(ctrl)) => Ok(UblkExport {
-                dev_id: ctrl.dev_info().dev_id,
-                ctrl,
-                counters,
-                thread: Some(thread),
-            }),
+            Ok(Ok(ctrl)) => {
+                let dev_id = ctrl.dev_info().dev_id;
+                if cfg.swap {
+                    no_writeback_throttling(dev_id);
+                }
+                Ok(UblkExport {
+                    dev_id,
+                    ctrl,
+                    counters,
+                    thread: Some(thread),
+                })
+            }
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)

@@ -134,7 +134,7 @@ pub const METRICS: &[Metric] = &[
     m("uzram_meta_deferred_queue_bytes", Gauge, "meta_stat", 4, 1, "The deferred-free queue's buffers (meta_stat deferred_queue)."),
     m("uzram_swap_reserve_bytes", Gauge, "meta_stat", 5, 1, "The server's swap reserve held now, the same for every device (meta_stat swap_reserve)."),
     m("uzram_swap_reserve_size_bytes", Gauge, "meta_stat", 6, 1, "The server's swap reserve's size, --swap-reserve (meta_stat swap_reserve_size)."),
-    m("uzram_swap_reserve_misses_total", Counter, "meta_stat", 7, 1, "Writes of any device that failed at once because the swap reserve was empty (meta_stat swap_reserve_misses)."),
+    m("uzram_swap_reserve_misses_total", Counter, "meta_stat", 7, 1, "New zspages of any device the swap reserve had no frame for at once; each writer waited for the refiller (0.1 s at most) and failed if none came (meta_stat swap_reserve_misses)."),
     // zone_stat
     m("uzram_zones_empty", Gauge, "zone_stat", 0, 1, "Zones of the zoned store with nothing in them (zone_stat empty)."),
     m("uzram_zones_open", Gauge, "zone_stat", 1, 1, "Zones being appended to (zone_stat open)."),
