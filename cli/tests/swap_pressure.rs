@@ -1,0 +1,725 @@
+//! Swap under real pressure, in a VM (Debian's 6.12 kernel under QEMU, `scripts/zoned-vm`, 512
+//! MiB, 1 vCPU): a harsh memory hog larger than the guest's RAM (3 pages in 8 random, the rest
+//! program code and text), every page verified twice, on `/dev/ublkb0` served by `uzram serve
+//! --ublk --swap` (and first, on request, on the guest kernel's own zram: the control). A
+//! watchdog in the guest prints the kernel stacks of the hog's and the server's threads
+//! (from /proc, and blocked tasks by sysrq `w` on the console) whenever the hog has made no
+//! progress for [`STUCK_S`] seconds. docs/ublk.md, "Swap on ublk", has what it found.
+//!
+//! The hog and the watchdog are this binary run again with an environment variable set
+//! ([`swap_hog_child`], [`swap_watchdog_child`]), so the OOM killer can take the hog without
+//! taking the test.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use uzram_testkit::process::{run_stdout as run, wait_timeout};
+
+const UZRAM: &str = env!("CARGO_BIN_EXE_uzram");
+const PAGE: usize = 4096;
+
+/// The guest: RAM and CPUs.
+const GUEST_RAM_MB: u32 = 512;
+const GUEST_CPUS: u32 = 1;
+
+/// Nothing moved for this long: the watchdog prints where everybody waits.
+const STUCK_S: u64 = 30;
+
+/// The hog's size, in percent of the guest's RAM (`UZRAM_HOG_PCT`, else 127).
+fn hog_pct() -> u64 {
+    env_u64("UZRAM_HOG_PCT").unwrap_or(127)
+}
+
+/// Pages in eight that are random (`UZRAM_HOG_RANDOM_EIGHTHS`, else 3).
+fn random_eighths() -> u64 {
+    env_u64("UZRAM_HOG_RANDOM_EIGHTHS").unwrap_or(3)
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+fn vmstat(name: &str) -> u64 {
+    let v = std::fs::read_to_string("/proc/vmstat").unwrap();
+    v.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn meminfo_kib(key: &str) -> u64 {
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Real-looking bytes for the hog: 2 MiB of this program's own code and data.
+fn code_sample() -> Vec<u8> {
+    let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+    let start = (exe.len() / 4).min(exe.len().saturating_sub(2 << 20));
+    exe[start..(start + (2 << 20)).min(exe.len())].to_vec()
+}
+
+/// Page `i` of the hog, version `v`: [`random_eighths`] of every eight pages random, the rest
+/// alternately a page of program code (`code`) and text lines; each stamped with its index and
+/// version in its first 16 bytes (a misplaced or stale page shows).
+fn hog_page(i: usize, v: u64, random: u64, code: &[u8], out: &mut [u8]) {
+    let mut x =
+        (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ v.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
+    let kind = (i % 8) as u64;
+    if kind < random {
+        for c in out.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+    } else if kind % 2 == 0 {
+        let pages = code.len() / PAGE;
+        let p = (i.wrapping_mul(7919) ^ v as usize) % pages;
+        out.copy_from_slice(&code[p * PAGE..(p + 1) * PAGE]);
+    } else {
+        let mut line = *b"swap page 000000000 v0 line 00\n.";
+        let digits = format!("{i:09}");
+        line[10..19].copy_from_slice(digits.as_bytes());
+        line[21] = b'0' + (v % 10) as u8;
+        for (k, c) in out.chunks_mut(32).enumerate() {
+            line[28] = b'0' + (k / 10 % 10) as u8;
+            line[29] = b'0' + (k % 10) as u8;
+            c.copy_from_slice(&line);
+        }
+    }
+    out[..8].copy_from_slice(&(i as u64).to_le_bytes());
+    out[8..16].copy_from_slice(&v.to_le_bytes());
+}
+
+/// Not a test of its own: the hog, run by [`run_hog`] as a child (`UZRAM_HOG_PAGES` set). Maps
+/// that many pages, then twice: fills them (version 1, then 2), asks the kernel to page the
+/// whole mapping out (`MADV_PAGEOUT`) and verifies every page. Counts its pages in the first 8
+/// bytes of `UZRAM_HOG_PROGRESS` (for the watchdog). Exits 0 when every page was right.
+#[test]
+fn swap_hog_child() {
+    let Some(pages) = env_u64("UZRAM_HOG_PAGES") else {
+        return;
+    };
+    let pages = pages as usize;
+    let random = random_eighths();
+    let code = code_sample();
+    let progress = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(std::env::var("UZRAM_HOG_PROGRESS").unwrap())
+        .unwrap();
+    let mut done = 0u64;
+    let tick = |done: &mut u64| {
+        *done += 1;
+        if *done % 256 == 0 {
+            let _ = progress.write_all_at(&done.to_le_bytes(), 0);
+        }
+    };
+    // SAFETY: a fresh private anonymous mapping; no address hint, no file.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            pages * PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+    // SAFETY: the mapping is `pages * PAGE` bytes, lives to the end of this process, and this
+    // slice is the only reference to it.
+    let mem = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), pages * PAGE) };
+    let mut want = vec![0u8; PAGE];
+    let mut bad_total = 0;
+    for v in 1..=2u64 {
+        let t = Instant::now();
+        for (i, page) in mem.chunks_mut(PAGE).enumerate() {
+            hog_page(i, v, random, &code, page);
+            tick(&mut done);
+        }
+        let filled = t.elapsed();
+        // In steps of 16 MiB, each counted as progress (for the watchdog).
+        for start in (0..pages).step_by(4096) {
+            let len = (pages - start).min(4096);
+            // SAFETY: the range lies inside the mapping.
+            let rc = unsafe {
+                libc::madvise(
+                    ptr.cast::<u8>().add(start * PAGE).cast(),
+                    len * PAGE,
+                    libc::MADV_PAGEOUT,
+                )
+            };
+            assert_eq!(rc, 0, "MADV_PAGEOUT: {}", std::io::Error::last_os_error());
+            for _ in 0..256 {
+                tick(&mut done);
+            }
+        }
+        let paged_out = t.elapsed();
+        let mut bad = 0;
+        for (i, page) in mem.chunks(PAGE).enumerate() {
+            hog_page(i, v, random, &code, &mut want);
+            if page != &want[..] {
+                bad += 1;
+            }
+            tick(&mut done);
+        }
+        println!(
+            "hog: round {v}: {pages} pages filled in {:.1} s, paged out by {:.1} s, verified by \
+             {:.1} s: {bad} bad",
+            filled.as_secs_f64(),
+            paged_out.as_secs_f64(),
+            t.elapsed().as_secs_f64()
+        );
+        bad_total += bad;
+    }
+    std::io::stdout().flush().unwrap();
+    if bad_total > 0 {
+        std::process::exit(1);
+    }
+}
+
+/// Kernel stack, state and wait channel of every thread of `pid`, appended to `out`.
+fn thread_stacks(pid: u32, out: &mut String) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        out.push_str(&format!("  pid {pid}: gone\n"));
+        return;
+    };
+    for t in tasks.flatten() {
+        let p = t.path();
+        let read = |n: &str| std::fs::read_to_string(p.join(n)).unwrap_or_default();
+        let stat = read("stat");
+        let state = stat
+            .rsplit_once(") ")
+            .map(|(_, r)| r.chars().next().unwrap_or('?'))
+            .unwrap_or('?');
+        out.push_str(&format!(
+            "  {pid}/{} {} state {state} wchan {}\n",
+            t.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan").trim()
+        ));
+        for l in read("stack").lines() {
+            out.push_str("      ");
+            out.push_str(l);
+            out.push('\n');
+        }
+    }
+}
+
+/// A `/proc` file opened once and read again from its start: after the first read the kernel
+/// keeps its buffer (seq_file), so reading it allocates nothing, where an open under memory
+/// pressure waits for memory as everybody else does.
+struct ProcFile {
+    file: Option<std::fs::File>,
+    buf: Vec<u8>,
+}
+
+impl ProcFile {
+    fn open(path: &str) -> ProcFile {
+        let mut f = ProcFile {
+            file: std::fs::File::open(path).ok(),
+            buf: vec![0; 64 << 10],
+        };
+        f.read();
+        f
+    }
+
+    /// The file's text now (empty if it could not be opened).
+    fn read(&mut self) -> &str {
+        let Some(file) = &self.file else { return "" };
+        let n = file.read_at(&mut self.buf, 0).unwrap_or(0);
+        std::str::from_utf8(&self.buf[..n]).unwrap_or("")
+    }
+
+    /// The number after `key` (`key N`, `key: N kB`), 0 if absent.
+    fn field(&mut self, key: &str) -> u64 {
+        self.read()
+            .lines()
+            .find_map(|l| {
+                let rest = l.strip_prefix(key)?;
+                rest.trim_start_matches(':')
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0)
+    }
+}
+
+/// Pids of kernel threads named `kswapd*`.
+fn kswapd_pids() -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        if comm.starts_with("kswapd") {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Not a test of its own: the watchdog of [`run_hog`] (`UZRAM_WATCH_PIDS` set: the hog's pid,
+/// then the server's if any). Locks its memory and keeps a heap in reserve, then every 5 s
+/// reads the hog's progress and the swap counters; every 10 s prints them with MemFree, PSI
+/// and the server's RSS; when the hog made no progress for [`STUCK_S`] s (swap-outs do not
+/// count: failed ones are counted too) prints every thread's kernel stack (the hog's, the
+/// server's, kswapd's) and repeats that every [`STUCK_S`] s while stuck.
+/// The longest time nothing moved goes to the first 8 bytes of `UZRAM_WATCH_STUCK`. With
+/// `UZRAM_WATCH_CTL` (a control directory), a thread prints the server's `mm_stat` every 10 s.
+#[test]
+fn swap_watchdog_child() {
+    let Ok(pids) = std::env::var("UZRAM_WATCH_PIDS") else {
+        return;
+    };
+    let pids: Vec<u32> = pids.split(',').filter_map(|p| p.parse().ok()).collect();
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt takes integers only; no other thread exists yet.
+    unsafe {
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+    }
+    // A heap faulted in, then everything mapped now locked. Not MCL_FUTURE: a thread's
+    // mapping (the stack of a child being spawned) would be populated under the mmap lock,
+    // waiting for memory (seen: the whole watchdog stopped so).
+    drop(std::hint::black_box(vec![1u8; 16 << 20]));
+    // SAFETY: mlockall takes flags only.
+    let rc = unsafe { libc::mlockall(libc::MCL_CURRENT) };
+    assert_eq!(rc, 0, "mlockall: {}", std::io::Error::last_os_error());
+    let progress = std::fs::File::open(std::env::var("UZRAM_WATCH_PROGRESS").unwrap()).unwrap();
+    // The progress counter's page mapped and locked: reading it never waits.
+    // SAFETY: a shared read-only mapping of the first page of a file we opened; the hog
+    // writes 8 bytes at its start, which we read with a volatile load.
+    let progress_map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGE,
+            libc::PROT_READ,
+            libc::MAP_SHARED | libc::MAP_POPULATE,
+            std::os::fd::AsRawFd::as_raw_fd(&progress),
+            0,
+        )
+    };
+    assert_ne!(progress_map, libc::MAP_FAILED, "mmap progress");
+    // SAFETY: the mapping is one page, lives to the end of this process, and is only read.
+    unsafe { libc::mlock(progress_map, PAGE) };
+    let read_progress =
+        // SAFETY: the mapping is at least 8 bytes, page aligned, alive for the process.
+        || unsafe { std::ptr::read_volatile(progress_map.cast::<u64>()) };
+    let mut vmstat_f = ProcFile::open("/proc/vmstat");
+    let mut meminfo_f = ProcFile::open("/proc/meminfo");
+    let mut psi_f = ProcFile::open("/proc/pressure/memory");
+    let mut server_f = pids
+        .get(1)
+        .map(|p| ProcFile::open(&format!("/proc/{p}/status")));
+    // Stacks also go to the kernel console (the host's console.log) by sysrq: `8` (console
+    // log level 8, or sysrq's output stays in the ring buffer), then `w` (blocked tasks).
+    let _ = std::fs::write("/proc/sys/kernel/sysrq", "1");
+    let sysrq = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/sysrq-trigger")
+        .ok();
+    let stuck_file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(std::env::var("UZRAM_WATCH_STUCK").unwrap())
+        .unwrap();
+    if let Ok(dir) = std::env::var("UZRAM_WATCH_CTL") {
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            loop {
+                std::thread::sleep(Duration::from_secs(10));
+                let child = Command::new(UZRAM)
+                    .args(["ctl", "--dir", &dir, "meta_stat"])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::null())
+                    .spawn();
+                let Ok(mut child) = child else { continue };
+                let t = Instant::now();
+                match wait_timeout(&mut child, Duration::from_secs(20)) {
+                    Some(_) => {
+                        let mut s = String::new();
+                        let _ = child.stdout.take().unwrap().read_to_string(&mut s);
+                        eprintln!(
+                            "watch: {:.0} s: server meta_stat {} (ctl {:.1} s)",
+                            t0.elapsed().as_secs_f64(),
+                            s.trim(),
+                            t.elapsed().as_secs_f64()
+                        );
+                    }
+                    None => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        eprintln!(
+                            "watch: {:.0} s: uzram ctl meta_stat no answer in 20 s",
+                            t0.elapsed().as_secs_f64()
+                        );
+                    }
+                }
+            }
+        });
+    }
+    let kswapd = kswapd_pids();
+    let t0 = Instant::now();
+    let mut last = (u64::MAX, 0, 0);
+    let mut last_move = Instant::now();
+    let mut last_dump = Instant::now();
+    let mut longest = 0u64;
+    let mut out = String::with_capacity(1 << 20);
+    let mut tick = 0u64;
+    loop {
+        std::thread::sleep(Duration::from_secs(5));
+        tick += 1;
+        let now = (
+            read_progress(),
+            vmstat_f.field("pswpout"),
+            vmstat_f.field("pswpin"),
+        );
+        if now.0 != last.0 {
+            last_move = Instant::now();
+        }
+        last = now;
+        let still = last_move.elapsed().as_secs();
+        if still > longest {
+            longest = still;
+            let _ = stuck_file.write_all_at(&longest.to_le_bytes(), 0);
+        }
+        out.clear();
+        if tick % 2 == 0 || still >= STUCK_S {
+            let psi = psi_f.read().replace('\n', " | ");
+            let rss = server_f
+                .as_mut()
+                .map_or("-".into(), |f| f.field("VmRSS").to_string());
+            out.push_str(&format!(
+                "watch: {:.0} s: hog pages {} pswpout {} pswpin {} MemFree {} kB Mlocked {} kB \
+                 server RSS {rss} kB allocstall {} oom_kill {}; psi {psi}\n",
+                t0.elapsed().as_secs_f64(),
+                now.0,
+                now.1,
+                now.2,
+                meminfo_f.field("MemFree"),
+                meminfo_f.field("Mlocked"),
+                vmstat_f.field("allocstall_normal") + vmstat_f.field("allocstall_dma32"),
+                vmstat_f.field("oom_kill"),
+            ));
+        }
+        if still >= STUCK_S && last_dump.elapsed().as_secs() >= STUCK_S {
+            last_dump = Instant::now();
+            out.push_str(&format!("watch: STUCK: nothing moved for {still} s\n"));
+            if let Some(mut t) = sysrq.as_ref() {
+                let _ = t.write_all(b"8");
+                let _ = t.write_all(b"w");
+            }
+            for &p in pids.iter().chain(&kswapd) {
+                thread_stacks(p, &mut out);
+            }
+        }
+        let _ = std::io::stderr().write_all(out.as_bytes());
+    }
+}
+
+/// How a hog ended.
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    /// Every page verified, both rounds.
+    Verified,
+    /// Killed by the kernel's OOM killer.
+    OomKilled,
+    /// Bad pages, or another failure.
+    Failed(String),
+    /// Not finished in the time allowed.
+    TimedOut,
+}
+
+struct HogRun {
+    outcome: Outcome,
+    wall_s: f64,
+    pswpout: u64,
+    pswpin: u64,
+    longest_stuck_s: u64,
+}
+
+/// The kernel log's lines (since boot, at most the last 40) containing any of `keys`.
+fn kernel_log_lines(keys: &[&str]) -> Vec<String> {
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/dev/kmsg")
+    else {
+        return Vec::new();
+    };
+    let mut f = f;
+    let mut buf = vec![0u8; 8192];
+    let mut lines = Vec::new();
+    // Each read is one record, "level,seq,time,flags;text\n"; EAGAIN at the end.
+    while let Ok(n) = f.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        let rec = String::from_utf8_lossy(&buf[..n]);
+        let text = rec.split_once(';').map_or(&*rec, |(_, t)| t).trim_end();
+        if keys.iter().any(|k| text.contains(k)) {
+            lines.push(text.to_string());
+        }
+    }
+    let skip = lines.len().saturating_sub(40);
+    lines.split_off(skip)
+}
+
+/// A file in the guest's /tmp, fresh.
+fn scratch(name: &str) -> PathBuf {
+    let p = Path::new("/tmp").join(name);
+    std::fs::write(&p, [0u8; 8]).unwrap();
+    p
+}
+
+/// Swaps on `dev` (`mkswap`, `swapon --discard`) and runs the hog of [`hog_pct`] of RAM with
+/// the watchdog beside it (watching `server` too, and its control directory `ctl`); waits at
+/// most `limit`; `swapoff`.
+fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duration) -> HogRun {
+    let ram = meminfo_kib("MemTotal") << 10;
+    let pages = (ram * hog_pct() / 100) as usize / PAGE;
+    run(Command::new("mkswap").arg(dev));
+    run(Command::new("swapon").arg("-d").arg(dev));
+    let progress = scratch("hog-progress");
+    let stuck = scratch("watch-stuck");
+    let (out0, in0, oom0) = (vmstat("pswpout"), vmstat("pswpin"), vmstat("oom_kill"));
+    eprintln!(
+        "{label}: hog of {pages} pages ({} MiB, {}% of RAM {} MiB, {} of 8 pages random) on {}",
+        (pages * PAGE) >> 20,
+        hog_pct(),
+        ram >> 20,
+        random_eighths(),
+        dev.display()
+    );
+    let t = Instant::now();
+    let exe = std::env::current_exe().unwrap();
+    let mut hog = Command::new(&exe)
+        .args([
+            "swap_hog_child",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("UZRAM_HOG_PAGES", pages.to_string())
+        .env("UZRAM_HOG_PROGRESS", &progress)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut watched = hog.id().to_string();
+    if let Some((pid, _)) = server {
+        watched.push_str(&format!(",{pid}"));
+    }
+    let mut watch = Command::new(&exe);
+    watch
+        .args([
+            "swap_watchdog_child",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("UZRAM_WATCH_PIDS", watched)
+        .env("UZRAM_WATCH_PROGRESS", &progress)
+        .env("UZRAM_WATCH_STUCK", &stuck)
+        .stdout(Stdio::null());
+    if let Some((_, ctl)) = server {
+        watch.env("UZRAM_WATCH_CTL", ctl);
+    }
+    let mut watch = watch.spawn().unwrap();
+    let status = wait_timeout(&mut hog, limit);
+    let wall_s = t.elapsed().as_secs_f64();
+    let _ = watch.kill();
+    let _ = watch.wait();
+    let mut hog_out = String::new();
+    let outcome = match status {
+        None => {
+            let _ = hog.kill();
+            let _ = hog.wait();
+            Outcome::TimedOut
+        }
+        Some(st) => {
+            let _ = hog.stdout.take().unwrap().read_to_string(&mut hog_out);
+            if st.success() && hog_out.contains("test result: ok. 1 passed") {
+                Outcome::Verified
+            } else if vmstat("oom_kill") > oom0 {
+                Outcome::OomKilled
+            } else {
+                Outcome::Failed(format!("{st}"))
+            }
+        }
+    };
+    for l in hog_out.lines().filter(|l| l.starts_with("hog:")) {
+        eprintln!("{label}: {l}");
+    }
+    let mut buf = [0u8; 8];
+    std::fs::File::open(&stuck)
+        .unwrap()
+        .read_exact_at(&mut buf, 0)
+        .unwrap();
+    let r = HogRun {
+        outcome,
+        wall_s,
+        pswpout: vmstat("pswpout") - out0,
+        pswpin: vmstat("pswpin") - in0,
+        longest_stuck_s: u64::from_le_bytes(buf),
+    };
+    eprintln!(
+        "{label}: {:?} in {:.1} s, pswpout {} pswpin {}, longest without progress {} s",
+        r.outcome, r.wall_s, r.pswpout, r.pswpin, r.longest_stuck_s
+    );
+    for l in kernel_log_lines(&[
+        "Out of memory",
+        "Killed process",
+        "oom-kill",
+        "error on swap",
+    ]) {
+        eprintln!("{label}: kernel: {l}");
+    }
+    let sw = Instant::now();
+    run(Command::new("swapoff").arg(dev));
+    eprintln!("{label}: swapoff in {:.1} s", sw.elapsed().as_secs_f64());
+    r
+}
+
+/// A running `uzram serve --ublk --swap` and its control directory.
+struct Server {
+    child: Child,
+    dir: tempfile::TempDir,
+    block_dev: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(extra: &[&str]) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(UZRAM)
+        .args(["serve", "--ublk", "--swap", "--socket"])
+        .arg(dir.path().join("zram0.sock"))
+        .args(extra)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("uzram serve starts");
+    let mut block_dev = None;
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        eprintln!("uzram serve: {line}");
+        if let Some(p) = line
+            .split_whitespace()
+            .find(|w| w.starts_with("/dev/ublkb"))
+        {
+            block_dev = Some(PathBuf::from(p));
+        }
+        if line.starts_with("serving") {
+            break;
+        }
+    }
+    // Its later lines are drained, so a full pipe never blocks it.
+    std::thread::spawn(move || lines.for_each(drop));
+    Server {
+        child,
+        dir,
+        block_dev: block_dev.expect("uzram serve --ublk printed no /dev/ublkbN"),
+    }
+}
+
+/// The hog of [`hog_pct`] (1.27x the RAM, 3 random pages in 8 by default) on `/dev/ublkb0`
+/// served by `uzram serve --ublk --swap`: every page verified twice, or the hog killed by the
+/// OOM killer (where memory runs out: the server's own memory, locked, is part of it), and
+/// never stuck for [`STUCK_S`] s or more. With `UZRAM_SWAP_CONTROL` set the same hog runs
+/// first on the guest kernel's zram (lz4, same size) in the same boot, the control for the
+/// wall times (not in CI: it doubles the run). `UZRAM_SERVE_ARGS` adds `uzram serve`
+/// arguments (`--swap-reserve 16M`).
+#[test]
+fn swap_pressure_in_vm() {
+    let mut args: Vec<String> = ["--kernel", "6.12", "--no-zoned", "--timeout-s", "1800"]
+        .map(String::from)
+        .to_vec();
+    args.extend(["--mem-mb".into(), GUEST_RAM_MB.to_string()]);
+    args.extend(["--cpus".into(), GUEST_CPUS.to_string()]);
+    args.extend(["--include".into(), UZRAM.into()]);
+    let mut env = Vec::new();
+    for name in [
+        "UZRAM_HOG_PCT",
+        "UZRAM_HOG_RANDOM_EIGHTHS",
+        "UZRAM_SWAP_CONTROL",
+        "UZRAM_HOG_LIMIT_S",
+        "UZRAM_SERVE_ARGS",
+    ] {
+        if let Ok(v) = std::env::var(name) {
+            env.push((name, v));
+        }
+    }
+    if std::env::var_os("UZRAM_VM").is_none() {
+        let env: Vec<(&str, &str)> = env.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        uzram_testkit::vm::boot_test("swap_pressure_in_vm", &args, &env);
+        return;
+    }
+    let _ = std::fs::write("/proc/sys/kernel/hung_task_timeout_secs", "30");
+    let limit = Duration::from_secs(env_u64("UZRAM_HOG_LIMIT_S").unwrap_or(600));
+    let control = std::env::var_os("UZRAM_SWAP_CONTROL").map(|_| {
+        std::fs::write("/sys/block/zram0/comp_algorithm", "lz4").unwrap();
+        std::fs::write("/sys/block/zram0/disksize", "1G").unwrap();
+        let r = run_hog("kernel zram", Path::new("/dev/zram0"), None, limit);
+        eprintln!(
+            "kernel zram mm_stat: {}",
+            std::fs::read_to_string("/sys/block/zram0/mm_stat").unwrap()
+        );
+        std::fs::write("/sys/block/zram0/reset", "1").unwrap();
+        r
+    });
+    let extra = std::env::var("UZRAM_SERVE_ARGS").unwrap_or_default();
+    let mut serve_args = vec!["--disksize", "1G"];
+    serve_args.extend(extra.split_whitespace());
+    let s = serve(&serve_args);
+    let uzram = run_hog(
+        "uzram ublk",
+        &s.block_dev,
+        Some((s.child.id(), s.dir.path())),
+        limit,
+    );
+    let mm = run(Command::new(UZRAM)
+        .args(["ctl", "--dir"])
+        .arg(s.dir.path())
+        .arg("mm_stat"));
+    eprintln!("uzram mm_stat after the hog: {}", mm.trim());
+    for (label, r) in [
+        ("kernel zram", control.as_ref()),
+        ("uzram ublk", Some(&uzram)),
+    ] {
+        if let Some(r) = r {
+            println!(
+                "swap_pressure: {label}: {:?}, {:.1} s, longest without progress {} s",
+                r.outcome, r.wall_s, r.longest_stuck_s
+            );
+        }
+    }
+    assert!(
+        matches!(uzram.outcome, Outcome::Verified | Outcome::OomKilled),
+        "swap on {}: {:?}",
+        s.block_dev.display(),
+        uzram.outcome
+    );
+    assert!(
+        uzram.longest_stuck_s < STUCK_S,
+        "the hog made no progress for {} s (its stacks are above)",
+        uzram.longest_stuck_s
+    );
+}
