@@ -965,6 +965,14 @@ impl FrameAllocator {
                 let taken = st.swap.taken_pages - taken_at_tick;
                 taken_at_tick = st.swap.taken_pages;
                 Self::swap_tick(&mut st, taken);
+                // A list left empty under a target (a page count first asked for since the
+                // last tick) is filled now: the kick of the writer that asked came before the
+                // target, and no other writer may ask again soon.
+                if (1..st.reserve.len())
+                    .any(|k| st.reserve[k].is_empty() && st.reserve_target[k] > 0)
+                {
+                    filling = true;
+                }
             }
             if st.swap.kicked || st.reserve_pages <= st.swap.low_pages {
                 st.swap.kicked = false;
