@@ -109,12 +109,7 @@ fn swap_hog_child() {
     let pages = pages as usize;
     let random = random_eighths();
     let code = code_sample();
-    let progress = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(std::env::var("UZRAM_HOG_PROGRESS").unwrap())
-        .unwrap();
+    let progress = counter_file("UZRAM_HOG_PROGRESS");
     let mut done = 0u64;
     let tick = |done: &mut u64| {
         *done += 1;
@@ -330,12 +325,7 @@ fn swap_watchdog_child() {
         .write(true)
         .open("/proc/sysrq-trigger")
         .ok();
-    let stuck_file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(std::env::var("UZRAM_WATCH_STUCK").unwrap())
-        .unwrap();
+    let stuck_file = counter_file("UZRAM_WATCH_STUCK");
     if let Ok(dir) = std::env::var("UZRAM_WATCH_CTL") {
         std::thread::spawn(move || {
             let t0 = Instant::now();
@@ -722,4 +712,15 @@ fn swap_pressure_in_vm() {
         "the hog made no progress for {} s (its stacks are above)",
         uzram.longest_stuck_s
     );
+}
+
+/// The file named by environment variable `var`, opened for writing without truncating it:
+/// where a guest program leaves a counter the watcher reads.
+fn counter_file(var: &str) -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(std::env::var(var).unwrap())
+        .unwrap()
 }

@@ -342,6 +342,10 @@ fn bad_requests_get_an_error_and_lose_nothing() {
         len: 1,
         write,
     };
+    // Header, one page of data readable by the device (`false`) or writable, status.
+    let in_order = |write| -> Chain {
+        Box::new(move |h, d, st| vec![hdr(h), data(d, write), status(st, true)])
+    };
     let cases: Vec<BadCase> = vec![
         (
             "a header of 15 bytes and nothing else readable (a flush)",
@@ -401,7 +405,7 @@ fn bad_requests_get_an_error_and_lose_nothing() {
             "a write one sector past the end",
             T_OUT,
             SECTORS - 7,
-            Box::new(|h, d, st| vec![hdr(h), data(d, false), status(st, true)]),
+            in_order(false),
             S_IOERR,
             1,
         ),
@@ -409,7 +413,7 @@ fn bad_requests_get_an_error_and_lose_nothing() {
             "a write whose byte offset overflows",
             T_OUT,
             u64::MAX >> 2,
-            Box::new(|h, d, st| vec![hdr(h), data(d, false), status(st, true)]),
+            in_order(false),
             S_IOERR,
             1,
         ),
@@ -417,7 +421,7 @@ fn bad_requests_get_an_error_and_lose_nothing() {
             "a read at the end",
             T_IN,
             SECTORS,
-            Box::new(|h, d, st| vec![hdr(h), data(d, true), status(st, true)]),
+            in_order(true),
             S_IOERR,
             1,
         ),
@@ -425,7 +429,7 @@ fn bad_requests_get_an_error_and_lose_nothing() {
             "a read whose data is device-readable",
             T_IN,
             16,
-            Box::new(|h, d, st| vec![hdr(h), data(d, false), status(st, true)]),
+            in_order(false),
             S_IOERR,
             1,
         ),
@@ -433,7 +437,7 @@ fn bad_requests_get_an_error_and_lose_nothing() {
             "a write whose data is device-writable",
             T_OUT,
             16,
-            Box::new(|h, d, st| vec![hdr(h), data(d, true), status(st, true)]),
+            in_order(true),
             S_IOERR,
             1,
         ),
@@ -467,7 +471,7 @@ fn bad_requests_get_an_error_and_lose_nothing() {
             "an unknown request type",
             99,
             0,
-            Box::new(|h, d, st| vec![hdr(h), data(d, false), status(st, true)]),
+            in_order(false),
             S_UNSUPP,
             1,
         ),
