@@ -41,18 +41,11 @@ fn run_bench(
         cmd.arg("--backing").arg(b);
     }
     let png_path = dir.join(format!("{name}.png"));
-    let out = cmd
-        .arg("--json")
-        .arg(&json_path)
-        .arg("--plot")
-        .arg(&png_path)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = uzram_testkit::process::run_stdout(
+        cmd.arg("--json")
+            .arg(&json_path)
+            .arg("--plot")
+            .arg(&png_path),
     );
     for e in expect {
         assert!(stdout.contains(e), "{e:?} missing from: {stdout}");

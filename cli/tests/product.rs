@@ -4,6 +4,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use uzram_testkit::process::run_stdout;
 
 /// The workspace's root manifest.
 fn root_manifest() -> std::path::PathBuf {
@@ -13,26 +14,20 @@ fn root_manifest() -> std::path::PathBuf {
 /// The features of the `uzram` library that `cargo build` would turn on for `packages`
 /// (cargo's own resolution, without building): `cargo tree` over normal and build edges.
 fn engine_features(packages: &[&str]) -> String {
-    let out = Command::new(env!("CARGO"))
-        .args([
-            "tree",
-            "--offline",
-            "-e",
-            "normal,build,features",
-            "-i",
-            "uzram",
-        ])
-        .arg("--manifest-path")
-        .arg(root_manifest())
-        .args(packages)
-        .output()
-        .expect("running cargo tree");
-    assert!(
-        out.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    run_stdout(
+        Command::new(env!("CARGO"))
+            .args([
+                "tree",
+                "--offline",
+                "-e",
+                "normal,build,features",
+                "-i",
+                "uzram",
+            ])
+            .arg("--manifest-path")
+            .arg(root_manifest())
+            .args(packages),
+    )
 }
 
 #[test]
@@ -53,16 +48,7 @@ fn the_product_build_leaves_testing_off() {
 
 #[test]
 fn uzram_bench_runs_the_harness() {
-    let out = Command::new(env!("CARGO_BIN_EXE_uzram"))
-        .args(["bench", "--help"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "uzram bench --help: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_stdout(Command::new(env!("CARGO_BIN_EXE_uzram")).args(["bench", "--help"]));
     assert!(stdout.contains("store"), "{stdout}");
     assert!(stdout.contains("writeback"), "{stdout}");
 }
