@@ -19,23 +19,28 @@
 //! not fixed: it is the blocks the worker has made. The worker keeps at least twice as many
 //! spare blocks as queued ones (checked before each block it frees), so while releasers outrun
 //! it the queue triples ahead of them, and a release of any size is queued whole
-//! unless the worker falls that far behind (then enqueues fall back to freeing
-//! synchronously until it catches up). At rest the queue keeps `rest_blocks` blocks
-//! (upstream's budget, [`DEFERRED_FREE_BUDGET_BYTES`] of released pages); a worker drain that
-//! leaves the queue empty frees the blocks beyond that.
+//! unless the worker falls that far behind. An enqueue that finds no spare block first takes
+//! one from the queue's *stock* ([`BlockStock`]: the pools of a process share one of
+//! [`DEFERRED_STOCK_BYTES`]), which covers the start of a release while the scheduler has not
+//! yet run the worker; with none there either, enqueues fall back to freeing synchronously
+//! until the worker catches up. At rest the queue keeps `rest_blocks` blocks (upstream's
+//! budget, [`DEFERRED_FREE_BUDGET_BYTES`] of released pages); a worker drain that leaves the
+//! queue empty gives the blocks beyond that to the stock (up to its size, freeing the rest)
+//! and tops the stock up; a dropped queue gives its blocks to the stock too.
 //!
 //! Bound: every queued item is an object the pool still holds, and the worker allocates only
 //! while the blocks would not exceed three times those holding pending items (queued or in its
 //! batch), so the queue takes at most three slots per pending object plus its resting blocks
+//! and those it took from the stock, which never holds more than its size
 //! (docs/zsmalloc.md, "Deferred free").
 //!
 //! # Protocol
 //!
 //! - **Enqueue** ([`try_enqueue`](DeferredQueue::try_enqueue)) only *try*-locks the queue. If
 //!   the lock is busy (another enqueuer, or a drainer taking blocks), the queue holds
-//!   `max_items`, or `current` is full and no spare block is left, the item is handed back and
-//!   the caller frees it synchronously: a caller never waits for the queue and never
-//!   allocates.
+//!   `max_items`, or `current` is full and no spare block is left (nor one in the stock, whose
+//!   lock is only try-locked too), the item is handed back and the caller frees it
+//!   synchronously: a caller never waits for the queue and never allocates.
 //! - **Wake**: the enqueue that finds the queue at its wake mark (`wake_at`) or past it after
 //!   its push, and no wake already requested (`wake_requested`), asks its caller to
 //!   [`wake`](DeferredQueue::wake) the worker. The worker clears `wake_requested` *before* it
@@ -70,15 +75,18 @@
 //! | `queue` | the queued blocks, the spare blocks, the item count; `queued` is bumped under it |
 //! | `drain` | nothing but the right to drain: held for a whole batch |
 //! | `signal` | the worker's `wake` and `stop` flags (with `cond`) |
+//! | the stock's `blocks` | the stock's empty blocks |
 //!
-//! Order: `drain` → `queue`. `signal` is never held with another. The closure given to `drain`
-//! runs with `drain` held and must not call back into this queue.
+//! Order: `drain` → `queue` → stock (the stock's lock is only try-locked under `queue`;
+//! blocks are given back with no queue lock held). `signal` is never held with another. The
+//! closure given to `drain` runs with `drain` held and must not call back into this queue.
 
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 #[cfg(loom)]
 use loom::sync::{Condvar, Mutex, MutexGuard};
 use std::mem::MaybeUninit;
+use std::sync::Arc;
 // loom's `Mutex::try_lock` returns std's `TryLockResult`.
 #[cfg(not(loom))]
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -100,6 +108,14 @@ pub const DEFERRED_FREE_BUDGET_BYTES: usize = 128 << 20;
 /// the queue's growth.
 pub const DEFERRED_BLOCK_ITEMS: usize = 1024;
 
+/// The process-wide stock of empty blocks ([`BlockStock`]): 2 MiB, 512 blocks of
+/// [`DEFERRED_BLOCK_ITEMS`] handle indices, enough for 2 GiB of released 4 KiB pages. A queue
+/// whose own spare blocks ran out takes blocks from it before it falls back to freeing
+/// synchronously, so a release outruns its pool's worker without falling back for the first
+/// 524,288 handles beyond the queue's own blocks (about 11 ms of one releasing thread), however
+/// late the scheduler runs the worker.
+pub const DEFERRED_STOCK_BYTES: usize = 2 << 20;
+
 /// The worker is woken once this many items wait (or half the resting capacity, if that comes
 /// first): 1024 handles, one block. Woken this early it drains while the releasers still
 /// enqueue, in batches large enough that the frame allocator drops emptied zspages in whole
@@ -109,6 +125,39 @@ pub const DEFERRED_WAKE_ITEMS: usize = 1024;
 /// The default resting capacity (items) for a pool of `page_size_bytes` pages.
 pub fn default_capacity(page_size_bytes: usize) -> usize {
     DEFERRED_FREE_BUDGET_BYTES / page_size_bytes
+}
+
+/// A pool's queue, resting at `capacity` handle indices: with blocks of
+/// [`DEFERRED_BLOCK_ITEMS`] slots it takes blocks from the process's stock
+/// ([`DEFERRED_STOCK_BYTES`], shared by every such pool); a smaller queue (a test's) has
+/// smaller blocks and a stock of its own, as many blocks as it rests with. The stock is topped
+/// up here, off any release path.
+#[cfg(not(loom))]
+pub(crate) fn pool_queue(capacity: usize) -> DeferredQueue<u32> {
+    static STOCK: std::sync::OnceLock<Arc<BlockStock<u32>>> = std::sync::OnceLock::new();
+    let queue = DeferredQueue::new(capacity);
+    let stock = if queue.block_items == DEFERRED_BLOCK_ITEMS {
+        Arc::clone(STOCK.get_or_init(|| {
+            let block_bytes = DEFERRED_BLOCK_ITEMS * std::mem::size_of::<u32>();
+            Arc::new(BlockStock::new(
+                DEFERRED_BLOCK_ITEMS,
+                DEFERRED_STOCK_BYTES / block_bytes,
+            ))
+        }))
+    } else {
+        Arc::new(BlockStock::new(queue.block_items, queue.rest_blocks))
+    };
+    stock.top_up();
+    queue.with_stock(stock)
+}
+
+/// Under loom (where the pool is never built, and a static cannot hold loom's locks) every
+/// queue has a stock of its own.
+#[cfg(loom)]
+pub(crate) fn pool_queue(capacity: usize) -> DeferredQueue<u32> {
+    let queue = DeferredQueue::new(capacity);
+    let stock = Arc::new(BlockStock::new(queue.block_items, queue.rest_blocks));
+    queue.with_stock(stock)
 }
 
 /// Counters of a deferred-free queue; shown by the device's `deferred_stat` attribute.
@@ -206,6 +255,90 @@ impl<T> Drop for BlockList<T> {
     }
 }
 
+/// A stock of empty blocks shared by several queues (the pools of a process share one:
+/// [`DEFERRED_STOCK_BYTES`]). A queue with no spare block left takes one from it (try-locked:
+/// an enqueue never waits for it); workers give blocks back when their queue shrinks, and top
+/// it up to its size, off the release path. It never holds more than `size_blocks` blocks, so
+/// it bounds what the queues can hold beyond their own growth.
+#[derive(Debug)]
+pub(crate) struct BlockStock<T> {
+    /// Slots per block (every queue using the stock has blocks of this size).
+    block_items: usize,
+    /// Blocks the stock holds at most (and is topped up to).
+    size_blocks: usize,
+    /// The empty blocks.
+    blocks: Mutex<BlockList<T>>,
+    /// Blocks taken by queues, cumulative.
+    taken: AtomicU64,
+}
+
+impl<T> BlockStock<T> {
+    /// An empty stock of at most `size_blocks` blocks of `block_items` (at least 1) slots;
+    /// [`top_up`](Self::top_up) fills it.
+    pub(crate) fn new(block_items: usize, size_blocks: usize) -> BlockStock<T> {
+        BlockStock {
+            block_items: block_items.max(1),
+            size_blocks,
+            blocks: Mutex::new(BlockList::default()),
+            taken: AtomicU64::new(0),
+        }
+    }
+
+    /// Allocates blocks (with no lock held) until the stock holds its size. Never on a release
+    /// path: called when a pool is made and by workers.
+    pub(crate) fn top_up(&self) {
+        let want = self.size_blocks.saturating_sub(lock(&self.blocks).len);
+        if want == 0 {
+            return;
+        }
+        let mut fresh = BlockList::default();
+        for _ in 0..want {
+            fresh.push(Block::new(self.block_items));
+        }
+        // Whatever another top-up or a queue's give-back filled meanwhile is dropped here.
+        drop(self.give(fresh));
+    }
+
+    /// A block, if the stock's lock is free right now and it has one. Never waits, never
+    /// allocates.
+    fn try_take(&self) -> Option<Box<Block<T>>> {
+        let mut blocks = match self.blocks.try_lock() {
+            Ok(b) => b,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        let block = blocks.pop()?;
+        drop(blocks);
+        self.taken.fetch_add(1, Ordering::Relaxed);
+        Some(block)
+    }
+
+    /// Takes empty blocks back up to the stock's size; returns those that did not fit (the
+    /// caller frees them, outside any lock).
+    fn give(&self, mut back: BlockList<T>) -> BlockList<T> {
+        let mut blocks = lock(&self.blocks);
+        while blocks.len < self.size_blocks {
+            match back.pop() {
+                Some(b) => blocks.push(b),
+                None => break,
+            }
+        }
+        back
+    }
+
+    /// Blocks the stock holds now.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn len(&self) -> usize {
+        lock(&self.blocks).len
+    }
+
+    /// Blocks taken by queues so far.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn taken(&self) -> u64 {
+        self.taken.load(Ordering::Relaxed)
+    }
+}
+
 /// What the queue lock protects.
 #[derive(Debug)]
 struct Pending<T> {
@@ -237,6 +370,9 @@ pub(crate) struct DeferredQueue<T> {
     max_items: usize,
     /// The enqueue that brings the length to this (or past it) requests a drain.
     wake_at: usize,
+    /// Where an enqueue takes a block when no spare one is left (blocks of `block_items`
+    /// slots), and where the worker gives back blocks beyond the resting ones.
+    stock: Option<Arc<BlockStock<T>>>,
     /// The queue lock: the queued and spare blocks. Enqueuers only try-lock it.
     queue: Mutex<Pending<T>>,
     /// The drain mutex: one drainer at a time, for its whole batch.
@@ -289,6 +425,7 @@ impl<T> DeferredQueue<T> {
             rest_blocks,
             max_items,
             wake_at: (rest_blocks * block_items / 2).clamp(1, DEFERRED_WAKE_ITEMS),
+            stock: None,
             queue: Mutex::new(Pending {
                 current: None,
                 full: BlockList::default(),
@@ -307,6 +444,21 @@ impl<T> DeferredQueue<T> {
             drained: AtomicU64::new(0),
             wakeups: AtomicU64::new(0),
         }
+    }
+
+    /// The queue, taking blocks from `stock` when its own spare ones run out. Panics if the
+    /// stock's blocks are not the queue's size.
+    pub(crate) fn with_stock(mut self, stock: Arc<BlockStock<T>>) -> DeferredQueue<T> {
+        assert_eq!(stock.block_items, self.block_items, "stock of other blocks");
+        self.stock = Some(stock);
+        self
+    }
+
+    /// Holds the drain mutex: no drain (the worker's, a flush) starts until the guard is
+    /// dropped, so a test can make a release outrun a worker that never runs.
+    #[cfg(test)]
+    pub(crate) fn hold_drains(&self) -> MutexGuard<'_, ()> {
+        lock(&self.drain)
     }
 
     /// Slots the queue's blocks hold now.
@@ -331,6 +483,13 @@ impl<T> DeferredQueue<T> {
             .current
             .as_ref()
             .is_some_and(|b| b.items.len() < self.block_items);
+        if !room && q.spare.len == 0 && q.len < self.max_items {
+            // Lock order: queue, then stock (only try-locked).
+            if let Some(b) = self.stock.as_ref().and_then(|s| s.try_take()) {
+                self.blocks.fetch_add(1, Ordering::Relaxed);
+                q.spare.push(b);
+            }
+        }
         if q.len >= self.max_items || (!room && q.spare.len == 0) {
             drop(q);
             self.fallback_full.fetch_add(1, Ordering::Relaxed);
@@ -488,7 +647,14 @@ impl<T> DeferredQueue<T> {
             extra
         };
         self.blocks.fetch_sub(extra.len, Ordering::Relaxed);
-        drop(extra);
+        if let Some(stock) = &self.stock {
+            // Back to the stock first (what it took from it during the release, and more if
+            // other queues took some), then topped up; the rest is freed here.
+            drop(stock.give(extra));
+            stock.top_up();
+        } else {
+            drop(extra);
+        }
     }
 
     /// Heap bytes the queue's blocks take now (touched: blocks are made with their pages
@@ -511,6 +677,17 @@ impl<T> DeferredQueue<T> {
             pending: queued.saturating_sub(drained),
             wakeups: self.wakeups.load(Ordering::Relaxed),
             capacity: self.capacity() as u64,
+        }
+    }
+}
+
+impl<T> Drop for DeferredQueue<T> {
+    /// Gives the queue's empty blocks back to its stock (up to the stock's size). The owner
+    /// drains the queue first, so every block is then empty and spare.
+    fn drop(&mut self) {
+        if let Some(stock) = &self.stock {
+            let spare = std::mem::take(&mut lock(&self.queue).spare);
+            drop(stock.give(spare));
         }
     }
 }
@@ -636,6 +813,104 @@ mod tests {
         assert!(q.capacity() >= before);
         assert_eq!(q.stats().pending, 3, "enqueued during the drain");
         q.check_blocks();
+    }
+
+    /// A queue out of spare blocks takes the stock's before it falls back; its worker gives
+    /// them back (and the stock is topped up) once a drain empties the queue, and a dropped
+    /// queue gives its spare blocks back. Every item is freed once, in order.
+    #[test]
+    fn a_queue_out_of_spare_blocks_takes_the_stocks() {
+        let stock = Arc::new(BlockStock::new(2, 3));
+        stock.top_up();
+        assert_eq!(stock.len(), 3);
+        let q = DeferredQueue::with_blocks(2, 2, usize::MAX).with_stock(stock.clone());
+        // 2 own blocks, then 3 from the stock, then nothing left: the 11th falls back.
+        assert!((0..10).all(|i| q.try_enqueue(i).is_ok()));
+        assert_eq!(q.try_enqueue(10), Err(10));
+        assert_eq!((stock.len(), stock.taken()), (0, 3));
+        assert_eq!(q.capacity(), 10);
+        let s = q.stats();
+        assert_eq!((s.queued, s.fallback_full, s.pending), (10, 1, 10));
+        q.check_blocks();
+        let mut freed = Vec::new();
+        assert_eq!(q.drain_resizing(|b| freed.extend_from_slice(b)), 10);
+        assert_eq!(
+            freed,
+            (0..10).collect::<Vec<_>>(),
+            "each once, oldest first"
+        );
+        // Shrunk to its 2 resting blocks; the stock is full again.
+        assert_eq!((q.capacity(), stock.len()), (4, 3));
+        q.check_blocks();
+        // The stock is taken from again, then the dropped queue's spare blocks go back to it.
+        assert!((0..6).all(|i| q.try_enqueue(i).is_ok()));
+        assert_eq!(stock.len(), 2);
+        assert_eq!(q.drain(|_| {}), 6);
+        drop(q);
+        assert_eq!(stock.len(), 3, "given back, up to the stock's size");
+    }
+
+    /// Two queues share a stock of a few blocks; enqueuers, their workers and flushers on real
+    /// threads: every item is freed exactly once, and the stock never holds more than its size.
+    #[test]
+    fn queues_sharing_a_stock_free_every_item_exactly_once() {
+        let stock = Arc::new(BlockStock::new(4, 4));
+        stock.top_up();
+        let freed = Arc::new(std::sync::Mutex::new(HashSet::new()));
+        let free = {
+            let freed = freed.clone();
+            move |b: &[u64]| {
+                let mut f = freed.lock().unwrap();
+                for &i in b {
+                    assert!(f.insert(i), "{i} freed twice");
+                }
+            }
+        };
+        let queues: Vec<_> = (0..2)
+            .map(|_| {
+                Arc::new(DeferredQueue::with_blocks(4, 2, usize::MAX).with_stock(stock.clone()))
+            })
+            .collect();
+        let workers: Vec<_> = queues
+            .iter()
+            .map(|q| {
+                let (q, free) = (q.clone(), free.clone());
+                std::thread::spawn(move || {
+                    while q.wait_for_work() {
+                        q.drain_resizing(&free);
+                    }
+                })
+            })
+            .collect();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let (q, free) = (&queues[t as usize % 2], free.clone());
+                s.spawn(move || {
+                    for i in 0..20_000 {
+                        let item = t << 32 | i;
+                        match q.try_enqueue(item) {
+                            Ok(true) => q.wake(),
+                            Ok(false) => {}
+                            Err(item) => free(&[item]),
+                        }
+                        if i % 7000 == 0 {
+                            q.drain(&free);
+                        }
+                    }
+                });
+            }
+        });
+        for (q, w) in queues.iter().zip(workers) {
+            q.drain(&free);
+            q.stop();
+            w.join().unwrap();
+            let s = q.stats();
+            assert_eq!((s.pending, s.queued), (0, s.drained));
+            q.check_blocks();
+        }
+        assert_eq!(freed.lock().unwrap().len(), 80_000);
+        assert!(stock.taken() > 0, "the stock was used");
+        assert!(stock.len() <= 4);
     }
 
     #[test]
@@ -809,6 +1084,47 @@ mod loom_model {
             q.stop();
             w.join().unwrap();
             blocks_consistent(&q);
+        });
+    }
+
+    /// Two queues share a stock of one block (blocks of one item, two at rest): each releaser
+    /// queues three items, so one of them needs a block beyond its queue's own before its
+    /// worker can grow it, and the stock's one block goes to whichever gets it first (the
+    /// other falls back) and back to the stock when a worker shrinks its queue. Every item is
+    /// freed exactly once, and the blocks each queue counts are the blocks on its lists.
+    #[test]
+    fn queues_take_from_and_give_back_to_a_shared_stock() {
+        loom::model(|| {
+            let stock = std::sync::Arc::new(BlockStock::new(1, 1));
+            stock.top_up();
+            let pool = Arc::new(Pool::new(6));
+            let queues: Vec<_> = (0..2)
+                .map(|_| {
+                    Arc::new(DeferredQueue::with_blocks(1, 2, usize::MAX).with_stock(stock.clone()))
+                })
+                .collect();
+            let w = worker(queues[0].clone(), pool.clone());
+            let releaser = {
+                let (q, pool) = (queues[1].clone(), pool.clone());
+                thread::spawn(move || {
+                    for i in 3..6 {
+                        release(&q, &pool, i);
+                    }
+                    q.drain(|b| pool.free_block(b));
+                })
+            };
+            for i in 0..3 {
+                release(&queues[0], &pool, i);
+            }
+            releaser.join().unwrap();
+            queues[0].drain(|b| pool.free_block(b));
+            assert_eq!(pool.leaked(), Vec::<usize>::new());
+            queues[0].stop();
+            w.join().unwrap();
+            for q in &queues {
+                blocks_consistent(q);
+            }
+            assert!(lock(&stock.blocks).len <= 1);
         });
     }
 

@@ -37,13 +37,14 @@
 //! | frame allocator mutex | chunks and free frames |
 //! | deferred-free queue lock (try-locked only by `free_deferred`) | the queued and spare blocks of handles |
 //! | deferred-free drain mutex | the right to drain: held by a drainer (worker or `flush`) for its whole batch |
+//! | deferred-free block stock (one per process, `deferred_free::BlockStock`) | empty blocks the pools' queues take when their own run out |
 //!
 //! Lock order: class lock → migrate lock of a compaction source → migrate lock of a destination
 //! → frame allocator mutex; span table mutex → span descriptor → (a tail's) migrate lock. No span
 //! lock is taken while a class lock is held. `read` and `write` take exactly one migrate lock and nothing else;
 //! `free` takes one class lock (plus, if the zspage empties, its migrate lock briefly and then,
 //! after the class lock is dropped, the frame allocator mutex). `free_deferred` try-locks the
-//! queue lock and holds nothing else with it (or falls back to `free`). A drainer holds the
+//! queue lock and under it, when the queue needs a block, the stock's (or falls back to `free`). A drainer holds the
 //! drain mutex, takes the queue lock only to take blocks or give one back, then calls `free` per
 //! handle: drain mutex → class lock → ...
 //!
@@ -84,7 +85,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-pub use deferred_free::{DeferredStats, DEFERRED_FREE_BUDGET_BYTES};
+pub use deferred_free::{DeferredStats, DEFERRED_FREE_BUDGET_BYTES, DEFERRED_STOCK_BYTES};
 pub use handle::Handle;
 pub use size_class::{
     ClassInfo, ClassTable, MAX_PAGES_PER_ZSPAGE, MIN_ALLOC_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES,
@@ -188,7 +189,7 @@ impl PoolCore {
             },
             total_pages: AtomicU64::new(0),
             pages_compacted: AtomicU64::new(0),
-            deferred: DeferredQueue::new(deferred_capacity),
+            deferred: deferred_free::pool_queue(deferred_capacity),
             #[cfg(any(test, feature = "testing"))]
             release_under_class_lock: false,
         })
@@ -1533,6 +1534,61 @@ pub(crate) mod tests {
         drop(pool);
         assert_eq!(core.total_pages(), 0);
         assert_eq!(core.deferred.stats().pending, 0);
+    }
+
+    /// A release larger than the queue while its worker cannot drain: the queue fills its own
+    /// blocks, then the stock's, then the rest is freed by the caller; once the worker runs,
+    /// everything queued is freed, and a pool dropped with a second release queued frees it.
+    /// A handle freed twice would panic (its word is 0); one lost would keep pages.
+    #[test]
+    fn a_release_past_the_queue_and_its_stock_is_freed_once() {
+        // Blocks of 8, 2 at rest, and a stock of 2 blocks of its own.
+        let pool = ZsPool::with_deferred_capacity(4096, Some(16)).unwrap();
+        let core = pool.core.clone();
+        let hs: Vec<Handle> = (0..100u64)
+            .map(|s| {
+                let h = pool.malloc(500 + s as usize * 30).unwrap();
+                pool.write(h, &pattern(s, 500 + s as usize * 30));
+                h
+            })
+            .collect();
+        let inuse =
+            |pool: &ZsPool| -> u64 { pool.stats().classes.iter().map(|c| c.objs_inuse).sum() };
+        let held = core.deferred.hold_drains();
+        for &h in &hs[..60] {
+            pool.free_deferred(h);
+        }
+        let s = pool.deferred_stats();
+        assert_eq!(
+            (s.queued, s.fallback_full, s.pending),
+            (32, 28, 32),
+            "{s:?}"
+        );
+        assert_eq!(s.capacity, 32, "2 own blocks and 2 of the stock");
+        assert_eq!(inuse(&pool), 100 - 28, "the fallbacks were freed at once");
+        for (s, &h) in hs.iter().enumerate().skip(60) {
+            check_obj(&pool, h, s as u64, 500 + s * 30);
+        }
+        drop(held);
+        pool.flush();
+        pool.check();
+        assert_eq!(inuse(&pool), 40);
+        let s = pool.deferred_stats();
+        assert_eq!((s.drained, s.pending), (32, 0));
+        let held = core.deferred.hold_drains();
+        for &h in &hs[60..] {
+            pool.free_deferred(h);
+        }
+        assert_eq!(pool.deferred_stats().pending, 32);
+        drop(held);
+        // Reset: the pool drops with 32 handles queued.
+        drop(pool);
+        assert_eq!(core.total_pages(), 0);
+        assert_eq!(core.deferred.stats().pending, 0);
+        assert_eq!(
+            core.deferred.stats().queued + core.deferred.stats().fallback_full,
+            100
+        );
     }
 
     #[test]
