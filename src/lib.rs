@@ -22,6 +22,8 @@
 //! - [`zoned`]: the append-only backing store with GC; [`backing`]: the backing devices
 //!   themselves.
 //!
+//! - [`shm`]: memfd files and their shared mappings, where a device's state outlives the
+//!   process (`docs/restart.md`).
 //! - [`memory`]: whether this process serves swap (faulting memory in ahead of need).
 //!
 //! This crate is the engine. The service (the `uzram-service` crate: frontends, policies,
@@ -36,6 +38,7 @@ pub mod error;
 pub mod memory;
 pub mod pp;
 pub mod recompress;
+pub mod shm;
 pub mod slot;
 pub mod store;
 pub mod units;

@@ -31,6 +31,7 @@ pub mod idle;
 pub mod progress;
 mod recompress;
 pub mod request;
+pub mod restart;
 pub mod stats;
 mod writeback;
 
@@ -44,6 +45,7 @@ use crate::compress::{self, CodecParams, MAX_COMPS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::SwapReserve;
 pub use crate::recompress::{RecompressReport, RecompressSpec};
+use crate::shm::ShmFile;
 use crate::store::{BackingLayout, Codecs, Free, Store, WbTarget};
 pub use crate::store::{GenStat, TrainReport, TrainSpec};
 use crate::units::{BLOCK_SIZE_BYTES, DEFAULT_PAGE_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES};
@@ -136,6 +138,8 @@ struct State {
     settings: Settings,
     /// The initialised device's pages: built by `disksize`, dropped by `reset`.
     store: Option<Store>,
+    /// The settings header of the store's state (`restart`), with the store.
+    header: Option<ShmFile>,
     /// Serving swap: the server's swap reserve, which the pool takes its zspages from
     /// (`crate::memory`). Set before `disksize`; kept by reset.
     swap_reserve: Option<Arc<SwapReserve>>,
@@ -351,16 +355,12 @@ impl Device {
         };
         #[cfg(not(any(test, feature = "testing")))]
         let capacity = None;
-        // Multi-page objects are up to `multi_page_size` (the pool takes up to 64 KiB); the
-        // deferred-free queue stays sized by the device's page.
-        let mps = st.settings.multi_page_size_bytes.max(self.page_size_bytes);
-        let multi_pages = mps / self.page_size_bytes;
-        let (pool_page_bytes, capacity) = if multi_pages > 1 {
-            let default = crate::zsmalloc::DEFERRED_FREE_BUDGET_BYTES / self.page_size_bytes;
-            (MULTI_PAGE_SIZES_BYTES[3], capacity.or(Some(default)))
-        } else {
-            (self.page_size_bytes, capacity)
-        };
+        let (pool_page_bytes, capacity, multi_pages) = self.pool_shape(&st.settings, capacity);
+        let header = self.write_header(
+            &st.settings,
+            disksize_bytes / page,
+            st.swap_reserve.is_some(),
+        )?;
         let pool = match &st.swap_reserve {
             Some(reserve) => ZsPool::with_swap_reserve(pool_page_bytes, capacity, reserve)?,
             None => ZsPool::with_deferred_capacity(pool_page_bytes, capacity)?,
@@ -385,7 +385,31 @@ impl Device {
             Arc::clone(&self.clock),
         )?;
         st.store = Some(store);
+        st.header = Some(header);
         Ok(())
+    }
+
+    /// The pool a store of `settings` needs: its page size (multi-page objects are up to
+    /// `multi_page_size`: the pool then takes up to 64 KiB), its deferred-free queue's capacity
+    /// (`capacity` if set; sized by the device's page either way) and the pages per
+    /// multi-page object.
+    fn pool_shape(
+        &self,
+        settings: &Settings,
+        capacity: Option<usize>,
+    ) -> (usize, Option<usize>, usize) {
+        let mps = settings.multi_page_size_bytes.max(self.page_size_bytes);
+        let multi_pages = mps / self.page_size_bytes;
+        if multi_pages > 1 {
+            let default = crate::zsmalloc::DEFERRED_FREE_BUDGET_BYTES / self.page_size_bytes;
+            (
+                MULTI_PAGE_SIZES_BYTES[3],
+                capacity.or(Some(default)),
+                multi_pages,
+            )
+        } else {
+            (self.page_size_bytes, capacity, multi_pages)
+        }
     }
 
     /// The codecs `settings` name, each with its parameters: `EINVAL` for parameters an
@@ -421,6 +445,7 @@ impl Device {
     pub fn reset(&self) {
         let mut st = self.state.write();
         st.store = None;
+        st.header = None;
         st.settings = Settings::default();
         self.mem_limit_pages.store(0, Ordering::Relaxed);
         // The kernel's reset zeroes the disk's `stat` too (`part_stat_set_all`); no request

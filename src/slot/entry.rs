@@ -96,35 +96,50 @@ impl SlotEntry {
             .fetch_and(!(u32::from(flags.0) << FLAGS_SHIFT), Ordering::Relaxed);
     }
 
-    /// Replaces every data field with `state`'s (including the access time). For testing hooks.
+    /// Clears the lock bits: a slot locked by a process that died is unlocked for the process
+    /// that recovers the table (nobody else can hold it).
+    pub(crate) fn clear_lock_bits(&self) {
+        self.meta.fetch_and(!LOCK_BITS, Ordering::Relaxed);
+    }
+
+    /// Puts back the access time of a state read earlier (for testing hooks).
     #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn restore_locked(&self, state: SlotState) {
-        let m = state.meta_bits();
-        self.store_locked(
-            state.value,
-            m & SIZE_MASK,
-            state.flags(),
-            ((m & CODEC_MASK) >> CODEC_SHIFT) as u8,
-        );
+    pub(crate) fn restore_ac_time(&self, state: SlotState) {
         self.ac_time_secs
             .store(state.ac_time_secs, Ordering::Relaxed);
     }
 
-    /// Replaces every data field, keeping the lock bits (which waiters may set concurrently).
-    /// `codec` is a [`codec_id`].
-    pub(crate) fn store_locked(&self, value: u64, size_bytes: u32, flags: SlotFlags, codec: u8) {
+    /// The data bits of `meta` for `size_bytes`, `flags` and `codec` (a [`codec_id`]).
+    pub(crate) fn data_bits(size_bytes: u32, flags: SlotFlags, codec: u8) -> u32 {
         debug_assert!(size_bytes <= SIZE_MASK);
         debug_assert!(codec < 32);
-        let data = (size_bytes & SIZE_MASK)
+        (size_bytes & SIZE_MASK)
             | (u32::from(flags.0) << FLAGS_SHIFT)
-            | (u32::from(codec) << CODEC_SHIFT);
-        self.value.store(value, Ordering::Relaxed);
+            | (u32::from(codec) << CODEC_SHIFT)
+    }
+
+    /// Replaces every data field, keeping the lock bits (which waiters may set concurrently).
+    /// `codec` is a [`codec_id`]. Not crash-atomic: a guard of a table goes through its
+    /// journal (`super::journal`) instead.
+    #[cfg(test)]
+    pub(crate) fn store_locked(&self, value: u64, size_bytes: u32, flags: SlotFlags, codec: u8) {
+        self.store_data(
+            value,
+            Self::data_bits(size_bytes, flags, codec),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Stores `value`, then `data` (no lock bits) into `meta` keeping its lock bits, each
+    /// with `order`.
+    pub(crate) fn store_data(&self, value: u64, data: u32, order: Ordering) {
+        self.value.store(value, order);
         let mut cur = self.meta.load(Ordering::Relaxed);
         loop {
             let new = (cur & LOCK_BITS) | data;
             match self
                 .meta
-                .compare_exchange_weak(cur, new, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange_weak(cur, new, order, Ordering::Relaxed)
             {
                 Ok(_) => break,
                 Err(actual) => cur = actual,
@@ -152,11 +167,6 @@ impl SlotState {
         }
     }
 
-    /// The packed size, flags and priority bits (no lock bits).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn meta_bits(&self) -> u32 {
-        self.meta
-    }
     /// The flags.
     pub fn flags(&self) -> SlotFlags {
         SlotFlags(((self.meta & FLAGS_MASK) >> FLAGS_SHIFT) as u8)

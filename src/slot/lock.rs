@@ -12,6 +12,7 @@
 //! the lock (with `Relaxed`) is ordered by it.
 
 use super::entry::{SlotEntry, SlotFlags, SlotState, LOCKED, PARKED};
+use super::journal::Journal;
 use super::SlotIndex;
 use parking_lot_core::{
     ParkToken, SpinWait, UnparkToken, DEFAULT_PARK_TOKEN, DEFAULT_UNPARK_TOKEN,
@@ -23,28 +24,68 @@ use std::sync::atomic::Ordering;
 pub struct SlotGuard<'a> {
     entry: &'a SlotEntry,
     index: SlotIndex,
+    /// The table's journal, through which every data change goes (none for a lone entry).
+    journal: Option<Journal<'a>>,
 }
 
 impl<'a> SlotGuard<'a> {
     /// Locks `entry`, sleeping if another thread holds it.
     #[inline]
     pub fn lock(entry: &'a SlotEntry, index: SlotIndex) -> SlotGuard<'a> {
+        Self::lock_in(entry, index, None)
+    }
+
+    /// Locks `entry`, slot `index` of a table whose changes go through `journal`.
+    #[inline]
+    pub(crate) fn lock_in(
+        entry: &'a SlotEntry,
+        index: SlotIndex,
+        journal: Option<Journal<'a>>,
+    ) -> SlotGuard<'a> {
         let prev = entry.meta.fetch_or(LOCKED, Ordering::Acquire);
         if prev & LOCKED != 0 {
             lock_slow(entry);
         }
-        SlotGuard { entry, index }
+        SlotGuard {
+            entry,
+            index,
+            journal,
+        }
     }
 
     /// Locks `entry` if it is free right now.
     #[inline]
     pub fn try_lock(entry: &'a SlotEntry, index: SlotIndex) -> Option<SlotGuard<'a>> {
+        Self::try_lock_in(entry, index, None)
+    }
+
+    /// [`try_lock`](Self::try_lock) of slot `index` of a table with `journal`.
+    #[inline]
+    pub(crate) fn try_lock_in(
+        entry: &'a SlotEntry,
+        index: SlotIndex,
+        journal: Option<Journal<'a>>,
+    ) -> Option<SlotGuard<'a>> {
         let prev = entry.meta.fetch_or(LOCKED, Ordering::Acquire);
         // Not `then_some`: that would build (and drop, unlocking) a guard even on failure.
         if prev & LOCKED == 0 {
-            Some(SlotGuard { entry, index })
+            Some(SlotGuard {
+                entry,
+                index,
+                journal,
+            })
         } else {
             None
+        }
+    }
+
+    /// Replaces the slot's data (value, size, flags, codec) in one step for a process that
+    /// stops at any instruction (through the journal, if the table has one).
+    fn store(&mut self, value: u64, size_bytes: u32, flags: SlotFlags, codec: u8) {
+        let data = SlotEntry::data_bits(size_bytes, flags, codec);
+        match &self.journal {
+            Some(j) => j.store(self.index.0, self.entry, value, data),
+            None => self.entry.store_data(value, data, Ordering::Relaxed),
         }
     }
 
@@ -62,33 +103,37 @@ impl<'a> SlotGuard<'a> {
     /// Empties the slot (zram's `zram_free_page` after the data is released): no data, no flags.
     /// The access time is kept.
     pub fn set_empty(&mut self) {
-        self.entry.store_locked(0, 0, SlotFlags::NONE, 0);
+        self.store(0, 0, SlotFlags::NONE, 0);
     }
 
     /// Stores a same-filled page.
     pub fn set_same(&mut self, word: u64) {
-        self.entry.store_locked(word, 0, SlotFlags::SAME, 0);
+        self.store(word, 0, SlotFlags::SAME, 0);
     }
 
     /// Stores a pool object: its raw handle, size and flags (HUGE), compressed with codec
     /// `codec` (a [`codec_id`](super::codec_id)).
     pub fn set_handle(&mut self, handle_raw: u64, size_bytes: usize, flags: SlotFlags, codec: u8) {
         debug_assert_ne!(handle_raw, 0);
-        self.entry
-            .store_locked(handle_raw, size_bytes as u32, flags, codec);
+        self.store(handle_raw, size_bytes as u32, flags, codec);
     }
 
     /// Points the slot at a backing location (WB), keeping its size, HUGE/INCOMPRESSIBLE flags
     /// and priority so that read-back knows how it was stored.
     pub fn set_wb(&mut self, location: u64, size_bytes: usize, flags: SlotFlags, codec: u8) {
-        self.entry
-            .store_locked(location, size_bytes as u32, flags | SlotFlags::WB, codec);
+        self.store(location, size_bytes as u32, flags | SlotFlags::WB, codec);
     }
 
     /// Puts back a state read earlier (used by testing hooks).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn restore(&mut self, state: SlotState) {
-        self.entry.restore_locked(state);
+        self.store(
+            state.value,
+            state.size_bytes() as u32,
+            state.flags(),
+            state.codec(),
+        );
+        self.entry.restore_ac_time(state);
     }
 
     /// Sets flags.

@@ -18,18 +18,21 @@
 //! - Every field but the lock bits changes only while the slot's lock is held ([`SlotTable::lock`]).
 //!   Readers that need a consistent view take the lock; the idle scan reads `meta`/`ac_time`
 //!   without it only to choose candidates, and re-checks under the lock.
-//! - The table is one anonymous `MAP_NORESERVE` mapping: pages of it are committed only when a
-//!   slot on them is first written, so a 100 GiB device costs nothing until used; except in a
+//! - The table is one shared `MAP_NORESERVE` mapping of a memfd (`crate::shm`), so it outlives
+//!   the process that wrote it (`docs/restart.md`): pages of it are committed only when a slot
+//!   on them is first written, so a 100 GiB device costs nothing until used; except in a
 //!   device serving swap (`crate::memory`), whose table is faulted in whole when it is made.
 
 pub mod entry;
+mod journal;
 pub mod lock;
 
 pub use entry::{codec_id, SlotEntry, SlotFlags, SlotState, MAX_GENS};
 pub use lock::SlotGuard;
 
 use crate::error::{Error, Result};
-use std::ptr::NonNull;
+use crate::shm::{ShmFile, ShmMap};
+use journal::{Journal, JournalEntry, JOURNAL_ENTRIES};
 
 /// A page index on the device (zram's `index`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -38,17 +41,15 @@ pub struct SlotIndex(pub u64);
 /// The table of slot entries of one initialised device.
 #[derive(Debug)]
 pub struct SlotTable {
-    /// Start of the mapping: `len` entries, zero-initialised by the kernel.
-    base: NonNull<SlotEntry>,
+    /// The entries: `len` of them, zero-initialised (a fresh file) or as a previous process
+    /// left them.
+    map: ShmMap,
     len: usize,
-    map_bytes: usize,
+    /// Where the journal starts in the mapping (after the entries).
+    journal_offset: usize,
+    /// The memfd holding the entries (`docs/restart.md`).
+    file: ShmFile,
 }
-
-// SAFETY: the table is an array of atomics (SlotEntry is made only of atomic words), so shared
-// access from many threads is sound; the raw pointer is owned by the table and unmapped on drop.
-unsafe impl Send for SlotTable {}
-// SAFETY: as above: every access goes through `&SlotEntry`, whose fields are atomics.
-unsafe impl Sync for SlotTable {}
 
 impl SlotTable {
     /// Reserves a table of `len` empty slots. Costs address space only.
@@ -59,52 +60,88 @@ impl SlotTable {
     /// As [`new`](Self::new); with `fault_in`, the whole table is faulted in now (a server
     /// backing swap: `crate::memory`), so no write under memory pressure faults a page of it.
     pub fn with_faulting(len: u64, fault_in: bool) -> Result<SlotTable> {
-        let len_usize = usize::try_from(len).map_err(|_| Error::invalid("too many slots"))?;
-        let bytes = len_usize
-            .checked_mul(std::mem::size_of::<SlotEntry>())
-            .ok_or_else(|| Error::invalid("too many slots"))?
-            .max(1);
-        // SAFETY: an anonymous private mapping with no address hint has no preconditions; the
-        // result is checked against MAP_FAILED before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::no_memory(format!(
-                "cannot reserve {bytes} bytes for the slot table: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        let base = NonNull::new(ptr.cast::<SlotEntry>())
-            .ok_or_else(|| Error::no_memory("mmap returned null"))?;
+        let bytes = Self::entries_bytes(len)?;
+        let file = ShmFile::create("slots")?;
+        file.set_len(Self::file_bytes(len)? as u64)?;
+        let table = SlotTable::map(file, len)?;
         if fault_in {
             // Serving swap: the whole table now (as the kernel's zram allocates its table at
             // `disksize`), so no write under memory pressure faults a page of it in.
-            // SAFETY: the range is exactly the fresh mapping; populating writes nothing visible
-            // (the pages stay zero).
-            let rc = unsafe {
-                libc::madvise(ptr, bytes, 23 /* MADV_POPULATE_WRITE */)
-            };
-            if rc != 0 {
-                // Kernels before 5.14: touch a word of every page (zero over zero).
-                for off in (0..bytes).step_by(4096) {
-                    // SAFETY: `off < bytes`, inside the mapping, which nobody else uses yet.
-                    unsafe { ptr.cast::<u8>().add(off).write_volatile(0) };
-                }
-            }
+            table.map.populate(bytes);
         }
+        Ok(table)
+    }
+
+    /// The table of `len` slots a previous process left in `file` (`docs/restart.md`); its
+    /// entries are taken as they are (recovery checks them): the journal is rolled forward
+    /// (`journal`), and the lock bits of slots locked when that process died and the PP_SLOT
+    /// marks of its pending writeback or recompression are cleared.
+    /// Returns the table and the number of entries rolled forward.
+    pub fn from_file(file: ShmFile, len: u64) -> Result<(SlotTable, u64)> {
+        let bytes = Self::file_bytes(len)?;
+        let have = file.len()?;
+        if have != bytes as u64 {
+            return Err(Error::invalid(format!(
+                "the slot table holds {have} bytes, not {bytes} for {len} slots"
+            )));
+        }
+        let table = SlotTable::map(file, len)?;
+        let replayed = table
+            .journal()
+            .replay(len, |i| table.entry(SlotIndex(i)))
+            .map_err(Error::invalid)?;
+        for i in 0..len {
+            let e = table.entry(SlotIndex(i));
+            e.clear_lock_bits();
+            // No writeback or recompression survives the process that selected the slot.
+            e.clear_flags_locked(SlotFlags::PP_SLOT);
+        }
+        Ok((table, replayed))
+    }
+
+    /// Bytes of the entries, rounded up to a page (the journal follows).
+    fn entries_bytes(len: u64) -> Result<usize> {
+        let len_usize = usize::try_from(len).map_err(|_| Error::invalid("too many slots"))?;
+        Ok(len_usize
+            .checked_mul(std::mem::size_of::<SlotEntry>())
+            .ok_or_else(|| Error::invalid("too many slots"))?
+            .next_multiple_of(4096))
+    }
+
+    /// Bytes of the table's file: the entries, then the journal.
+    fn file_bytes(len: u64) -> Result<usize> {
+        Ok(Self::entries_bytes(len)? + JOURNAL_ENTRIES * std::mem::size_of::<JournalEntry>())
+    }
+
+    fn map(file: ShmFile, len: u64) -> Result<SlotTable> {
+        let bytes = Self::file_bytes(len)?;
+        let map = file.map(0, bytes)?;
         Ok(SlotTable {
-            base,
-            len: len_usize,
-            map_bytes: bytes,
+            map,
+            len: len as usize,
+            journal_offset: Self::entries_bytes(len)?,
+            file,
         })
+    }
+
+    /// The memfd holding the entries.
+    pub fn file(&self) -> &ShmFile {
+        &self.file
+    }
+
+    /// The journal after the entries.
+    fn journal(&self) -> Journal<'_> {
+        let offset = self.journal_offset;
+        // SAFETY: the journal's `JOURNAL_ENTRIES` entries lie at `offset` inside the mapping
+        // (its length is `file_bytes`), page aligned; any bit pattern is valid for them (atomics
+        // and padding integers); they live as long as `self`.
+        let entries = unsafe {
+            std::slice::from_raw_parts(
+                self.map.base().as_ptr().add(offset).cast::<JournalEntry>(),
+                JOURNAL_ENTRIES,
+            )
+        };
+        Journal::new(entries)
     }
 
     /// Number of slots (the device's page count).
@@ -122,37 +159,35 @@ impl SlotTable {
     pub fn entry(&self, index: SlotIndex) -> &SlotEntry {
         let i = usize::try_from(index.0).expect("slot index fits usize");
         assert!(i < self.len, "slot index {i} out of range {}", self.len);
-        // SAFETY: `i < len`, the mapping holds `len` entries and lives as long as `self`; an
-        // all-zero SlotEntry is valid (it is made of atomic integers).
-        unsafe { &*self.base.as_ptr().add(i) }
+        // SAFETY: `i < len`, the mapping holds `len` entries (its length is checked when it is
+        // made) and lives as long as `self`; it is page aligned, and any bit pattern is a valid
+        // SlotEntry (it is made of atomic integers).
+        unsafe { &*self.map.base().as_ptr().cast::<SlotEntry>().add(i) }
     }
 
     /// Locks slot `index` (zram's `zram_slot_lock`).
     #[inline]
     pub fn lock(&self, index: SlotIndex) -> SlotGuard<'_> {
-        SlotGuard::lock(self.entry(index), index)
+        SlotGuard::lock_in(self.entry(index), index, Some(self.journal()))
+    }
+
+    /// Locks slot `index` if it is free right now.
+    #[inline]
+    pub fn try_lock(&self, index: SlotIndex) -> Option<SlotGuard<'_>> {
+        SlotGuard::try_lock_in(self.entry(index), index, Some(self.journal()))
     }
 
     /// Bytes of the table: 16 per slot, reserved when the device is initialised and held until
     /// reset (fixed overhead, as zram's `vzalloc`ed table; pages of it never touched are not
-    /// resident).
+    /// resident), and its journal's 32 KiB.
     pub fn size_bytes(&self) -> u64 {
-        (self.len * std::mem::size_of::<SlotEntry>()) as u64
+        (self.len * std::mem::size_of::<SlotEntry>()
+            + JOURNAL_ENTRIES * std::mem::size_of::<JournalEntry>()) as u64
     }
 
     /// Bytes of slot metadata per page: the size of one entry.
     pub const fn metadata_bytes_per_page() -> usize {
         std::mem::size_of::<SlotEntry>()
-    }
-}
-
-impl Drop for SlotTable {
-    fn drop(&mut self) {
-        // SAFETY: `base`/`map_bytes` describe the mapping made in `new`; no reference into it
-        // outlives `self` (entries are borrowed from `&self`).
-        unsafe {
-            libc::munmap(self.base.as_ptr().cast(), self.map_bytes);
-        }
     }
 }
 

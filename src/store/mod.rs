@@ -49,6 +49,7 @@ mod gc;
 mod multi;
 mod pp;
 mod recompress;
+mod restore;
 mod stats;
 mod target;
 mod train_dict;
@@ -56,6 +57,7 @@ mod train_dict;
 pub use codecs::GenStat;
 use multi::GroupWhere;
 pub(crate) use recompress::Outcome;
+pub use restore::{RecoveryReport, StoreFiles};
 pub use stats::{MetaStats, StatsSnapshot};
 pub use train_dict::{TrainReport, TrainSpec};
 
@@ -166,6 +168,25 @@ pub(crate) struct Store {
     epoch: Duration,
 }
 
+/// Testing: every store of the process publishes a page's slot before copying its object's
+/// bytes (see `Store::write_page_publishing_first`).
+#[cfg(any(test, feature = "testing"))]
+static PUBLISH_BEFORE_COPY: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Testing: makes every store of this process publish a page's slot before its object's
+/// bytes are copied (`on`), the ordering bug the crash model test's canary must catch.
+#[cfg(any(test, feature = "testing"))]
+pub fn set_publish_before_copy(on: bool) {
+    PUBLISH_BEFORE_COPY.store(on, Ordering::Relaxed);
+}
+
+/// A new store's identity (for the per-thread caches).
+fn next_store_id() -> u64 {
+    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
 /// Where a slot's page comes from, as seen under its lock.
 pub(crate) enum Source<'a> {
     /// Already in the output buffer.
@@ -191,7 +212,6 @@ impl Store {
         target: Option<WbTarget>,
         clock: Arc<dyn Clock>,
     ) -> Result<Store> {
-        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let slots = SlotTable::with_faulting(nr_pages, pool.serves_swap())?;
         let multi_pages = multi_pages.max(1);
         if multi_pages > 1 && pool.page_size_bytes() < multi_pages * page_size_bytes {
@@ -212,7 +232,7 @@ impl Store {
             huge_group_bytes: huge(multi_pages * page_size_bytes),
             group_refs: (0..groups).map(|_| AtomicU8::new(0)).collect(),
             multi_frees: AtomicU64::new(0),
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            id: next_store_id(),
             slots,
             pool,
             codecs,
@@ -333,9 +353,46 @@ impl Store {
         dst: &mut [u8],
         limit_pages: u64,
     ) -> Result<()> {
+        #[cfg(any(test, feature = "testing"))]
+        if PUBLISH_BEFORE_COPY.load(Ordering::Relaxed) {
+            return self.write_page_publishing_first(index, page, dst, limit_pages);
+        }
         let prepared = self.prepare(page, dst, limit_pages)?;
         let mut g = self.slots.lock(index);
         self.publish(&mut g, prepared);
+        Ok(())
+    }
+
+    /// [`write_page`](Self::write_page) in the wrong order (testing): the slot is published
+    /// before the object's bytes are copied in, the ordering bug the crash model test's canary
+    /// must catch (`tests/restart.rs`).
+    #[cfg(any(test, feature = "testing"))]
+    fn write_page_publishing_first(
+        &self,
+        index: SlotIndex,
+        page: &[u8],
+        dst: &mut [u8],
+        limit_pages: u64,
+    ) -> Result<()> {
+        if same_filled_word(page).is_some() {
+            let prepared = self.prepare(page, dst, limit_pages)?;
+            self.publish(&mut self.slots.lock(index), prepared);
+            return Ok(());
+        }
+        let comp_len = self.codecs.primary().compress(page, dst)?;
+        let (src, huge) = if comp_len >= self.huge_threshold_bytes {
+            (page, true)
+        } else {
+            (&dst[..comp_len], false)
+        };
+        let handle = self.pool.malloc(src.len())?;
+        let prepared = Prepared::Object {
+            handle,
+            size_bytes: src.len(),
+            huge,
+        };
+        self.publish(&mut self.slots.lock(index), prepared);
+        self.pool.write(handle, src);
         Ok(())
     }
 
@@ -389,7 +446,7 @@ impl Store {
     /// `miss_free` (the page stays stored until it is overwritten or discarded). Never waits.
     pub(crate) fn free_notify(&self, index: SlotIndex, how: Free) {
         StoreStats::add(&self.stats.notify_free, 1);
-        match SlotGuard::try_lock(self.slots.entry(index), index) {
+        match self.slots.try_lock(index) {
             Some(mut g) => self.release_slot(&mut g, how),
             None => StoreStats::add(&self.stats.miss_free, 1),
         }
@@ -491,9 +548,12 @@ impl Store {
         Ok(())
     }
 
-    /// Replaces the slot's contents with `prepared`. The caller holds the slot lock.
+    /// Replaces the slot's contents with `prepared`, then releases what it held: in that
+    /// order, so a process stopped in between leaves an object no slot references (garbage
+    /// that recovery frees), never a slot naming a freed object (`docs/restart.md`). The
+    /// caller holds the slot lock.
     fn publish(&self, g: &mut SlotGuard<'_>, prepared: Prepared) {
-        self.release_slot(g, Free::Sync);
+        let old = g.state();
         let s = &self.stats;
         match prepared {
             Prepared::Same(word) => {
@@ -520,6 +580,7 @@ impl Store {
         }
         StoreStats::add(&s.pages_stored, 1);
         g.touch(self.now_secs());
+        self.release_contents(g.index(), old, Free::Sync);
     }
 
     /// Releases whatever the slot holds and empties it (zram's `zram_free_page`), freeing its
@@ -528,6 +589,14 @@ impl Store {
     /// later. The caller holds the slot lock.
     fn release_slot(&self, g: &mut SlotGuard<'_>, how: Free) {
         let st = g.state();
+        // Emptied first: see `publish`.
+        g.set_empty();
+        self.release_contents(g.index(), st, how);
+    }
+
+    /// Releases `st`, what slot `index` held before it was emptied or replaced (its object,
+    /// backing location, codec generation and counters). The caller holds the slot lock.
+    fn release_contents(&self, index: SlotIndex, st: SlotState, how: Free) {
         if st.is_empty() {
             return;
         }
@@ -540,18 +609,17 @@ impl Store {
             // of its group pointing at it).
             if let Some(target) = self.target.as_ref() {
                 if st.has(SlotFlags::MULTI) {
-                    self.release_wb_group(g.index(), st, target);
+                    self.release_wb_group(index, st, target);
                 } else {
                     target.release(location, 1);
                 }
             }
         } else {
-            self.release_object(g.index(), st, how);
+            self.release_object(index, st, how);
         }
         // A recompressed page (in RAM or written back) no longer holds its codec's generation.
         self.codecs.release(st.codec());
         StoreStats::sub(&s.pages_stored, 1);
-        g.set_empty();
     }
 
     /// A slot pointing at a written-back multi-page object lets go of it: the last one of the

@@ -7,7 +7,7 @@ use super::stats::StoreStats;
 use super::{Free, Prepared, Store, MAX_MULTI_PAGES};
 use crate::compress::same_filled_word;
 use crate::error::Result;
-use crate::slot::{SlotFlags, SlotGuard, SlotIndex};
+use crate::slot::{SlotFlags, SlotGuard, SlotIndex, SlotState};
 use crate::zsmalloc::Handle;
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
@@ -89,16 +89,21 @@ impl Store {
         for (k, g) in guards.iter_mut().take(n).enumerate() {
             *g = Some(self.slots.lock(SlotIndex(first.0 + k as u64)));
         }
-        // Releasing every slot of the group drops every reference to its previous object.
-        for g in guards.iter_mut().flatten() {
-            self.release_slot(g, Free::Sync);
-        }
-        self.group_refs[(first.0 / n as u64) as usize].store(n as u8, Ordering::Relaxed);
+        // Every slot is pointed at the new object first, then what each held is released
+        // (a process stopped in between leaves garbage, never a slot naming a freed object:
+        // `docs/restart.md`); the group's count still counts the previous object's slots
+        // while they are released, so its last one frees it.
+        let mut olds: [Option<SlotState>; MAX_MULTI_PAGES] = [None; MAX_MULTI_PAGES];
         let now = self.now_secs();
-        for g in guards.iter_mut().flatten() {
+        for (g, old) in guards.iter_mut().flatten().zip(olds.iter_mut()) {
+            *old = Some(g.state());
             g.set_handle(handle.to_raw(), comp_len, SlotFlags::MULTI, 0);
             g.touch(now);
         }
+        for (g, old) in guards.iter().flatten().zip(olds) {
+            self.release_contents(g.index(), old.expect("set above"), Free::Sync);
+        }
+        self.group_refs[(first.0 / n as u64) as usize].store(n as u8, Ordering::Relaxed);
         let s = &self.stats;
         StoreStats::add(&s.compr_data_size_bytes, comp_len as u64);
         StoreStats::add(&s.pages_stored, n as u64);

@@ -129,14 +129,15 @@ impl Store {
             g.clear_flags(SlotFlags::PP_SLOT);
             return false;
         }
-        self.release_object(index, st, Free::Sync);
         let mut keep = SlotFlags::NONE;
         for f in [SlotFlags::HUGE, SlotFlags::INCOMPRESSIBLE] {
             if st.has(f) {
                 keep = keep | f;
             }
         }
+        // The slot first, then the object (`docs/restart.md`).
         g.set_wb(location, st.size_bytes(), keep, st.codec());
+        self.release_object(index, st, Free::Sync);
         target.commit(location, 1);
         true
     }
@@ -232,7 +233,14 @@ impl Store {
             ),
             live
         );
-        // The handle may come back for another object: the caches of this one go first.
+        for g in guards.iter_mut().flatten() {
+            let gs = g.state();
+            if gs.has(SlotFlags::MULTI) && gs.handle_raw() == Some(handle) {
+                g.set_wb(location, st.size_bytes(), SlotFlags::MULTI, st.codec());
+            }
+        }
+        // The slots first, then the object (`docs/restart.md`). The handle may come back for
+        // another object: the caches of this one go first.
         self.multi_frees.fetch_add(1, Ordering::Release);
         self.pool
             .free(Handle::from_raw(handle).expect("a MULTI slot holds an object"));
@@ -242,12 +250,6 @@ impl Store {
         StoreStats::add(&s.multi_wb_objects, 1);
         StoreStats::add(&s.multi_wb_pages, live);
         StoreStats::add(&s.multi_wb_blocks, blocks);
-        for g in guards.iter_mut().flatten() {
-            let gs = g.state();
-            if gs.has(SlotFlags::MULTI) && gs.handle_raw() == Some(handle) {
-                g.set_wb(location, st.size_bytes(), SlotFlags::MULTI, st.codec());
-            }
-        }
         target.commit(location, blocks);
         Some(live)
     }

@@ -168,10 +168,11 @@ impl Store {
             self.pool.free(new);
             return Ok(Outcome::Raced);
         }
-        self.release_object(index, st, Free::Sync);
         self.codecs.release(st.codec());
         self.codecs.acquire(id);
+        // The slot first, then the old object (`docs/restart.md`).
         g.set_handle(new.to_raw(), len, SlotFlags::NONE, id);
+        self.release_object(index, st, Free::Sync);
         StoreStats::add(&self.stats.compr_data_size_bytes, len as u64);
         StoreStats::add(&self.stats.recomp_done, 1);
         Ok(Outcome::Recompressed(old_size, len))
@@ -300,9 +301,6 @@ impl Store {
             self.clear_group_pp(first);
             return Ok(Outcome::Raced);
         }
-        // The old handle may come back for another object: the caches of this one go first.
-        self.multi_frees.fetch_add(1, Ordering::Release);
-        self.pool.free(handle);
         for g in guards.iter_mut().flatten() {
             let gs = g.state();
             if gs.handle_raw() == Some(raw) && gs.has(SlotFlags::MULTI) {
@@ -311,6 +309,10 @@ impl Store {
                 g.set_handle(new.to_raw(), len, SlotFlags::MULTI, id);
             }
         }
+        // The slots first, then the old object (`docs/restart.md`). The old handle may come
+        // back for another object: the caches of this one go first.
+        self.multi_frees.fetch_add(1, Ordering::Release);
+        self.pool.free(handle);
         StoreStats::sub(&self.stats.compr_data_size_bytes, old_size as u64);
         StoreStats::add(&self.stats.compr_data_size_bytes, len as u64);
         StoreStats::add(&self.stats.recomp_done, 1);

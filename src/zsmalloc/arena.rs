@@ -1,6 +1,6 @@
 //! A never-shrinking segmented array with lock-free lookup.
 //!
-//! The handle table and each class's zspage descriptors live in a [`SegArray`]: element `i`
+//! Each class's zspage descriptors (and the run descriptors) live in a [`SegArray`]: element `i`
 //! keeps its address for the life of the array, so a thread that found an index (in a handle
 //! word, say) can always dereference it, even if the element was recycled meanwhile. That is
 //! what lets readers lock a zspage descriptor without holding any other lock first.

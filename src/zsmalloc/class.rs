@@ -25,7 +25,8 @@ use parking_lot::Mutex;
 use super::arena::SegArray;
 use super::fullness::{group_of, FullnessLists, GROUP_EMPTY, NR_GROUPS};
 use super::handle::MAX_ZSPAGES_PER_CLASS;
-use super::page_alloc::Frame;
+use super::page_alloc::{Frame, FrameAllocator};
+use super::record::FrameUse;
 use super::size_class::ClassInfo;
 use super::zspage::{Reserved, ZspageDesc, ZspageMeta};
 use crate::error::{Error, Result};
@@ -36,6 +37,8 @@ use crate::error::{Error, Result};
 #[repr(align(128))]
 pub(crate) struct SizeClass {
     pub(crate) info: ClassInfo,
+    /// The class's place in the pool's class list (what frame records name).
+    pub(crate) position: u32,
     /// Descriptors by zspage id: 16 in the first segment, doubling.
     pub(crate) descs: SegArray<ZspageDesc, 4>,
     /// The class lock.
@@ -86,9 +89,10 @@ impl ClassState {
 }
 
 impl SizeClass {
-    pub(crate) fn new(info: ClassInfo) -> SizeClass {
+    pub(crate) fn new(info: ClassInfo, position: u32) -> SizeClass {
         SizeClass {
             info,
+            position,
             descs: SegArray::new(),
             state: Mutex::new(ClassState::default()),
         }
@@ -116,9 +120,22 @@ impl SizeClass {
         Ok(id as u32)
     }
 
-    /// Attaches a zspage with `frame` under id `id` (from [`take_id`](Self::take_id)). The
-    /// caller reserves a slot in it before dropping the class lock.
-    pub(crate) fn attach(&self, st: &mut ClassState, id: u32, frame: Frame) {
+    /// Attaches a zspage with `frame` under id `id` (from [`take_id`](Self::take_id)), writing
+    /// the frame's record (`record`). The caller reserves a slot in it before dropping the
+    /// class lock.
+    pub(crate) fn attach(
+        &self,
+        st: &mut ClassState,
+        id: u32,
+        frame: Frame,
+        frames: &FrameAllocator,
+    ) {
+        let (what, extra) = FrameUse::Zspage {
+            class: self.position,
+            id,
+        }
+        .encode();
+        frames.set_record(&frame, what, extra);
         let previous = self.desc(id).write().replace(frame);
         assert!(previous.is_none(), "unused zspage {id} still had a frame");
         st.metas[id as usize].attach(self.info.objs_per_zspage);
@@ -132,16 +149,57 @@ impl SizeClass {
     /// and it lets go at once). The caller releases what is returned after dropping the class
     /// lock. The id goes back to `free_ids` now: its descriptor has no frame and its meta no
     /// slot table, so the next `attach` of it is valid at once.
-    pub(crate) fn detach(&self, st: &mut ClassState, id: u32) -> Detached {
+    pub(crate) fn detach(&self, st: &mut ClassState, id: u32, frames: &FrameAllocator) -> Detached {
         let owners = st.metas[id as usize].detach();
         let frame = self
             .desc(id)
             .write()
             .take()
             .expect("attached zspage has a frame");
+        // Before the id can be taken again (under this lock): no two records claim it.
+        frames.clear_record(&frame);
         st.free_ids.push(id);
         st.zspages -= 1;
         Detached { frame, owners }
+    }
+}
+
+/// A zspage recovery attaches: its id, its frame, and its used slots as (slot, handle index).
+pub(crate) type RestoredZspage = (u32, Frame, Vec<(u32, u32)>);
+
+impl SizeClass {
+    /// Recovery: attaches the zspages a previous process left (`(id, frame, used slots as
+    /// (slot, handle index))`, ids distinct), makes every other id below the largest unused,
+    /// and takes `free_handles` as the class's free handle indices. The class must be fresh.
+    pub(crate) fn restore(
+        &self,
+        st: &mut ClassState,
+        zspages: Vec<RestoredZspage>,
+        free_handles: Vec<u32>,
+    ) {
+        assert_eq!(st.metas.len(), 0, "restoring a class in use");
+        let ids = zspages.iter().map(|z| z.0 + 1).max().unwrap_or(0);
+        st.metas.resize_with(ids as usize, ZspageMeta::default);
+        for (id, frame, used) in zspages {
+            let previous = self.descs.get_or_grow(u64::from(id)).write().replace(frame);
+            assert!(previous.is_none(), "zspage {id} restored twice");
+            st.metas[id as usize].rebuild(self.info.objs_per_zspage, &used);
+            st.fullness
+                .insert(id, group_of(used.len(), self.info.objs_per_zspage));
+            st.zspages += 1;
+            st.objs_inuse += used.len() as u64;
+        }
+        for id in (0..ids).rev() {
+            if self
+                .descs
+                .get(u64::from(id))
+                .map_or(true, |d| d.read().is_none())
+            {
+                self.descs.get_or_grow(u64::from(id));
+                st.free_ids.push(id);
+            }
+        }
+        st.free_handles = free_handles;
     }
 }
 

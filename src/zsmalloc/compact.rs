@@ -83,7 +83,7 @@ impl PoolCore {
                     emptied = st.release(class, src, obj, handle);
                 }
             }
-            let detached = emptied.then(|| class.detach(&mut st, src));
+            let detached = emptied.then(|| class.detach(&mut st, src, &self.frames));
             drop(st);
             if let Some(d) = detached {
                 self.release_detached(class, d);

@@ -21,11 +21,13 @@
 //! - Free handle indices are kept on a free list per class (under the class lock); new indices
 //!   come from an atomic counter. The free path never takes a pool-wide lock.
 
+#![allow(unsafe_code)]
+
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::arena::SegArray;
 use crate::error::{Error, Result};
+use crate::shm::{ShmFile, ShmMap};
 
 /// An allocated object. Copy it freely; use it from one owner at a time (see `ZsPool`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -97,51 +99,116 @@ impl Location {
     }
 }
 
-/// The table of location words.
-#[derive(Debug, Default)]
+/// Bytes before the first location word in the handle table's file: the header.
+const HEADER_BYTES: usize = 4096;
+/// Header word 0: indices ever handed out (the next fresh index).
+const HEADER_NEXT_INDEX: usize = 0;
+
+/// The table of location words: a memfd (`crate::shm`), so it outlives the process
+/// (`docs/restart.md`). Its file holds a header page (word 0: the next fresh index) and then
+/// one `AtomicU64` per handle index, up to [`MAX_HANDLES`]: 16 GiB of address space, sparse
+/// (a page of words is committed when a handle on it is first handed out). A word is found by
+/// arithmetic, with no lock and no indirection.
+#[derive(Debug)]
 pub(crate) struct HandleTable {
-    /// 4096 words (32 KiB) in the first segment.
-    words: SegArray<AtomicU64, 12>,
-    /// Indices ever handed out; the next fresh index.
-    next_index: AtomicU64,
+    map: ShmMap,
+    file: ShmFile,
 }
 
 impl HandleTable {
-    pub(crate) fn new() -> HandleTable {
-        HandleTable::default()
+    /// The file's size: the header and a word per possible handle.
+    fn file_bytes() -> u64 {
+        HEADER_BYTES as u64 + MAX_HANDLES * 8
     }
 
-    /// Heap bytes of the table's segments.
+    pub(crate) fn new() -> Result<HandleTable> {
+        let file = ShmFile::create("handles")?;
+        file.set_len(Self::file_bytes())?;
+        HandleTable::map(file)
+    }
+
+    /// The table a previous process left in `file` (`docs/restart.md`), taken as it is.
+    #[allow(dead_code)]
+    pub(crate) fn from_file(file: ShmFile) -> Result<HandleTable> {
+        let have = file.len()?;
+        if have != Self::file_bytes() {
+            return Err(Error::invalid(format!(
+                "zsmalloc: the handle table holds {have} bytes, not {}",
+                Self::file_bytes()
+            )));
+        }
+        HandleTable::map(file)
+    }
+
+    fn map(file: ShmFile) -> Result<HandleTable> {
+        let map = file.map(0, Self::file_bytes() as usize)?;
+        Ok(HandleTable { map, file })
+    }
+
+    /// The memfd holding the table.
+    #[allow(dead_code)]
+    pub(crate) fn file(&self) -> &ShmFile {
+        &self.file
+    }
+
+    /// Header word `i`.
+    fn header(&self, i: usize) -> &AtomicU64 {
+        debug_assert!(i < HEADER_BYTES / 8);
+        // SAFETY: the header page lies inside the mapping (which is page aligned, so the word
+        // is aligned), lives as long as `self`, and any bit pattern is a valid AtomicU64.
+        unsafe { &*self.map.base().as_ptr().cast::<AtomicU64>().add(i) }
+    }
+
+    /// The word of `index`, which must be below [`MAX_HANDLES`].
+    fn slot(&self, index: u64) -> &AtomicU64 {
+        assert!(index < MAX_HANDLES, "handle index {index} out of range");
+        // SAFETY: `HEADER_BYTES + index * 8 < file_bytes()`, the mapping's length; aligned
+        // (page-aligned base, 8-byte steps); lives as long as `self`; any bit pattern is a
+        // valid AtomicU64.
+        unsafe {
+            &*self
+                .map
+                .base()
+                .as_ptr()
+                .add(HEADER_BYTES)
+                .cast::<AtomicU64>()
+                .add(index as usize)
+        }
+    }
+
+    /// Bytes of the table holding words handed out so far, and the header page once one has
+    /// been (never shrinks).
     pub(crate) fn allocated_bytes(&self) -> usize {
-        self.words.allocated_bytes()
+        match self.indices() {
+            0 => 0,
+            n => HEADER_BYTES + (n as usize * 8).next_multiple_of(4096),
+        }
     }
 
     /// A never-used index (its word is 0). Callers first try their class's free list.
     pub(crate) fn grow(&self) -> Result<u32> {
-        let index = self.next_index.fetch_add(1, Ordering::Relaxed);
+        let next = self.header(HEADER_NEXT_INDEX);
+        let index = next.fetch_add(1, Ordering::Relaxed);
         if index >= MAX_HANDLES {
-            self.next_index.fetch_sub(1, Ordering::Relaxed);
+            next.fetch_sub(1, Ordering::Relaxed);
             return Err(Error::no_memory("zsmalloc: handle table full"));
         }
-        self.words.get_or_grow(index);
         Ok(index as u32)
     }
 
     /// The location word of an index handed out by [`grow`](Self::grow).
     pub(crate) fn word_at(&self, index: u32) -> &AtomicU64 {
-        self.words
-            .get(u64::from(index))
-            .expect("handle index was handed out by grow")
+        self.slot(u64::from(index))
     }
 
     /// The location word of `h`; panics if `h` was never allocated by this pool.
     pub(crate) fn word(&self, h: Handle) -> &AtomicU64 {
         let index = u64::from(h.index());
         assert!(
-            index < self.next_index.load(Ordering::Relaxed),
+            index < self.indices(),
             "zsmalloc: {h:?} was not allocated by this pool"
         );
-        self.words.get(index).expect("index below next_index")
+        self.slot(index)
     }
 
     /// Where `h` is now (`Acquire`). Panics if `h` is free: a use after free.
@@ -155,7 +222,7 @@ impl HandleTable {
 
     /// Number of indices ever handed out (the table's high-water mark).
     pub(crate) fn indices(&self) -> u64 {
-        self.next_index.load(Ordering::Relaxed)
+        self.header(HEADER_NEXT_INDEX).load(Ordering::Relaxed)
     }
 }
 
@@ -194,7 +261,7 @@ mod tests {
 
     #[test]
     fn table_grows_with_zeroed_words() {
-        let t = HandleTable::new();
+        let t = HandleTable::new().unwrap();
         for i in 0..10_000u32 {
             assert_eq!(t.grow().unwrap(), i);
             assert_eq!(t.word_at(i).load(Ordering::Relaxed), 0);
@@ -205,7 +272,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "use of freed")]
     fn load_of_free_handle_panics() {
-        let t = HandleTable::new();
+        let t = HandleTable::new().unwrap();
         let i = t.grow().unwrap();
         t.load(Handle::from_index(i));
     }

@@ -11,10 +11,13 @@
 //!
 //! - `size_class`: the class table (sizes, chain lengths, merging, the huge threshold).
 //! - `page_alloc`: address space reserved in 128 MiB chunks, cut into 8-page *frames*, one per
-//!   zspage; `madvise(MADV_DONTNEED)` when a zspage is freed. Uses `unsafe`.
+//!   zspage, in a memfd (`docs/restart.md`); their pages punched out of it when a zspage is
+//!   freed. Uses `unsafe`.
+//! - `record`: what a frame holds (a zspage or a span), as its record in shared memory says.
+//! - `restore`: recovery of a pool from its files by a new process.
 //! - `zspage`: the per-zspage descriptor (the *migrate lock* guarding the frame) and slot
 //!   metadata; object byte access. Uses `unsafe`.
-//! - `handle`: handles, location words and the handle table.
+//! - `handle`: handles, location words and the handle table (in a memfd). Uses `unsafe`.
 //! - `arena`: the never-shrinking segmented arrays holding location words and descriptors.
 //! - `fullness`: the fullness groups (in-use ratio buckets of 10 %).
 //! - `class`: a class at run time: its lock and what it protects.
@@ -77,6 +80,8 @@ mod deferred_free;
 mod fullness;
 mod handle;
 pub(crate) mod page_alloc;
+mod record;
+mod restore;
 mod size_class;
 mod span;
 mod zspage;
@@ -87,6 +92,7 @@ use std::sync::Arc;
 
 pub use deferred_free::{DeferredStats, DEFERRED_FREE_BUDGET_BYTES, DEFERRED_STOCK_BYTES};
 pub use handle::Handle;
+pub use restore::{PoolFiles, RestoreReport};
 pub use size_class::{
     ClassInfo, ClassTable, MAX_PAGES_PER_ZSPAGE, MIN_ALLOC_SIZE_BYTES, SUPPORTED_PAGE_SIZES_BYTES,
 };
@@ -97,6 +103,7 @@ use deferred_free::DeferredQueue;
 use fullness::NR_GROUPS;
 use handle::{HandleTable, Location, MAX_ZSPAGES_PER_CLASS};
 use page_alloc::{Frame, FrameAllocator, FRAME_CACHE_BYTES};
+use record::FrameUse;
 use span::{SpanObj, SpanTable};
 use zspage::obj_offset;
 
@@ -161,14 +168,19 @@ impl PoolCore {
             )));
         }
         let table = ClassTable::new(POOL_PAGE_BYTES);
-        let classes = table.classes().iter().map(|&c| SizeClass::new(c)).collect();
+        let classes = table
+            .classes()
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| SizeClass::new(c, i as u32))
+            .collect();
         let deferred_capacity =
             deferred_capacity.unwrap_or_else(|| deferred_free::default_capacity(page_size_bytes));
         Ok(PoolCore {
             page_size_bytes,
             table,
             classes,
-            handles: HandleTable::new(),
+            handles: HandleTable::new()?,
             spans: SpanTable::default(),
             // Frames of at least a device page, so the largest span fits one.
             shared_frames: shared_frames.is_some(),
@@ -279,7 +291,7 @@ impl PoolCore {
                 let frame = spare.take().expect("the loop above leaves a spare frame");
                 match class.take_id(&mut st) {
                     Ok(id) => {
-                        class.attach(&mut st, id, frame);
+                        class.attach(&mut st, id, frame, &self.frames);
                         self.total_pages.fetch_add(pages as u64, Ordering::Relaxed);
                         id
                     }
@@ -353,6 +365,13 @@ impl PoolCore {
                 return Err(e);
             }
         };
+        let (what, extra) = FrameUse::Span {
+            id,
+            pages: pages as u32,
+            tail_raw: tail.map_or(0, Handle::to_raw),
+        }
+        .encode();
+        self.frames.set_record(&frame, what, extra);
         *self.spans.descs.get_or_grow(u64::from(id)).write() = Some(SpanObj { frame, pages, tail });
         st.spans += 1;
         st.pages += pages as u64;
@@ -477,6 +496,8 @@ impl PoolCore {
                 .take()
                 .expect("a live span has a frame");
             word.store(0, Ordering::Release);
+            // After the word (nothing names the span now), before the id can be taken again.
+            self.frames.clear_record(&span.frame);
             st.free_ids.push(loc.zspage);
             st.free_handles.push(h.index());
             st.spans -= 1;
@@ -547,7 +568,7 @@ impl PoolCore {
         let emptied = st.release(class, loc.zspage, loc.obj, h.index());
         word.store(0, Ordering::Release);
         st.free_handles.push(h.index());
-        emptied.then(|| class.detach(st, loc.zspage))
+        emptied.then(|| class.detach(st, loc.zspage, &self.frames))
     }
 
     /// Frees a batch of handles taken from the deferred-free queue: as [`free`](Self::free)
@@ -757,7 +778,7 @@ impl PoolCore {
         for class in self.classes.iter() {
             zspage_meta_bytes += class.descs.allocated_bytes() + class.state.lock().heap_bytes();
         }
-        zspage_meta_bytes += self.spans.heap_bytes();
+        zspage_meta_bytes += self.spans.heap_bytes() + self.frames.records_bytes();
         PoolMeta {
             handle_table_bytes: self.handles.allocated_bytes() as u64,
             zspage_meta_bytes: zspage_meta_bytes as u64,
@@ -1004,6 +1025,7 @@ impl Drop for PoolCore {
                     continue;
                 };
                 if let Some(frame) = desc.write().take() {
+                    self.frames.clear_record(&frame);
                     self.frames.release(frame, class.info.pages_per_zspage);
                 }
             }
@@ -1014,6 +1036,7 @@ impl Drop for PoolCore {
                 continue;
             };
             if let Some(span) = desc.write().take() {
+                self.frames.clear_record(&span.frame);
                 self.frames.release(span.frame, span.pages);
             }
         }
@@ -1025,12 +1048,12 @@ impl Drop for PoolCore {
 /// `mem_used_total` does not count either, and the frame cache. See `docs/zsmalloc.md`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolMeta {
-    /// The handle table: 8 bytes per handle index ever used, in segments that double (so up
-    /// to twice that); never shrinks (the kernel: its `zs_handle` slab).
+    /// The handle table: 8 bytes per handle index ever used (whole pages of them) and a header
+    /// page; never shrinks (the kernel: its `zs_handle` slab).
     pub handle_table_bytes: u64,
     /// Zspage and span descriptors (never shrink), slot tables of live zspages (4 bytes per
-    /// object slot), fullness lists, free ids and handle indices (the kernel: its `zspage`
-    /// slab).
+    /// object slot), fullness lists, free ids and handle indices, and the frame records (16
+    /// bytes per frame ever carved: `docs/restart.md`) (the kernel: its `zspage` slab).
     pub zspage_meta_bytes: u64,
     /// Frames of freed zspages kept resident for reuse (at most 2 MiB; emptied by compaction).
     /// 0 when serving swap: the server's allocator is shown in `swap_reserve`.

@@ -7,9 +7,10 @@
 //!
 //! A zspage is 1–8 *contiguous* pages, so an object never straddles two mappings and can be
 //! handed to the caller as one slice. Mapping each zspage separately would create one VMA per
-//! zspage and hit `vm.max_map_count` (65530 by default) at a few hundred MiB. Instead we reserve
-//! address space in chunks of [`CHUNK_BYTES`] with one
-//! `mmap(PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)` each, and cut every
+//! zspage and hit `vm.max_map_count` (65530 by default) at a few hundred MiB. Instead the frames
+//! live in one memfd (`crate::shm`, so they outlive the process: `docs/restart.md`), mapped in
+//! chunks of [`CHUNK_BYTES`] with one `mmap(PROT_READ|PROT_WRITE, MAP_SHARED|MAP_NORESERVE)`
+//! each at consecutive offsets of the file, and cut every
 //! chunk into *frames* of `MAX_PAGES_PER_ZSPAGE` pages (or more: a pool for 16 or 64 KiB device
 //! pages makes frames of a device page, so a *span*, an object larger than a page stored on whole
 //! pages, fits one; see `span`). A zspage of `k` pages owns one frame and touches only its first
@@ -19,9 +20,15 @@
 //!
 //! [`FrameAllocator::alloc`] pops a free frame or carves the next one from the newest chunk
 //! (mapping a new chunk when it is used up). [`FrameAllocator::release`] consumes the [`Frame`]
-//! token and keeps the frame resident in a small cache, or drops the pages the zspage used from
-//! the resident set (the next touch faults in a zero page) and puts the frame on the free list.
+//! token and keeps the frame resident in a small cache, or punches the pages the zspage used out
+//! of the file (the next touch faults in a zero page) and puts the frame on the free list.
 //! Chunks are unmapped only when the allocator drops.
+//!
+//! A frame's *index* is its place in the file (`index * frame_bytes` is its offset), the same
+//! in every process that maps the file. Each frame has a 16-byte *record* in a second memfd,
+//! written by the pool when it gives the frame a zspage or a span and cleared when it takes it
+//! back ([`FrameAllocator::set_record`]): what a new process needs to find, from a location
+//! word, the frame holding the object (`docs/restart.md`).
 //!
 //! # The reserve
 //!
@@ -63,23 +70,11 @@
 //!
 //! A server backing swap locks its memory (`uzram serve --swap`: `mlockall(MCL_FUTURE |
 //! MCL_ONFAULT)`, see `frontend::swap`), so every chunk mapped afterwards is locked, page by page
-//! as it is touched. `MADV_DONTNEED` refuses locked ranges (`EINVAL`): the pages of freed
-//! zspages would stay resident, and locked, for the life of the process. So pages are dropped
-//! with the first of these the kernel accepts ([`Dropping`]; the choice is remembered):
-//!
-//! 1. `MADV_DONTNEED_LOCKED` (Linux 5.18): drops the pages whether or not the range is locked,
-//!    and leaves the lock in place: with `MCL_ONFAULT` the range stays "locked on fault", so the
-//!    frame's next zspage is locked as its pages are faulted in again. No VMA changes. On an
-//!    unlocked range it is `MADV_DONTNEED`.
-//! 2. `MADV_DONTNEED` (older kernels): enough while nothing is locked. The first `EINVAL` means
-//!    the range is locked, and we go to 3.
-//! 3. `munlock` the frame, then `MADV_DONTNEED` its pages; the frame waits on a list of its own
-//!    (`FrameState::unlocked`) and is locked again (`mlock2(MLOCK_ONFAULT)`) before it is handed
-//!    out. Unlocking splits the chunk's VMA around the frame (relocking merges it back), so up
-//!    to two VMAs per unlocked frame: if the kernel refuses the split (`vm.max_map_count`), the
-//!    frame stays locked and resident on the free list (memory is kept, never lost); if it
-//!    refuses to relock, the frame stays unlocked on its list and a fresh frame is carved (a new
-//!    chunk is locked by `MCL_FUTURE`).
+//! as it is touched. Pages are given back by punching a hole in the file
+//! (`fallocate(PUNCH_HOLE)`), which frees them whether or not a mapping locks them, and leaves
+//! the lock in place: the range stays "locked on fault", so the frame's next zspage is locked
+//! as its pages are faulted in again. No VMA changes. (`MADV_DONTNEED` would only unmap a
+//! shared file's pages, and `MADV_REMOVE` refuses a locked range.)
 //!
 //! # Ownership
 //!
@@ -92,13 +87,14 @@
 #![allow(unsafe_code)]
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Condvar, Mutex};
 
 use super::size_class::MAX_PAGES_PER_ZSPAGE;
 use crate::error::{Error, Result};
+use crate::shm::{ShmFile, ShmMap};
 
 /// Address space reserved per `mmap`: 128 MiB, i.e. 4096 frames of 8 4-KiB pages, 1024 frames
 /// for 16 KiB pages, 256 for 64 KiB. Big enough that the chunk count stays small (a 64 GiB pool
@@ -110,6 +106,8 @@ pub(crate) const CHUNK_BYTES: usize = 128 << 20;
 pub(crate) struct Frame {
     base: NonNull<u8>,
     len_bytes: usize,
+    /// The frame's place in the frames' file (its offset is `index * len_bytes`).
+    index: u32,
 }
 
 // SAFETY: a `Frame` is the address of memory owned by its `FrameAllocator` (which outlives every
@@ -178,22 +176,23 @@ impl Frame {
 /// One reserved chunk of address space.
 #[derive(Debug)]
 struct Chunk {
-    base: NonNull<u8>,
-    len_bytes: usize,
+    map: ShmMap,
 }
 
-// SAFETY: a chunk is the record of a mapping owned by the allocator; it is only used (to carve
-// frames, and to unmap) under the allocator's mutex or in its `Drop`.
-unsafe impl Send for Chunk {}
+impl Chunk {
+    fn base(&self) -> NonNull<u8> {
+        self.map.base()
+    }
+}
 
 #[derive(Debug)]
 struct FrameState {
     chunks: Vec<Chunk>,
-    /// Frames released and not yet reused (their pages were dropped, or, if the kernel
+    /// The memfd the chunks map, made with the first chunk.
+    file: Option<Arc<ShmFile>>,
+    /// Frames released and not yet reused (their pages were punched out, or, if the kernel
     /// refused, kept: see [`FrameAllocator::discard`]).
     free: Vec<Frame>,
-    /// Frames released by [`Dropping::Unlock`]: unlocked, pages dropped; relocked on reuse.
-    unlocked: Vec<Frame>,
     /// Released frames kept resident for reuse, by the number of pages their zspage used (the
     /// only pages of the frame that can be resident): `cached[k]` holds frames with `k` pages
     /// (`k <= frame_pages`).
@@ -265,9 +264,8 @@ pub(crate) struct FrameAllocator {
     /// Serving swap: pages are faulted in by touching them, never by `MADV_POPULATE_WRITE`
     /// (set by [`set_reserve`](FrameAllocator::set_reserve)).
     touch_only: AtomicBool,
-    /// How freed frames' pages are dropped: a [`Dropping`], only ever moving down the list of
-    /// the module docs ("Locked memory") as the kernel refuses one.
-    dropping: AtomicU8,
+    /// The frame records (module docs), made with the first chunk.
+    records: OnceLock<FrameRecords>,
     /// Most pages the frame cache keeps resident ([`FRAME_CACHE_BYTES`] worth).
     cache_limit_pages: usize,
     /// Released frames beyond the cache are dropped once this many pages wait
@@ -451,27 +449,52 @@ pub(crate) const DROP_BATCH_PAGES: usize = 256;
 
 /// `MADV_POPULATE_WRITE` (Linux 5.14, include/uapi/asm-generic/mman-common.h).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
-/// `MADV_DONTNEED_LOCKED` (Linux 5.18, include/uapi/asm-generic/mman-common.h).
-const MADV_DONTNEED_LOCKED: libc::c_int = 24;
+/// Frames an allocator can hand out: 2^26, 2 TiB of 32 KiB frames (4 TiB of 64 KiB ones), so
+/// the frame records take at most 1 GiB of address space (sparse: a page of records is
+/// committed when a frame on it is first carved).
+pub(crate) const MAX_FRAMES: usize = 1 << 26;
 
-/// How a freed frame's pages leave the resident set; see the module docs ("Locked memory").
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum Dropping {
-    /// `madvise(MADV_DONTNEED_LOCKED)`: locked or not, the range keeps its lock.
-    DontneedLocked = 0,
-    /// `madvise(MADV_DONTNEED)`: kernels before 5.18, while nothing is locked.
-    Dontneed = 1,
-    /// `munlock` then `MADV_DONTNEED`; relocked with `mlock2(MLOCK_ONFAULT)` on reuse.
-    Unlock = 2,
+/// A frame's record: what its pages hold, for a process that maps the frames again
+/// (`docs/restart.md`). Two words, written by the pool ([`FrameAllocator::set_record`]): 0 and
+/// 0 while the frame holds nothing; see `zsmalloc::restore` for the encoding.
+#[derive(Debug, Default)]
+#[repr(C)]
+pub(crate) struct FrameRecord {
+    pub(crate) what: AtomicU64,
+    pub(crate) extra: AtomicU64,
 }
 
-impl Dropping {
-    fn from_u8(v: u8) -> Dropping {
-        match v {
-            0 => Dropping::DontneedLocked,
-            1 => Dropping::Dontneed,
-            _ => Dropping::Unlock,
+/// The frame records: one [`FrameRecord`] per frame index, in a memfd of their own.
+#[derive(Debug)]
+struct FrameRecords {
+    map: ShmMap,
+    file: ShmFile,
+}
+
+impl FrameRecords {
+    fn file_bytes() -> usize {
+        MAX_FRAMES * std::mem::size_of::<FrameRecord>()
+    }
+
+    fn new() -> Result<FrameRecords> {
+        let file = ShmFile::create("frame-records")?;
+        file.set_len(Self::file_bytes() as u64)?;
+        let map = file.map(0, Self::file_bytes())?;
+        Ok(FrameRecords { map, file })
+    }
+
+    fn get(&self, index: u32) -> &FrameRecord {
+        assert!((index as usize) < MAX_FRAMES);
+        // SAFETY: `index < MAX_FRAMES`, so the record lies inside the mapping (page aligned,
+        // records of 16 bytes are aligned), which lives as long as `self`; any bit pattern is
+        // a valid pair of atomics.
+        unsafe {
+            &*self
+                .map
+                .base()
+                .as_ptr()
+                .cast::<FrameRecord>()
+                .add(index as usize)
         }
     }
 }
@@ -513,8 +536,8 @@ impl FrameAllocator {
             sys_page_bytes,
             state: Mutex::new(FrameState {
                 chunks: Vec::new(),
+                file: None,
                 free: Vec::new(),
-                unlocked: Vec::new(),
                 cached: (0..=frame_pages).map(|_| Vec::new()).collect(),
                 cached_pages: 0,
                 dropping_batch: Vec::new(),
@@ -534,7 +557,7 @@ impl FrameAllocator {
             }),
             populate: AtomicBool::new(true),
             touch_only: AtomicBool::new(false),
-            dropping: AtomicU8::new(Dropping::DontneedLocked as u8),
+            records: OnceLock::new(),
             cache_limit_pages: cache_bytes / page_size_bytes,
             drop_batch_pages: 1,
             reserve_enabled: false,
@@ -543,6 +566,135 @@ impl FrameAllocator {
             starved: std::sync::OnceLock::new(),
             refiller: Mutex::new(None),
         }
+    }
+
+    /// The allocator a previous process left in `frames` and `records` (`docs/restart.md`),
+    /// for frames of `frame_pages` pages: every frame of the file counts as carved, none is
+    /// handed out; the caller takes the recorded ones with [`claim`](Self::claim) and gives
+    /// the rest back with [`release_unclaimed`](Self::release_unclaimed).
+    pub(crate) fn with_files(
+        mut self,
+        frames: ShmFile,
+        records: ShmFile,
+    ) -> Result<FrameAllocator> {
+        let chunk_bytes = (self.frames_per_chunk * self.frame_bytes) as u64;
+        let len = frames.len()?;
+        if len % chunk_bytes != 0
+            || len / chunk_bytes * self.frames_per_chunk as u64 > MAX_FRAMES as u64
+        {
+            return Err(Error::invalid(format!(
+                "zsmalloc: the frames' file holds {len} bytes, not a whole number of \
+                 {chunk_bytes}-byte chunks"
+            )));
+        }
+        if records.len()? != FrameRecords::file_bytes() as u64 {
+            return Err(Error::invalid(format!(
+                "zsmalloc: the frame records' file holds {} bytes, not {}",
+                records.len()?,
+                FrameRecords::file_bytes()
+            )));
+        }
+        let map = records.map(0, FrameRecords::file_bytes())?;
+        let _ = self.records.set(FrameRecords { map, file: records });
+        let st = self.state.get_mut();
+        for chunk in 0..len / chunk_bytes {
+            let map = frames.map(chunk * chunk_bytes, chunk_bytes as usize)?;
+            st.chunks.push(Chunk { map });
+            st.carved_in_last = self.frames_per_chunk;
+        }
+        st.file = Some(Arc::new(frames));
+        Ok(self)
+    }
+
+    /// Bytes of frame records of the frames carved so far (whole pages).
+    pub(crate) fn records_bytes(&self) -> usize {
+        (self.carved_frames() as usize * std::mem::size_of::<FrameRecord>()).next_multiple_of(4096)
+    }
+
+    /// Frames carved so far (every index below this has been, or is, a frame).
+    pub(crate) fn carved_frames(&self) -> u32 {
+        let st = self.state.lock();
+        match st.chunks.len() {
+            0 => 0,
+            n => ((n - 1) * self.frames_per_chunk + st.carved_in_last) as u32,
+        }
+    }
+
+    /// The token of carved frame `index`, for recovery, which claims each recorded frame
+    /// once (two tokens of one frame would let two owners write it).
+    pub(crate) fn claim(&self, index: u32) -> Frame {
+        assert!(
+            index < self.carved_frames(),
+            "frame {index} was never carved"
+        );
+        let st = self.state.lock();
+        let per = self.frames_per_chunk;
+        let chunk = &st.chunks[index as usize / per];
+        // SAFETY: `index % per < frames_per_chunk`, so the frame lies inside the chunk's
+        // mapping.
+        let base = unsafe { chunk.base().add(index as usize % per * self.frame_bytes) };
+        Frame {
+            base,
+            len_bytes: self.frame_bytes,
+            index,
+        }
+    }
+
+    /// Recovery: every carved frame not in `claimed` (sorted) goes on the free list, its pages
+    /// punched out (whatever a dead process left in them) and its record cleared.
+    pub(crate) fn release_unclaimed(&self, claimed: &[u32]) -> Result<()> {
+        let carved = self.carved_frames();
+        let mut next = claimed.iter().peekable();
+        let mut free = Vec::new();
+        for index in 0..carved {
+            if next.peek() == Some(&&index) {
+                next.next();
+                continue;
+            }
+            self.clear_record(&self.claim(index));
+            free.push(index);
+        }
+        // One hole per range of adjacent free frames.
+        let mut i = 0;
+        while i < free.len() {
+            let mut j = i;
+            while j + 1 < free.len() && free[j + 1] == free[j] + 1 {
+                j += 1;
+            }
+            let span = (free[j] - free[i] + 1) as usize * self.frame_bytes;
+            self.punch(free[i], 0, span)?;
+            i = j + 1;
+        }
+        let frames: Vec<Frame> = free.into_iter().rev().map(|i| self.claim(i)).collect();
+        self.state.lock().free.extend(frames);
+        Ok(())
+    }
+
+    /// New descriptors of the frames' and the records' files (to hand to another process).
+    pub(crate) fn files(&self) -> Result<(ShmFile, ShmFile)> {
+        let file = self.state.lock().file.clone();
+        let frames = match file {
+            Some(f) => f.try_clone_fd()?,
+            None => {
+                // Nothing carved yet: make the file now, so there is one to hand over.
+                self.alloc_nothing()?;
+                return self.files();
+            }
+        };
+        let records = self
+            .records
+            .get()
+            .expect("made with the frames' file")
+            .file
+            .try_clone_fd()?;
+        Ok((ShmFile::from_fd(frames), ShmFile::from_fd(records)))
+    }
+
+    /// Makes the files (with the first chunk) without handing a frame out.
+    fn alloc_nothing(&self) -> Result<()> {
+        let frame = self.alloc()?;
+        self.state.lock().free.push(frame);
+        Ok(())
     }
 
     /// Drops released frames beyond the cache in batches of [`DROP_BATCH_PAGES`] pages.
@@ -567,17 +719,6 @@ impl FrameAllocator {
         self
     }
 
-    /// How freed frames' pages are dropped now.
-    pub(crate) fn dropping(&self) -> Dropping {
-        Dropping::from_u8(self.dropping.load(Ordering::Relaxed))
-    }
-
-    /// Starts dropping pages the way `how` does (tests of the older kernels' ways).
-    #[cfg(test)]
-    pub(crate) fn set_dropping(&self, how: Dropping) {
-        self.dropping.store(how as u8, Ordering::Relaxed);
-    }
-
     /// Bytes of address space per frame.
     #[cfg(test)]
     pub(crate) fn frame_bytes(&self) -> usize {
@@ -591,51 +732,40 @@ impl FrameAllocator {
         if let Some(frame) = st.free.pop() {
             return Ok(frame);
         }
-        if let Some(frame) = st.unlocked.pop() {
-            drop(st);
-            // SAFETY: the range is exactly the frame, inside a live mapping we own, and nobody
-            // references it (we hold the token). Locking changes no byte of it.
-            let rc = unsafe {
-                libc::mlock2(
-                    frame.base.as_ptr().cast(),
-                    frame.len_bytes,
-                    libc::MLOCK_ONFAULT,
-                )
-            };
-            if rc == 0 {
-                return Ok(frame);
-            }
-            // Cannot relock (the VMA limit): keep it unlocked for later and carve a fresh,
-            // locked frame instead.
-            st = self.state.lock();
-            st.unlocked.push(frame);
-        }
         if st.chunks.is_empty() || st.carved_in_last == self.frames_per_chunk {
             let len_bytes = self.frames_per_chunk * self.frame_bytes;
-            // SAFETY: a fresh anonymous private mapping at an address of the kernel's choosing
-            // aliases nothing; we check for failure before using it.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len_bytes,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                    -1,
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                let e = std::io::Error::last_os_error();
+            let chunk = st.chunks.len();
+            if (chunk + 1) * self.frames_per_chunk > MAX_FRAMES {
                 return Err(Error::no_memory(format!(
-                    "zsmalloc: cannot reserve {len_bytes} bytes for zspages: {e}"
+                    "zsmalloc: {MAX_FRAMES} frames reserved for zspages already"
                 )));
             }
-            let base = NonNull::new(p.cast::<u8>()).expect("mmap never returns null on success");
-            st.chunks.push(Chunk { base, len_bytes });
+            let file = match &st.file {
+                Some(file) => Arc::clone(file),
+                None => {
+                    // Made under the state mutex, so by one thread only.
+                    if self.records.get().is_none() {
+                        let _ = self.records.set(FrameRecords::new()?);
+                    }
+                    let file = Arc::new(ShmFile::create("frames")?);
+                    st.file = Some(Arc::clone(&file));
+                    file
+                }
+            };
+            let offset = (chunk * len_bytes) as u64;
+            file.set_len(offset + len_bytes as u64)?;
+            let map = file.map(offset, len_bytes).map_err(|e| {
+                Error::no_memory(format!(
+                    "zsmalloc: cannot reserve {len_bytes} bytes for zspages: {}",
+                    e.message()
+                ))
+            })?;
+            st.chunks.push(Chunk { map });
             st.carved_in_last = 0;
         }
-        let chunk_base = st.chunks.last().expect("a chunk was just ensured").base;
+        let chunk_base = st.chunks.last().expect("a chunk was just ensured").base();
         let offset = st.carved_in_last * self.frame_bytes;
+        let index = ((st.chunks.len() - 1) * self.frames_per_chunk + st.carved_in_last) as u32;
         st.carved_in_last += 1;
         // SAFETY: `offset + frame_bytes <= frames_per_chunk * frame_bytes`, the chunk's length,
         // so the pointer stays inside the chunk's mapping.
@@ -643,7 +773,46 @@ impl FrameAllocator {
         Ok(Frame {
             base,
             len_bytes: self.frame_bytes,
+            index,
         })
+    }
+
+    /// Writes `frame`'s record (module docs): `what` last, with `Release`, so a reader that
+    /// sees it sees `extra` too. The pool writes it before anything that names the frame is
+    /// published, and clears it ([`clear_record`](Self::clear_record)) before the frame goes
+    /// back.
+    pub(crate) fn set_record(&self, frame: &Frame, what: u64, extra: u64) {
+        let r = self.record(frame.index);
+        r.extra.store(extra, Ordering::Relaxed);
+        r.what.store(what, Ordering::Release);
+    }
+
+    /// Clears `frame`'s record: it holds nothing any more.
+    pub(crate) fn clear_record(&self, frame: &Frame) {
+        let r = self.record(frame.index);
+        r.what.store(0, Ordering::Release);
+        r.extra.store(0, Ordering::Relaxed);
+    }
+
+    /// The record of frame `index` (a frame handed out, so the records exist).
+    pub(crate) fn record(&self, index: u32) -> &FrameRecord {
+        self.records
+            .get()
+            .expect("frame records are made with the first frame")
+            .get(index)
+    }
+
+    /// Gives the pages `[from, to)` of frame `index` back to the kernel (punched out of the
+    /// file); `Err` if the kernel refused (the pages stay, and are kept, never lost).
+    fn punch(&self, index: u32, from_bytes: usize, to_bytes: usize) -> Result<()> {
+        let file = self
+            .state
+            .lock()
+            .file
+            .clone()
+            .expect("a frame was carved, so the file exists");
+        let base = index as u64 * self.frame_bytes as u64;
+        file.punch(base + from_bytes as u64, (to_bytes - from_bytes) as u64)
     }
 
     /// A frame whose first `pages` pages are resident, for a new zspage (or span) that writes
@@ -809,16 +978,9 @@ impl FrameAllocator {
         if start >= end {
             return;
         }
-        let advice = match self.dropping() {
-            Dropping::DontneedLocked => MADV_DONTNEED_LOCKED,
-            // Older kernels: a locked range refuses MADV_DONTNEED; then the pages stay (the
-            // frame's next release drops them as `discard` does).
-            _ => libc::MADV_DONTNEED,
-        };
-        // SAFETY: the range lies inside the frame (clamped to its length, system-page
-        // aligned), which nobody else references: we hold the token and hand out no slice
-        // into these pages. Dropping private anonymous pages only zeroes them.
-        unsafe { libc::madvise(frame.base.as_ptr().add(start).cast(), end - start, advice) };
+        // Refused (never seen): the pages stay with the frame, whose next release drops them.
+        let r = self.punch(frame.index, start, end);
+        debug_assert!(r.is_ok(), "{r:?}");
     }
 
     /// Serving swap: keeps a reserve of `target_pages` resident pages (module docs, "The
@@ -1153,46 +1315,32 @@ impl FrameAllocator {
         self.discard_batch(batch);
     }
 
-    /// Drops the used pages of every frame of `batch` from the resident set: sorted by
-    /// address, one `madvise` over each range of adjacent frames (from the first frame's base to
-    /// the last one's used pages: the unused tails in between hold no pages, so dropping them
-    /// costs nothing and changes nothing). Only the ways that need no per-frame work batch
-    /// (`MADV_DONTNEED_LOCKED`, `MADV_DONTNEED`); a refused range, or the unlocking way, goes
-    /// frame by frame through [`discard`](Self::discard), which also learns the kernel's way.
+    /// Drops the used pages of every frame of `batch` from the resident set: sorted by frame
+    /// index, one hole punched over each range of adjacent frames (from the first frame's start
+    /// to the last one's used pages: the unused tails in between hold no pages, so punching
+    /// them costs nothing and changes nothing); a refused range goes frame by frame through
+    /// [`discard`](Self::discard).
     fn discard_batch(&self, mut batch: Vec<(Frame, usize)>) {
-        batch.sort_unstable_by_key(|(f, _)| f.base.as_ptr() as usize);
+        batch.sort_unstable_by_key(|(f, _)| f.index);
         let mut frames = batch.into_iter().peekable();
         while let Some(first) = frames.next() {
             let mut range = vec![first];
             while let Some((next, _)) = frames.peek() {
                 let (last, _) = range.last().expect("a range has a frame");
-                if last.base.as_ptr() as usize + self.frame_bytes != next.base.as_ptr() as usize {
+                if last.index + 1 != next.index {
                     break;
                 }
                 range.push(frames.next().expect("peeked"));
             }
-            let advice = match self.dropping() {
-                Dropping::DontneedLocked => Some(MADV_DONTNEED_LOCKED),
-                Dropping::Dontneed => Some(libc::MADV_DONTNEED),
-                Dropping::Unlock => None,
-            };
-            let batched = advice.is_some_and(|advice| {
-                let (start, _) = &range[0];
-                let (last, last_pages) = range.last().expect("a range has a frame");
-                let last_len = (last_pages * self.page_size_bytes)
-                    .next_multiple_of(self.sys_page_bytes)
-                    .min(last.len_bytes);
-                let len_bytes =
-                    last.base.as_ptr() as usize - start.base.as_ptr() as usize + last_len;
-                // SAFETY: the range runs from the first frame's base to the end of the last
-                // one's used pages; the frames are adjacent (checked above), so it covers only
-                // these frames, all inside live mappings we own (adjacent frames of two chunks
-                // are two adjacent mappings of ours). Nobody references them: we own every
-                // token, and every slice into a frame borrowed its token. Dropping pages of
-                // private anonymous memory only replaces their contents with zeroes.
-                unsafe { libc::madvise(start.base.as_ptr().cast(), len_bytes, advice) == 0 }
-            });
-            if batched {
+            let (start, _) = &range[0];
+            let (last, last_pages) = range.last().expect("a range has a frame");
+            let last_len = (last_pages * self.page_size_bytes)
+                .next_multiple_of(self.sys_page_bytes)
+                .min(last.len_bytes);
+            // One hole from the first frame's start to the end of the last one's used pages:
+            // the unused tails in between hold no pages, so punching them changes nothing.
+            let to = (last.index - start.index) as usize * self.frame_bytes + last_len;
+            if self.punch(start.index, 0, to).is_ok() {
                 let mut st = self.state.lock();
                 st.free.extend(range.into_iter().map(|(f, _)| f));
             } else {
@@ -1240,66 +1388,26 @@ impl FrameAllocator {
         self.state.lock().dropping_batch_pages
     }
 
-    /// Drops the first `pages` pages of `frame` from the resident set (the first way the kernel
-    /// accepts: see the module docs, "Locked memory") and puts it on the free list (or, unlocked,
-    /// on the unlocked list).
+    /// Drops the first `pages` pages of `frame` from the resident set (punched out of the
+    /// file: see the module docs, "Locked memory") and puts it on the free list. If the kernel
+    /// refuses, the pages stay with the frame (kept, never lost).
     fn discard(&self, frame: Frame, pages: usize) {
         let len_bytes = (pages * self.page_size_bytes)
             .next_multiple_of(self.sys_page_bytes)
             .min(frame.len_bytes);
-        let madvise = |advice| {
-            // SAFETY: the range lies inside the frame (clamped to its length, and frames are
-            // system-page aligned), which nobody references any more: we own the token and
-            // every slice into it borrowed the token. Dropping the pages of private anonymous
-            // memory only replaces its contents with zeroes.
-            let rc = unsafe { libc::madvise(frame.base.as_ptr().cast(), len_bytes, advice) };
-            if rc == 0 {
-                Ok(())
-            } else {
-                Err(std::io::Error::last_os_error())
-            }
-        };
-        let mut how = self.dropping();
-        loop {
-            let r = match how {
-                Dropping::DontneedLocked => madvise(MADV_DONTNEED_LOCKED),
-                Dropping::Dontneed => madvise(libc::MADV_DONTNEED),
-                Dropping::Unlock => {
-                    // SAFETY: the range is exactly the frame, inside a live mapping we own;
-                    // unlocking changes no byte of it.
-                    let rc = unsafe { libc::munlock(frame.base.as_ptr().cast(), frame.len_bytes) };
-                    if rc != 0 {
-                        // The VMA split was refused: the pages stay, locked, for the next
-                        // zspage (kept, never lost; the module docs say when this happens).
-                        self.state.lock().free.push(frame);
-                        return;
-                    }
-                    let r = madvise(libc::MADV_DONTNEED);
-                    debug_assert!(r.is_ok(), "madvise after munlock: {r:?}");
-                    self.state.lock().unlocked.push(frame);
-                    return;
-                }
-            };
-            match r {
-                Ok(()) => break,
-                // Unknown advice, or a locked range refused (both: before 5.18): remember, and
-                // go down the list (`Unlock` returned above, so `how` is not the last).
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    how = Dropping::from_u8(how as u8 + 1);
-                    self.dropping.fetch_max(how as u8, Ordering::Relaxed);
-                }
-                Err(e) => {
-                    debug_assert!(false, "madvise: {e}");
-                    break;
-                }
-            }
-        }
+        let r = self.punch(frame.index, 0, len_bytes);
+        debug_assert!(r.is_ok(), "{r:?}");
         self.state.lock().free.push(frame);
     }
 
     /// Bytes of address space reserved so far.
     pub(crate) fn reserved_bytes(&self) -> usize {
-        self.state.lock().chunks.iter().map(|c| c.len_bytes).sum()
+        self.state
+            .lock()
+            .chunks
+            .iter()
+            .map(|c| c.map.len_bytes())
+            .sum()
     }
 
     /// Resident bytes of the reserved chunks, measured with `mincore` (exact for this pool,
@@ -1310,15 +1418,15 @@ impl FrameAllocator {
         let mut resident = 0;
         let mut vec = Vec::new();
         for chunk in &st.chunks {
-            let pages = chunk.len_bytes / self.sys_page_bytes;
+            let pages = chunk.map.len_bytes() / self.sys_page_bytes;
             vec.clear();
             vec.resize(pages, 0u8);
             // SAFETY: `base..base+len_bytes` is a live mapping we own; `vec` has one byte per
             // system page of it, as mincore requires.
             let rc = unsafe {
                 libc::mincore(
-                    chunk.base.as_ptr().cast(),
-                    chunk.len_bytes,
+                    chunk.base().as_ptr().cast(),
+                    chunk.map.len_bytes(),
                     vec.as_mut_ptr(),
                 )
             };
@@ -1326,18 +1434,6 @@ impl FrameAllocator {
             resident += vec.iter().filter(|&&b| b & 1 != 0).count() * self.sys_page_bytes;
         }
         resident
-    }
-}
-
-impl Drop for FrameAllocator {
-    fn drop(&mut self) {
-        for chunk in self.state.get_mut().chunks.drain(..) {
-            // SAFETY: the chunk was mapped by `alloc` with this length and is unmapped once.
-            // Frames into it may outlive this call only as dangling tokens that are never used:
-            // the pool drops its descriptors (the only frame owners) before the allocator.
-            let rc = unsafe { libc::munmap(chunk.base.as_ptr().cast(), chunk.len_bytes) };
-            debug_assert_eq!(rc, 0);
-        }
     }
 }
 
@@ -1593,9 +1689,8 @@ mod tests {
     /// What `uzram serve --swap` relies on: in a process locked as the server locks itself
     /// (`mlockall(MCL_FUTURE | MCL_ONFAULT)`), a frame's pages are locked as they are faulted
     /// in, leave the process when the frame is released, and are locked again when it is
-    /// reused; by each way of dropping pages (the kernel's choice, and the `munlock` fallback
-    /// of kernels before 5.18). Also that `MADV_DONTNEED`'s refusal of locked pages moves the
-    /// allocator to that fallback. In a child process: locking changes the whole process.
+    /// reused (holes punched in the frames' file free locked pages and change no VMA). In a
+    /// child process: locking changes the whole process.
     #[test]
     fn locked_frames_leave_the_process_and_are_locked_again() {
         if !super::super::tests::isolated(
@@ -1612,84 +1707,54 @@ mod tests {
         const FRAMES: usize = 256;
         const PAGES: usize = 3;
         let page = 4096;
-        for how in [
-            Dropping::DontneedLocked,
-            Dropping::Dontneed,
-            Dropping::Unlock,
-        ] {
-            let a = Arc::new(FrameAllocator::with_cache_bytes(page, 0));
-            a.set_dropping(how);
-            let mut frames: Vec<Frame> = (0..FRAMES)
-                .map(|_| a.alloc_populated(PAGES).unwrap())
-                .collect();
-            for f in &mut frames {
-                f.bytes_mut(0, PAGES * page).fill(0x5a);
-            }
-            let chunk = a.state.lock().chunks[0].base.as_ptr() as usize;
-            let span = FRAMES * a.frame_bytes();
-            let vmas = vmas_over(chunk, span);
-            assert_eq!(a.resident_bytes(), FRAMES * PAGES * page, "{how:?}");
-            assert_eq!(
-                mlocked_pages(chunk, span),
-                FRAMES * PAGES,
-                "{how:?}: locked on fault"
-            );
-
-            // Every other frame, then the rest: nothing of them stays resident.
-            let (odd, even): (Vec<_>, Vec<_>) = frames
-                .into_iter()
-                .enumerate()
-                .partition(|(i, _)| i % 2 == 1);
-            for (_, f) in odd {
-                a.release(f, PAGES);
-            }
-            assert_eq!(a.resident_bytes(), FRAMES / 2 * PAGES * page, "{how:?}");
-            assert_eq!(mlocked_pages(chunk, span), FRAMES / 2 * PAGES, "{how:?}");
-            // Only unlocking splits the chunk's VMA (around each unlocked frame).
-            let split = vmas_over(chunk, span);
-            if how == Dropping::DontneedLocked {
-                assert_eq!(split, vmas, "{how:?}");
-            } else {
-                assert!(
-                    split >= vmas + FRAMES / 2,
-                    "{how:?}: {vmas} -> {split} VMAs"
-                );
-            }
-            for (_, f) in even {
-                a.release(f, PAGES);
-            }
-            assert_eq!(
-                a.resident_bytes(),
-                0,
-                "{how:?}: released frames stay resident"
-            );
-            // MADV_DONTNEED refuses locked pages: the allocator moved on to unlocking.
-            let expected = if how == Dropping::DontneedLocked {
-                Dropping::DontneedLocked
-            } else {
-                Dropping::Unlock
-            };
-            assert_eq!(a.dropping(), expected);
-
-            // Reused: zeroes, faulted in and locked again; the chunk's VMAs merged back.
-            let frames: Vec<Frame> = (0..FRAMES)
-                .map(|_| a.alloc_populated(PAGES).unwrap())
-                .collect();
-            assert!(frames
-                .iter()
-                .all(|f| f.bytes(0, PAGES * page).iter().all(|&b| b == 0)));
-            assert_eq!(a.resident_bytes(), FRAMES * PAGES * page, "{how:?}");
-            assert_eq!(
-                mlocked_pages(chunk, span),
-                FRAMES * PAGES,
-                "{how:?}: relocked"
-            );
-            assert_eq!(vmas_over(chunk, span), vmas, "{how:?}: VMAs left split");
-            for f in frames {
-                a.release(f, PAGES);
-            }
-            assert_eq!(a.resident_bytes(), 0, "{how:?}");
+        let a = Arc::new(FrameAllocator::with_cache_bytes(page, 0));
+        let mut frames: Vec<Frame> = (0..FRAMES)
+            .map(|_| a.alloc_populated(PAGES).unwrap())
+            .collect();
+        for f in &mut frames {
+            f.bytes_mut(0, PAGES * page).fill(0x5a);
         }
+        let chunk = a.state.lock().chunks[0].base().as_ptr() as usize;
+        let span = FRAMES * a.frame_bytes();
+        let vmas = vmas_over(chunk, span);
+        assert_eq!(a.resident_bytes(), FRAMES * PAGES * page);
+        assert_eq!(
+            mlocked_pages(chunk, span),
+            FRAMES * PAGES,
+            "locked on fault"
+        );
+
+        // Every other frame, then the rest: nothing of them stays resident, and punching
+        // holes changes no VMA.
+        let (odd, even): (Vec<_>, Vec<_>) = frames
+            .into_iter()
+            .enumerate()
+            .partition(|(i, _)| i % 2 == 1);
+        for (_, f) in odd {
+            a.release(f, PAGES);
+        }
+        assert_eq!(a.resident_bytes(), FRAMES / 2 * PAGES * page);
+        assert_eq!(mlocked_pages(chunk, span), FRAMES / 2 * PAGES);
+        assert_eq!(vmas_over(chunk, span), vmas);
+        for (_, f) in even {
+            a.release(f, PAGES);
+        }
+        assert_eq!(a.resident_bytes(), 0, "released frames stay resident");
+
+        // Reused: zeroes, faulted in and locked again.
+        let frames: Vec<Frame> = (0..FRAMES)
+            .map(|_| a.alloc_populated(PAGES).unwrap())
+            .collect();
+        assert!(frames
+            .iter()
+            .all(|f| f.bytes(0, PAGES * page).iter().all(|&b| b == 0)));
+        assert_eq!(a.resident_bytes(), FRAMES * PAGES * page);
+        assert_eq!(mlocked_pages(chunk, span), FRAMES * PAGES, "relocked");
+        assert_eq!(vmas_over(chunk, span), vmas);
+        for f in frames {
+            a.release(f, PAGES);
+        }
+        assert_eq!(a.resident_bytes(), 0);
     }
 
     #[test]

@@ -134,6 +134,30 @@ impl ZspageMeta {
         self.inuse = 0;
     }
 
+    /// Recovery: starts a zspage life with `objs` slots, `used` (slot, owner handle index;
+    /// slots distinct and below `objs`, at least one) in use and the rest free.
+    pub(crate) fn rebuild(&mut self, objs: usize, used: &[(u32, u32)]) {
+        assert!(self.owners.is_empty(), "zspage attached twice");
+        assert!(!used.is_empty() && objs < FREE as usize);
+        let mut owners = vec![NIL; objs].into_boxed_slice();
+        for &(obj, handle) in used {
+            assert!(handle < FREE && owners[obj as usize] == NIL);
+            owners[obj as usize] = handle;
+        }
+        let taken: Vec<bool> = (0..objs).map(|i| owners[i] != NIL).collect();
+        // Free slots threaded in ascending order, so the next reserve takes the lowest.
+        let mut next = NIL;
+        for i in (0..objs).rev() {
+            if !taken[i] {
+                owners[i] = if next == NIL { NIL } else { FREE | next };
+                next = i as u32;
+            }
+        }
+        self.owners = owners;
+        self.first_free = next;
+        self.inuse = used.len() as u32;
+    }
+
     /// Ends a zspage life (it must be empty), returning the slot table so the caller can drop
     /// it (a heap free) after the class lock.
     pub(crate) fn detach(&mut self) -> Box<[u32]> {

@@ -1,0 +1,278 @@
+//! A device's state for a new process (`docs/restart.md`): the files that hold it, the
+//! settings header written at `disksize`, and recovery.
+//!
+//! The header is a memfd of its own holding the settings the store was built with, as text:
+//! a magic line with the format's version, then `key value` lines. Recovery reads it, refuses
+//! settings whose state it cannot rebuild yet (a backing device, recompression codecs, a
+//! dictionary, a pool serving swap), rebuilds the codecs and then the store from its files,
+//! checking everything (`store::restore`, `zsmalloc::restore`).
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use super::{Device, Settings, MULTI_PAGE_SIZES_BYTES};
+use crate::clock::SystemClock;
+use crate::compress::CodecParams;
+use crate::error::{Error, Result};
+use crate::shm::ShmFile;
+pub use crate::store::RecoveryReport;
+use crate::store::{Store, StoreFiles};
+use crate::zsmalloc::PoolFiles;
+
+/// The header's first line: the format and its version.
+const MAGIC: &str = "uzram-device-state 1";
+/// The header's size.
+const HEADER_BYTES: usize = 4096;
+
+/// The files holding an initialised device's state: new descriptors of them, to hand to
+/// another process ([`into_fds`](Self::into_fds) and [`from_fds`](Self::from_fds) fix their
+/// order).
+#[derive(Debug)]
+pub struct DeviceFiles {
+    /// The settings header.
+    pub header: ShmFile,
+    /// The store's files.
+    pub store: StoreFiles,
+}
+
+/// How many descriptors a [`DeviceFiles`] is made of.
+pub const DEVICE_FILES: usize = 5;
+
+impl DeviceFiles {
+    /// The descriptors, in the order [`from_fds`](Self::from_fds) takes them.
+    pub fn into_fds(self) -> [OwnedFd; DEVICE_FILES] {
+        [
+            self.header.into_fd(),
+            self.store.slots.into_fd(),
+            self.store.pool.handles.into_fd(),
+            self.store.pool.frames.into_fd(),
+            self.store.pool.records.into_fd(),
+        ]
+    }
+
+    /// The files of descriptors another process handed over, in [`into_fds`](Self::into_fds)'
+    /// order.
+    pub fn from_fds(fds: [OwnedFd; DEVICE_FILES]) -> DeviceFiles {
+        let [header, slots, handles, frames, records] = fds.map(ShmFile::from_fd);
+        DeviceFiles {
+            header,
+            store: StoreFiles {
+                slots,
+                pool: PoolFiles {
+                    handles,
+                    frames,
+                    records,
+                },
+            },
+        }
+    }
+}
+
+/// The settings a header records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Header {
+    page_size_bytes: usize,
+    pages: u64,
+    multi_page_size_bytes: usize,
+    comp_algorithm: String,
+    level: Option<i32>,
+    /// What recovery cannot rebuild yet, if anything (`None`: all of it).
+    unsupported: Option<String>,
+}
+
+impl Header {
+    fn encode(&self) -> String {
+        format!(
+            "{MAGIC}\npage_size {}\npages {}\nmulti_page_size {}\ncomp_algorithm {}\nlevel {}\n\
+             unsupported {}\n",
+            self.page_size_bytes,
+            self.pages,
+            self.multi_page_size_bytes,
+            self.comp_algorithm,
+            self.level.map_or("none".to_string(), |l| l.to_string()),
+            self.unsupported
+                .as_deref()
+                .unwrap_or("none")
+                .replace('\n', " "),
+        )
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Header> {
+        let bad = |what: &str| Error::invalid(format!("recovery: the device header {what}"));
+        let text = std::str::from_utf8(bytes.split(|&b| b == 0).next().unwrap_or(&[]))
+            .map_err(|_| bad("is not text"))?;
+        let mut lines = text.lines();
+        if lines.next() != Some(MAGIC) {
+            return Err(bad(&format!("does not start with {MAGIC:?}")));
+        }
+        let mut field = |key: &str| -> Result<String> {
+            let line = lines.next().ok_or_else(|| bad(&format!("has no {key}")))?;
+            line.strip_prefix(key)
+                .and_then(|v| v.strip_prefix(' '))
+                .map(str::to_string)
+                .ok_or_else(|| bad(&format!("has {line:?} where {key} belongs")))
+        };
+        let num = |v: String, key: &str| -> Result<u64> {
+            v.parse().map_err(|_| bad(&format!("has {key} {v:?}")))
+        };
+        let page_size_bytes = num(field("page_size")?, "page_size")? as usize;
+        let pages = num(field("pages")?, "pages")?;
+        let multi_page_size_bytes = num(field("multi_page_size")?, "multi_page_size")? as usize;
+        let comp_algorithm = field("comp_algorithm")?;
+        let level = match field("level")?.as_str() {
+            "none" => None,
+            v => Some(v.parse().map_err(|_| bad(&format!("has level {v:?}")))?),
+        };
+        let unsupported = match field("unsupported")? {
+            v if v == "none" => None,
+            v => Some(v),
+        };
+        Ok(Header {
+            page_size_bytes,
+            pages,
+            multi_page_size_bytes,
+            comp_algorithm,
+            level,
+            unsupported,
+        })
+    }
+}
+
+/// What a device's settings hold that recovery cannot rebuild yet.
+fn unsupported(settings: &Settings, serves_swap: bool) -> Option<String> {
+    let mut what = Vec::new();
+    if settings.backing.is_some() {
+        what.push("a backing device");
+    }
+    if settings.recomp_algorithms.iter().any(Option::is_some) {
+        what.push("recompression codecs");
+    }
+    if settings.comp_params.dict.is_some() {
+        what.push("a dictionary");
+    }
+    if serves_swap {
+        what.push("the server's swap reserve");
+    }
+    (!what.is_empty()).then(|| what.join(", "))
+}
+
+impl Device {
+    /// Writes the header of a store being built with `settings` and `pages` pages (called by
+    /// `disksize`).
+    pub(super) fn write_header(
+        &self,
+        settings: &Settings,
+        pages: u64,
+        serves_swap: bool,
+    ) -> Result<ShmFile> {
+        let header = Header {
+            page_size_bytes: self.page_size_bytes,
+            pages,
+            multi_page_size_bytes: settings.multi_page_size_bytes,
+            comp_algorithm: settings.comp_algorithm.clone(),
+            level: settings.comp_params.level,
+            unsupported: unsupported(settings, serves_swap),
+        };
+        let file = ShmFile::create("device")?;
+        let text = header.encode();
+        if text.len() > HEADER_BYTES {
+            return Err(Error::invalid(
+                "the device's settings do not fit its header",
+            ));
+        }
+        file.set_len(HEADER_BYTES as u64)?;
+        file.write_at(0, text.as_bytes())?;
+        Ok(file)
+    }
+
+    /// New descriptors of the files holding this initialised device's state, to hand to a
+    /// process that will [`recover`](Device::recover) it. `ENODEV`-like `EINVAL` when
+    /// uninitialised, or serving swap (its frames are the server's).
+    pub fn state_files(&self) -> Result<DeviceFiles> {
+        let st = self.state.read();
+        let (Some(store), Some(header)) = (st.store.as_ref(), st.header.as_ref()) else {
+            return Err(Error::invalid("the device is not initialised"));
+        };
+        Ok(DeviceFiles {
+            header: ShmFile::from_fd(header.try_clone_fd()?),
+            store: store.files()?,
+        })
+    }
+
+    /// The initialised device a previous process left in `files`: the header's settings, then
+    /// the store rebuilt and checked (`docs/restart.md`, "Recovery"). `EINVAL` naming what is
+    /// wrong if any check fails, or if the device had settings whose state cannot be
+    /// recovered yet; the files are not changed then, except for garbage freed and the
+    /// journal rolled forward, which a second recovery finds done.
+    pub fn recover(files: DeviceFiles) -> Result<(Device, RecoveryReport)> {
+        let header = Header::decode(&files.header.read_at(0, HEADER_BYTES)?)?;
+        if let Some(what) = &header.unsupported {
+            return Err(Error::invalid(format!(
+                "recovery: the device had {what}, whose state is not recoverable yet"
+            )));
+        }
+        let dev =
+            Device::new_uninit_with_clock(header.page_size_bytes, Arc::new(SystemClock::new()))?;
+        let mps = header.multi_page_size_bytes;
+        if mps != super::MULTI_PAGE_SIZE_OFF_BYTES
+            && !(MULTI_PAGE_SIZES_BYTES.contains(&mps) && mps > header.page_size_bytes)
+        {
+            return Err(Error::invalid(format!(
+                "recovery: the device header has multi_page_size {mps}"
+            )));
+        }
+        let settings = Settings {
+            comp_algorithm: header.comp_algorithm.clone(),
+            comp_params: CodecParams::with_level(header.level),
+            multi_page_size_bytes: mps,
+            ..Settings::default()
+        };
+        let codecs = Device::new_codecs(&settings)?;
+        let (pool_page_bytes, capacity, multi_pages) = dev.pool_shape(&settings, None);
+        let (store, report) = Store::recover(
+            header.page_size_bytes,
+            multi_pages,
+            header.pages,
+            codecs,
+            pool_page_bytes,
+            capacity,
+            files.store,
+            Arc::clone(&dev.clock),
+        )?;
+        {
+            let mut st = dev.state.write();
+            st.settings = settings;
+            st.store = Some(store);
+            st.header = Some(files.header);
+        }
+        Ok((dev, report))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips_and_junk_is_refused() {
+        let h = Header {
+            page_size_bytes: 16384,
+            pages: 12345,
+            multi_page_size_bytes: 65536,
+            comp_algorithm: "zstd".into(),
+            level: Some(-3),
+            unsupported: None,
+        };
+        assert_eq!(Header::decode(h.encode().as_bytes()).unwrap(), h);
+        let h2 = Header {
+            level: None,
+            unsupported: Some("a backing device".into()),
+            ..h.clone()
+        };
+        assert_eq!(Header::decode(h2.encode().as_bytes()).unwrap(), h2);
+        assert!(Header::decode(b"uzram-device-state 2\n").is_err());
+        assert!(Header::decode(&[0u8; 64]).is_err());
+        let text = h.encode().replace("pages 12345", "pages x");
+        assert!(Header::decode(text.as_bytes()).is_err());
+    }
+}

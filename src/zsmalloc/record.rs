@@ -1,0 +1,118 @@
+//! What a frame holds, as its record says (`page_alloc::FrameRecord`): the link from a location
+//! word to memory that a new process can follow (`docs/restart.md`).
+//!
+//! A location word names a zspage by its class (from the size) and its id within the class,
+//! or a span by its id; the descriptors that map those ids to frames are volatile. Each frame's
+//! record names the zspage or span it holds, so recovery rebuilds the descriptors from the
+//! records, in one pass over the frames.
+//!
+//! # Encoding
+//!
+//! `what` (0: the frame holds nothing):
+//!
+//! | bits | zspage | span |
+//! |---|---|---|
+//! | 62..=63 | `0b10` | `0b01` |
+//! | 32..=47 | class (position in the pool's class list) | whole pages |
+//! | 0..=31 | zspage id | span id |
+//!
+//! `extra`: a span's tail handle (`Handle::to_raw`, 0: none); 0 for a zspage.
+//!
+//! # When records change
+//!
+//! A zspage's record is written when its frame is attached and cleared when it is detached,
+//! both under the class lock, so no two frames ever claim one (class, id): the id goes back to
+//! the class's unused ids only after the record is cleared, under the same lock. A span's
+//! record is written before its handle's location word is published and cleared, under the
+//! span table's mutex, after the word is cleared. Either way a record is written before any
+//! location word can name its frame, and a location word naming a frame is cleared (or moved)
+//! before the record goes.
+
+/// What a frame holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FrameUse {
+    /// A zspage: class position and id within the class.
+    Zspage { class: u32, id: u32 },
+    /// A span: id, whole pages, tail handle (raw, 0: none).
+    Span { id: u32, pages: u32, tail_raw: u64 },
+}
+
+const ZSPAGE: u64 = 0b10 << 62;
+const SPAN: u64 = 0b01 << 62;
+const KIND: u64 = 0b11 << 62;
+
+impl FrameUse {
+    /// The record's two words.
+    pub(crate) fn encode(self) -> (u64, u64) {
+        match self {
+            FrameUse::Zspage { class, id } => {
+                debug_assert!(class < 1 << 16);
+                (ZSPAGE | u64::from(class) << 32 | u64::from(id), 0)
+            }
+            FrameUse::Span {
+                id,
+                pages,
+                tail_raw,
+            } => {
+                debug_assert!(pages < 1 << 16);
+                (SPAN | u64::from(pages) << 32 | u64::from(id), tail_raw)
+            }
+        }
+    }
+
+    /// What the words say; `Ok(None)` for a frame holding nothing, `Err` for words no writer
+    /// makes.
+    #[allow(dead_code)]
+    pub(crate) fn decode(what: u64, extra: u64) -> Result<Option<FrameUse>, String> {
+        let field = ((what >> 32) & 0xffff) as u32;
+        let id = what as u32;
+        let unused = what & !(KIND | 0xffff << 32 | 0xffff_ffff);
+        if unused != 0 {
+            return Err(format!("record {what:#x} sets unused bits"));
+        }
+        match what & KIND {
+            0 if what == 0 && extra == 0 => Ok(None),
+            ZSPAGE if extra == 0 => Ok(Some(FrameUse::Zspage { class: field, id })),
+            SPAN => Ok(Some(FrameUse::Span {
+                id,
+                pages: field,
+                tail_raw: extra,
+            })),
+            _ => Err(format!("record {what:#x}/{extra:#x} is no zspage nor span")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_junk_is_refused() {
+        for u in [
+            FrameUse::Zspage { class: 0, id: 0 },
+            FrameUse::Zspage {
+                class: 122,
+                id: u32::MAX >> 1,
+            },
+            FrameUse::Span {
+                id: 5,
+                pages: 16,
+                tail_raw: 0,
+            },
+            FrameUse::Span {
+                id: 7,
+                pages: 3,
+                tail_raw: 99,
+            },
+        ] {
+            let (w, e) = u.encode();
+            assert_eq!(FrameUse::decode(w, e), Ok(Some(u)));
+        }
+        assert_eq!(FrameUse::decode(0, 0), Ok(None));
+        assert!(FrameUse::decode(0, 5).is_err());
+        assert!(FrameUse::decode(KIND, 0).is_err());
+        assert!(FrameUse::decode(ZSPAGE | 1 << 50, 0).is_err());
+        assert!(FrameUse::decode(ZSPAGE, 3).is_err());
+    }
+}

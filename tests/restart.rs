@@ -1,0 +1,652 @@
+//! A restart loses nothing (`docs/restart.md`): a device's state lives in memfds, and a new
+//! process recovers it.
+//!
+//! - `recovers_a_quiet_device`: a device written, discarded, compacted, then recovered from
+//!   its files in the same process: every page reads back, the counters match, and the
+//!   recovered device takes writes again.
+//! - `refuses_*`: state that fails a check is refused with an error naming what is wrong.
+//! - The crash model (`crash_model_*`), in the spirit of TigerBeetle's simulator: a child
+//!   process (this test binary run again) builds a device, hands its files to the parent over
+//!   a unix socket (`SCM_RIGHTS`) and runs random writes, overwrites, discards, multi-page
+//!   writes and compaction from several threads, logging each operation before it starts and
+//!   when it is acknowledged in shared memory; the parent kills it (`SIGKILL`) at a random
+//!   moment, recovers the device and checks every page against the log: an acknowledged write
+//!   reads back exactly, the one a thread had in flight reads as before or after, nothing
+//!   else. Many crash points per configuration; the seed of a failing one is printed.
+//! - `crash_model_canary`: the same with the store publishing a slot before its object's bytes
+//!   are copied (a testing switch): it must find a mismatch, or the harness proves nothing.
+
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use uzram::device::restart::{DeviceFiles, DEVICE_FILES};
+use uzram::device::Device;
+use uzram::shm::ShmFile;
+use uzram_testkit::device::DeviceBuilder;
+use uzram_testkit::pages::{fill_page, Kind};
+
+// ------------------------------------------------------------------------------------------
+// Pages of the model: page `i`, version `v` (0: zeroes, never written or discarded).
+
+fn kind_of(i: u64, v: u64) -> Kind {
+    [
+        Kind::Text,
+        Kind::HalfRandom,
+        Kind::Random,
+        Kind::SameFilled,
+        Kind::Text,
+    ][((i ^ v.wrapping_mul(7)) % 5) as usize]
+}
+
+fn fill(i: u64, v: u64, out: &mut [u8]) {
+    if v == 0 {
+        out.fill(0);
+    } else {
+        fill_page(kind_of(i, v), i, v, out);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// In-process recovery.
+
+#[test]
+fn recovers_a_quiet_device() {
+    let page = 4096usize;
+    let n = 2048u64;
+    let dev = DeviceBuilder::pages(n).build();
+    let mut buf = vec![0u8; page];
+    let mut want = vec![0u64; n as usize];
+    for i in 0..n {
+        fill(i, 1, &mut buf);
+        dev.write_at(&buf, i * page as u64).unwrap();
+        want[i as usize] = 1;
+    }
+    for i in (0..n).step_by(3) {
+        dev.discard(i * page as u64, page as u64).unwrap();
+        want[i as usize] = 0;
+    }
+    for i in (0..n).step_by(5) {
+        fill(i, 2, &mut buf);
+        dev.write_at(&buf, i * page as u64).unwrap();
+        want[i as usize] = 2;
+    }
+    dev.compact();
+    dev.flush_deferred();
+    let before = dev.stats();
+    let files = dev.state_files().unwrap();
+    // Its files outlive it; dropping it changes none of them (the queue was flushed).
+    drop(dev);
+    let (rec, report) = Device::recover(files).unwrap();
+    assert_eq!(report.garbage, 0, "{report:?}");
+    assert_eq!(report.journal_replayed, 0);
+    let after = rec.stats();
+    assert_eq!(after.pages_stored, before.pages_stored);
+    assert_eq!(after.compr_data_size_bytes, before.compr_data_size_bytes);
+    assert_eq!(after.same_pages, before.same_pages);
+    assert_eq!(after.huge_pages, before.huge_pages);
+    assert_eq!(after.mem_used_total_bytes, before.mem_used_total_bytes);
+    check_pages(&rec, page, &want, &[]).unwrap();
+    exercise(&rec, page, n);
+}
+
+#[test]
+fn recovers_multi_page_objects_and_large_pages() {
+    for (page, mps) in [(4096usize, "64K"), (16384, "4096"), (65536, "4096")] {
+        let n = 256u64;
+        let dev = DeviceBuilder::pages(n)
+            .page_size(page)
+            .attr("multi_page_size", mps)
+            .build();
+        let mut buf = vec![0u8; 16 * page];
+        let mut want = vec![0u64; n as usize];
+        for g in 0..n / 16 {
+            for k in 0..16u64 {
+                let i = g * 16 + k;
+                fill(
+                    i,
+                    1 + g % 3,
+                    &mut buf[k as usize * page..(k as usize + 1) * page],
+                );
+                want[i as usize] = 1 + g % 3;
+            }
+            dev.write_at(&buf, g * 16 * page as u64).unwrap();
+        }
+        // Break some pages out of their groups.
+        for i in (0..n).step_by(7) {
+            fill(i, 9, &mut buf[..page]);
+            dev.write_at(&buf[..page], i * page as u64).unwrap();
+            want[i as usize] = 9;
+        }
+        dev.flush_deferred();
+        let before = dev.stats();
+        let files = dev.state_files().unwrap();
+        drop(dev);
+        let (rec, report) = Device::recover(files).unwrap();
+        assert_eq!(report.garbage, 0, "{page} {mps}: {report:?}");
+        let after = rec.stats();
+        assert_eq!(
+            (
+                after.pages_stored,
+                after.compr_data_size_bytes,
+                after.multi_objects
+            ),
+            (
+                before.pages_stored,
+                before.compr_data_size_bytes,
+                before.multi_objects
+            ),
+            "{page} {mps}"
+        );
+        assert_eq!(after.mem_used_total_bytes, before.mem_used_total_bytes);
+        check_pages(&rec, page, &want, &[]).unwrap();
+        exercise(&rec, page, n);
+    }
+}
+
+#[test]
+fn refuses_a_slot_naming_a_free_handle_and_a_foreign_header() {
+    let page = 4096usize;
+    let dev = DeviceBuilder::pages(64).build();
+    let mut buf = vec![0u8; page];
+    fill(1, 1, &mut buf);
+    assert_ne!(kind_of(1, 1), Kind::SameFilled);
+    dev.write_at(&buf, page as u64).unwrap();
+    let files = dev.state_files().unwrap();
+    // Slot 1 names handle 1 (the first one); point it at handle 1000, never handed out.
+    let [header, slots, handles, frames, records] = files.into_fds();
+    let slots = ShmFile::from_fd(slots);
+    let entry = slots.read_at(16, 16).unwrap();
+    assert_eq!(u64::from_le_bytes(entry[..8].try_into().unwrap()), 1);
+    slots.write_at(16, &1000u64.to_le_bytes()).unwrap();
+    let fds = [header, slots.into_fd(), handles, frames, records];
+    let err = Device::recover(DeviceFiles::from_fds(fds)).unwrap_err();
+    assert!(err.message().contains("slot 1"), "{err}");
+    // A header that is not one.
+    let [header, slots, handles, frames, records] = dev.state_files().unwrap().into_fds();
+    let header = ShmFile::from_fd(header);
+    header.write_at(0, b"not a header").unwrap();
+    let fds = [header.into_fd(), slots, handles, frames, records];
+    let err = Device::recover(DeviceFiles::from_fds(fds)).unwrap_err();
+    assert!(err.message().contains("header"), "{err}");
+}
+
+/// Reads every page of `dev` and compares it with version `want[i]`, or (for the pages
+/// `in_flight` names) either of two versions. `Err` lists the mismatches.
+fn check_pages(
+    dev: &Device,
+    page: usize,
+    want: &[u64],
+    in_flight: &[(u64, u64)],
+) -> Result<(), String> {
+    let mut got = vec![0u8; page];
+    let mut exp = vec![0u8; page];
+    let mut bad = Vec::new();
+    for (i, &v) in want.iter().enumerate() {
+        let i = i as u64;
+        if let Err(e) = dev.read_at(&mut got, i * page as u64) {
+            bad.push(format!("page {i}: read failed: {e}"));
+            continue;
+        }
+        fill(i, v, &mut exp);
+        if got == exp {
+            continue;
+        }
+        let alt = in_flight.iter().find(|f| f.0 == i).map(|f| f.1);
+        if let Some(alt) = alt {
+            fill(i, alt, &mut exp);
+            if got == exp {
+                continue;
+            }
+        }
+        bad.push(format!(
+            "page {i}: neither version {v} nor {alt:?} (starts {:02x?})",
+            &got[..16]
+        ));
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} mismatches: {}",
+            bad.len(),
+            bad[..bad.len().min(8)].join("; ")
+        ))
+    }
+}
+
+/// The recovered allocator works: overwrite, discard and compact, every page read back.
+fn exercise(dev: &Device, page: usize, n: u64) {
+    let mut buf = vec![0u8; page];
+    let mut want = vec![0u64; n as usize];
+    for i in 0..n {
+        fill(i, 100 + i % 4, &mut buf);
+        dev.write_at(&buf, i * page as u64).unwrap();
+        want[i as usize] = 100 + i % 4;
+    }
+    for i in (0..n).step_by(2) {
+        dev.discard(i * page as u64, page as u64).unwrap();
+        want[i as usize] = 0;
+    }
+    dev.compact();
+    check_pages(dev, page, &want, &[]).unwrap();
+}
+
+// ------------------------------------------------------------------------------------------
+// The crash model.
+
+/// A configuration of the crash model.
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    name: &'static str,
+    page_size: usize,
+    pages: u64,
+    /// `multi_page_size` (4096: off).
+    multi_page_size: usize,
+    /// Pages written at once by a group write (the multi-page group, or 4).
+    group_pages: u64,
+    threads: u64,
+}
+
+const CONFIGS: [Config; 3] = [
+    Config {
+        name: "4k",
+        page_size: 4096,
+        pages: 1024,
+        multi_page_size: 4096,
+        group_pages: 4,
+        threads: 3,
+    },
+    Config {
+        name: "4k-multi",
+        page_size: 4096,
+        pages: 1024,
+        multi_page_size: 65536,
+        group_pages: 16,
+        threads: 3,
+    },
+    Config {
+        name: "16k",
+        page_size: 16384,
+        pages: 256,
+        multi_page_size: 4096,
+        group_pages: 2,
+        threads: 2,
+    },
+];
+
+/// Log entries per writer thread (16 bytes each); a thread that fills its log stops.
+const LOG_ENTRIES: usize = 1 << 15;
+const BEGUN: u64 = 1;
+const ACKED: u64 = 2;
+/// Operation kinds in a log entry's top byte.
+const OP_WRITE: u64 = 1;
+const OP_DISCARD: u64 = 2;
+const OP_GROUP: u64 = 3;
+
+fn op_word(kind: u64, target: u64, version: u64) -> u64 {
+    kind << 56 | target << 32 | version
+}
+
+/// The child's fds, at fixed numbers.
+const CHILD_SOCK_FD: RawFd = 100;
+const CHILD_LOG_FD: RawFd = 101;
+const CHILD_ENV: &str = "UZRAM_RESTART_CHILD";
+
+/// The child's side: not a test of its own (returns at once unless run as the child).
+#[test]
+fn crash_model_child() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut parts = spec.split(',');
+    let name = parts.next().unwrap();
+    let seed: u64 = parts.next().unwrap().parse().unwrap();
+    let canary = parts.next() == Some("canary");
+    let cfg = *CONFIGS.iter().find(|c| c.name == name).unwrap();
+    if canary {
+        uzram::store::set_publish_before_copy(true);
+    }
+    let dev = Arc::new(
+        DeviceBuilder::pages(cfg.pages)
+            .page_size(cfg.page_size)
+            .attr("multi_page_size", &cfg.multi_page_size.to_string())
+            .build(),
+    );
+    // SAFETY: the parent placed the socket at this number for us.
+    let sock = unsafe { OwnedFd::from_raw_fd(CHILD_SOCK_FD) };
+    let fds = dev.state_files().unwrap().into_fds();
+    send_fds(&sock, &fds);
+    // SAFETY: the parent placed the log's memfd at this number for us.
+    let log = ShmFile::from_fd(unsafe { OwnedFd::from_raw_fd(CHILD_LOG_FD) });
+    let log_map = Arc::new(log.map(0, log_bytes(&cfg)).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    for t in 0..cfg.threads {
+        let (dev, log_map) = (Arc::clone(&dev), Arc::clone(&log_map));
+        threads.push(std::thread::spawn(move || {
+            // SAFETY: the log maps `threads × LOG_ENTRIES` pairs of words; this thread's are
+            // at `t × LOG_ENTRIES`; shared memory of atomics, written only by this thread.
+            let entries = unsafe {
+                std::slice::from_raw_parts(
+                    log_map
+                        .base()
+                        .as_ptr()
+                        .cast::<[AtomicU64; 2]>()
+                        .add(t as usize * LOG_ENTRIES),
+                    LOG_ENTRIES,
+                )
+            };
+            writer(&dev, &cfg, t, seed, entries);
+        }));
+    }
+    {
+        let dev = Arc::clone(&dev);
+        let stop = Arc::clone(&stop);
+        threads.push(std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(seed ^ 0xc0);
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_micros(rng.gen_range(200..3000)));
+                dev.compact();
+            }
+        }));
+    }
+    // Run until killed (the parent kills within seconds; this bounds a lost parent).
+    std::thread::sleep(Duration::from_secs(60));
+    stop.store(true, Ordering::Relaxed);
+    std::process::exit(3);
+}
+
+/// One writer: random operations on the groups it owns (group `g` is thread `g % threads`'s),
+/// each logged before it starts and when it returns.
+fn writer(dev: &Device, cfg: &Config, t: u64, seed: u64, log: &[[AtomicU64; 2]]) {
+    let mut rng = SmallRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(t));
+    let page = cfg.page_size;
+    let groups = cfg.pages / cfg.group_pages;
+    let mine: Vec<u64> = (0..groups).filter(|g| g % cfg.threads == t).collect();
+    let mut buf = vec![0u8; cfg.group_pages as usize * page];
+    for (n, entry) in log.iter().enumerate() {
+        let version = n as u64 + 1;
+        let g = mine[rng.gen_range(0..mine.len())];
+        let first = g * cfg.group_pages;
+        let (kind, target) = match rng.gen_range(0..10) {
+            0..=5 => (OP_WRITE, first + rng.gen_range(0..cfg.group_pages)),
+            6 => (OP_DISCARD, first + rng.gen_range(0..cfg.group_pages)),
+            _ => (OP_GROUP, g),
+        };
+        entry[0].store(op_word(kind, target, version), Ordering::Relaxed);
+        entry[1].store(BEGUN, Ordering::Release);
+        // Nothing of the operation may be stored before the log says it began.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        match kind {
+            OP_WRITE => {
+                fill(target, version, &mut buf[..page]);
+                dev.write_at(&buf[..page], target * page as u64).unwrap();
+            }
+            OP_DISCARD => dev.discard(target * page as u64, page as u64).unwrap(),
+            _ => {
+                for k in 0..cfg.group_pages {
+                    let at = k as usize * page;
+                    fill(first + k, version, &mut buf[at..at + page]);
+                }
+                dev.write_at(&buf, first * page as u64).unwrap();
+            }
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+        entry[1].store(ACKED, Ordering::Release);
+    }
+}
+
+fn log_bytes(cfg: &Config) -> usize {
+    cfg.threads as usize * LOG_ENTRIES * 16
+}
+
+/// Sends `fds` and one byte over `sock` (`SCM_RIGHTS`).
+fn send_fds(sock: &OwnedFd, fds: &[OwnedFd; DEVICE_FILES]) {
+    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let mut byte = [1u8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(&raw[..]) as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` has a control buffer of `space` bytes, room for one header and the fds.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(&raw[..]) as u32) as _;
+        std::ptr::copy_nonoverlapping(raw.as_ptr(), libc::CMSG_DATA(cmsg).cast(), raw.len());
+    }
+    // SAFETY: `msg` describes valid buffers; `sock` is an open socket.
+    let rc = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) };
+    assert_eq!(rc, 1, "sendmsg: {}", std::io::Error::last_os_error());
+}
+
+/// Receives what [`send_fds`] sent; `None` if the socket closed first.
+fn recv_fds(sock: &OwnedFd) -> Option<[OwnedFd; DEVICE_FILES]> {
+    let mut byte = [0u8];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space =
+        unsafe { libc::CMSG_SPACE((DEVICE_FILES * std::mem::size_of::<RawFd>()) as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` describes valid buffers; `sock` is an open socket.
+    let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if rc != 1 {
+        return None;
+    }
+    // SAFETY: the kernel filled the control buffer; a SCM_RIGHTS header carries fds we now
+    // own.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        assert!(!cmsg.is_null() && (*cmsg).cmsg_type == libc::SCM_RIGHTS);
+        let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+        Some(std::array::from_fn(|i| OwnedFd::from_raw_fd(*data.add(i))))
+    }
+}
+
+/// What one crash point found.
+struct Point {
+    mismatches: Result<(), String>,
+    ops_acked: u64,
+}
+
+/// One crash point: a child runs `cfg` with `seed` and is killed after `run`; the parent
+/// recovers and checks.
+fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
+    let mut pair = [0 as RawFd; 2];
+    // SAFETY: `pair` has room for the two fds socketpair writes.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            pair.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0);
+    // SAFETY: socketpair returned two fds we own.
+    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(pair[0]), OwnedFd::from_raw_fd(pair[1])) };
+    let log = ShmFile::create("crash-log").unwrap();
+    log.set_len(log_bytes(cfg) as u64).unwrap();
+    let (their_sock, their_log) = (theirs.as_raw_fd(), log.as_fd().as_raw_fd());
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "crash_model_child",
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(
+        CHILD_ENV,
+        format!(
+            "{},{seed},{}",
+            cfg.name,
+            if canary { "canary" } else { "-" }
+        ),
+    )
+    .stdout(std::process::Stdio::null());
+    // SAFETY: dup2 is async-signal-safe; it puts the socket and the log at the numbers the
+    // child expects (without CLOEXEC).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(their_sock, CHILD_SOCK_FD) < 0 || libc::dup2(their_log, CHILD_LOG_FD) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    drop(theirs);
+    let fds = recv_fds(&ours);
+    let started = Instant::now();
+    let Some(fds) = fds else {
+        let status = child.wait().unwrap();
+        panic!(
+            "{} seed {seed}: the child sent no state ({status})",
+            cfg.name
+        );
+    };
+    let left = run.saturating_sub(started.elapsed());
+    std::thread::sleep(left);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The log, as the child left it.
+    let map = log.map(0, log_bytes(cfg)).unwrap();
+    // SAFETY: the log is `threads × LOG_ENTRIES` pairs of words; the child is dead.
+    let entries = unsafe {
+        std::slice::from_raw_parts(
+            map.base().as_ptr().cast::<[AtomicU64; 2]>(),
+            cfg.threads as usize * LOG_ENTRIES,
+        )
+    };
+    let mut want = vec![0u64; cfg.pages as usize];
+    let mut in_flight = Vec::new();
+    let mut ops_acked = 0;
+    for e in entries {
+        let state = e[1].load(Ordering::Acquire);
+        if state == 0 {
+            continue;
+        }
+        let w = e[0].load(Ordering::Relaxed);
+        let (kind, target, version) = (w >> 56, (w >> 32) & 0xff_ffff, w & 0xffff_ffff);
+        let pages: Vec<u64> = match kind {
+            OP_GROUP => (target * cfg.group_pages..(target + 1) * cfg.group_pages).collect(),
+            _ => vec![target],
+        };
+        let v = if kind == OP_DISCARD { 0 } else { version };
+        for p in pages {
+            if state == ACKED {
+                want[p as usize] = v;
+            } else {
+                in_flight.push((p, v));
+            }
+        }
+        ops_acked += u64::from(state == ACKED);
+    }
+    let mismatches = match Device::recover(DeviceFiles::from_fds(fds)) {
+        Err(e) => Err(format!("recovery refused: {e}")),
+        Ok((dev, _)) => check_pages(&dev, cfg.page_size, &want, &in_flight).map(|()| {
+            // The recovered allocator takes writes again.
+            exercise(&dev, cfg.page_size, cfg.pages.min(64));
+        }),
+    };
+    Point {
+        mismatches,
+        ops_acked,
+    }
+}
+
+/// Crash points per configuration (`UZRAM_CRASH_POINTS` overrides): 3 configurations of 170,
+/// over 500 per run.
+fn points() -> u64 {
+    std::env::var("UZRAM_CRASH_POINTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(170)
+}
+
+fn crash_model(cfg: &Config) {
+    let base: u64 = std::env::var("UZRAM_CRASH_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| rand::random::<u32>().into());
+    let mut acked = 0;
+    let mut runs = SmallRng::seed_from_u64(base);
+    for n in 0..points() {
+        let seed = base + n;
+        // Mostly early (the first operations, fresh zspages), some later.
+        let run =
+            Duration::from_micros(runs.gen_range(200..if n % 4 == 0 { 60_000 } else { 8_000 }));
+        let p = crash_point(cfg, seed, run, false);
+        if let Err(e) = p.mismatches {
+            panic!(
+                "{}: crash point {n} (UZRAM_CRASH_SEED={seed} UZRAM_CRASH_POINTS=1, killed \
+                 after {run:?}): {e}",
+                cfg.name
+            );
+        }
+        acked += p.ops_acked;
+    }
+    eprintln!(
+        "{}: {} crash points, 0 mismatches, {acked} operations acknowledged (seeds from {base})",
+        cfg.name,
+        points()
+    );
+    assert!(acked > 0, "no operation ever completed before a kill");
+}
+
+#[test]
+fn crash_model_4k() {
+    crash_model(&CONFIGS[0]);
+}
+
+#[test]
+fn crash_model_4k_multi_page() {
+    crash_model(&CONFIGS[1]);
+}
+
+#[test]
+fn crash_model_16k() {
+    crash_model(&CONFIGS[2]);
+}
+
+/// The harness can fail: with slots published before their objects' bytes are copied, some
+/// crash point finds a page that is neither its old nor its new contents.
+#[test]
+fn crash_model_canary() {
+    let cfg = &CONFIGS[0];
+    let base: u64 = rand::random::<u32>().into();
+    for n in 0..60 {
+        let p = crash_point(cfg, base + n, Duration::from_millis(5 + n % 20), true);
+        if let Err(e) = p.mismatches {
+            eprintln!("canary caught at crash point {n}: {e}");
+            return;
+        }
+    }
+    panic!("60 crash points with slots published before their bytes found nothing");
+}
