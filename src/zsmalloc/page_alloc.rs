@@ -32,8 +32,8 @@
 //!
 //! # The reserve
 //!
-//! A new zspage's pages are fresh anonymous memory: faulted in, zeroed and charged to the
-//! cgroup on first touch, work the kernel's zsmalloc (taking pages from the buddy allocator's
+//! A new zspage's pages are fresh pages of the frames' file: allocated, zeroed and charged to
+//! the cgroup on first touch, work the kernel's zsmalloc (taking pages from the buddy allocator's
 //! free lists) does not do on the store path. So the pool keeps a *reserve*: frames whose first
 //! `k` pages are already faulted in, `reserve[k]` by page count, filled by a background thread
 //! (the *refiller*, `uzram-zs-reserve`) off the writers' path. A new zspage takes, in order, a
@@ -140,7 +140,8 @@ impl Frame {
         self.check(offset, len);
         // SAFETY: the range is inside the frame (checked above), which is inside a live mapping
         // (chunks are unmapped only when the allocator drops, after every frame's owner). The
-        // memory is anonymous, hence always initialised (zeroes or written bytes). No `&mut`
+        // memory is a shared mapping of the frames' memfd, always initialised (zeroes where a
+        // page was never written or was punched out, else written bytes). No `&mut`
         // aliases it: mutable slices come from `&mut Frame` (excluded by this shared borrow) or
         // from `reserved_slot_mut`, whose callers guarantee nobody reads that slot.
         unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(offset), len) }
@@ -290,8 +291,9 @@ pub(crate) struct FrameAllocator {
 /// i.e. 64 zspages of one page, 16 of four. At most 2 MiB over the eight sizes of 4 KiB-page
 /// pools (4 MiB over the sixteen page counts spans use in 64 KiB-page pools), and only sizes that
 /// were asked for are refilled. Why it exists: on a fresh device each new zspage's pages are
-/// fresh anonymous memory, faulted in, zeroed and charged to the cgroup (`MADV_POPULATE_WRITE`),
-/// a fifth of the store path's CPU time on the corpus (bench/notes.md); the kernel's zsmalloc
+/// fresh pages of the frames' file, faulted in, zeroed and charged to the cgroup
+/// (`MADV_POPULATE_WRITE`), a fifth of the store path's CPU time on the corpus
+/// (bench/notes.md); the kernel's zsmalloc
 /// takes pages from the buddy allocator's free lists instead. The reserve moves that work to a
 /// background thread, off the writer's path. Why 64: a writer on this machine allocates about
 /// 30,000 pool pages a second (1 GB/s of pages at a 2.7 compression ratio spread over the
@@ -427,7 +429,7 @@ fn reserve_target_frames(k: usize) -> usize {
 /// Resident memory the frame cache may hold: 2 MiB (512 pages of 4 KiB, 128 of 16 KiB, 32 of
 /// 64 KiB). When objects are overwritten, zspages empty and new ones are needed at about the same
 /// rate; keeping a few emptied frames resident saves a `madvise` and a page fault, zeroing and
-/// cgroup charge per page, the price of fresh anonymous memory that the kernel's zsmalloc (which
+/// cgroup charge per page, the price of fresh memory that the kernel's zsmalloc (which
 /// takes pages from the buddy allocator's free lists) does not pay. The cache is bounded so the
 /// pool's resident set stays within 2 MiB of `mem_used_total`, and [`FrameAllocator::trim`]
 /// (called by compaction) empties it.
@@ -435,11 +437,11 @@ pub(crate) const FRAME_CACHE_BYTES: usize = 2 << 20;
 
 /// Released frames the frame cache has no room for are dropped from the resident set in
 /// batches of this many pages (1 MiB of 4 KiB pages), sorted by address, with one `madvise` per
-/// range of adjacent frames rather than one per zspage. Each `madvise(MADV_DONTNEED)`
-/// takes the process's `mmap_lock`, walks the page tables and flushes the TLB of every CPU
-/// running the process (an IPI), which made it about 90% of the cost of a free that empties a
-/// zspage (`bench/notes.md`, "Releasing pages"); a batch pays the lock and the flush once
-/// per range.
+/// range of adjacent frames rather than one per zspage. Each hole punched in the frames' file
+/// unmaps the pages from the process's page tables and flushes the TLB of every CPU running the
+/// process (an IPI), as `madvise(MADV_DONTNEED)` did, which made it about 90% of the cost of a
+/// free that empties a zspage (`bench/notes.md`, "Releasing pages"); a batch pays the flush
+/// once per range.
 /// Frames are carved in address order, so zspages created together (a fill) and freed together
 /// (a process exit, a TRIM of a range) are mostly neighbours. Why 256 pages: it bounds the
 /// extra resident memory (at most 1 MiB beyond `mem_used_total`, on top of the cache) while a
@@ -942,7 +944,7 @@ impl FrameAllocator {
                 .next_multiple_of(self.sys_page_bytes)
                 .min(frame.len_bytes);
             // SAFETY: the range lies inside the frame (clamped to its length; frames are
-            // system-page aligned), a private anonymous mapping we own and nobody else
+            // system-page aligned), a mapping of the frames' file that we own and nobody else
             // references: the caller holds the token and has handed out no slice of it.
             // Populating only pre-faults the pages (zero-filled, or keeping what is there); it
             // never changes their contents.
