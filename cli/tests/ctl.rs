@@ -234,8 +234,9 @@ socket = "{d}/zram1.sock"
     assert_eq!(mm[0], 4 << 20);
     assert!(mm[1] > 0 && mm[1] < mm[0], "{b}");
     // META is the sum of meta_stat's first five columns (the device's own memory), the first
-    // of which is the slot table: 16 bytes per page of the 16 MiB device of 16 KiB pages; the
-    // last three are the server's swap reserve, 0 without --swap.
+    // of which is the slot table: 16 bytes per page of the 16 MiB device of 16 KiB pages, and
+    // the slot journal's 32 KiB after it; the last three are the server's swap reserve, 0
+    // without --swap.
     let meta_stat = stdout(&r.ctl(&["--dev", "zram1", "meta_stat"]));
     let meta_cols: Vec<u64> = meta_stat
         .split_whitespace()
@@ -243,7 +244,7 @@ socket = "{d}/zram1.sock"
         .collect();
     assert_eq!(meta_cols.len(), 8, "{meta_stat}");
     assert_eq!(meta_cols[5..], [0, 0, 0], "{meta_stat}");
-    assert_eq!(meta_cols[0], (16 << 20) / 16384 * 16, "{meta_stat}");
+    assert_eq!(meta_cols[0], (16 << 20) / 16384 * 16 + 32768, "{meta_stat}");
     assert_eq!(
         figure(13),
         meta_cols.iter().sum::<u64>(),
