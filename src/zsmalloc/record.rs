@@ -8,7 +8,9 @@
 //!
 //! # Encoding
 //!
-//! `what` (0: the frame holds nothing):
+//! `what` (0: the frame holds nothing, whatever `extra` says: a write stores `extra` before
+//! `what` and a clear `what` before `extra`, so a process stopped between the two leaves a
+//! stale `extra` under a zero `what`):
 //!
 //! | bits | zspage | span |
 //! |---|---|---|
@@ -71,7 +73,7 @@ impl FrameUse {
             return Err(format!("record {what:#x} sets unused bits"));
         }
         match what & KIND {
-            0 if what == 0 && extra == 0 => Ok(None),
+            0 if what == 0 => Ok(None),
             ZSPAGE if extra == 0 => Ok(Some(FrameUse::Zspage { class: field, id })),
             SPAN => Ok(Some(FrameUse::Span {
                 id,
@@ -110,7 +112,8 @@ mod tests {
             assert_eq!(FrameUse::decode(w, e), Ok(Some(u)));
         }
         assert_eq!(FrameUse::decode(0, 0), Ok(None));
-        assert!(FrameUse::decode(0, 5).is_err());
+        // A stop between a record's two stores: nothing, whatever `extra` holds.
+        assert_eq!(FrameUse::decode(0, 5), Ok(None));
         assert!(FrameUse::decode(KIND, 0).is_err());
         assert!(FrameUse::decode(ZSPAGE | 1 << 50, 0).is_err());
         assert!(FrameUse::decode(ZSPAGE, 3).is_err());
