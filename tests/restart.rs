@@ -77,22 +77,35 @@ fn recovers_a_quiet_device() {
         want[i as usize] = 2;
     }
     dev.compact();
+    let rec = recover_as_it_was(dev, "4 KiB");
+    check_pages(&rec, page, &want, &[]).unwrap();
+    exercise(&rec, page, n);
+}
+
+/// Drops `dev` once its deferred frees are flushed and recovers it from its files (which
+/// outlive it; dropping it changes none of them): nothing to replay or collect, and the same
+/// counters as before.
+fn recover_as_it_was(dev: Device, what: &str) -> Device {
     dev.flush_deferred();
     let before = dev.stats();
     let files = dev.state_files().unwrap();
-    // Its files outlive it; dropping it changes none of them (the queue was flushed).
     drop(dev);
     let (rec, report) = Device::recover(files).unwrap();
-    assert_eq!(report.garbage, 0, "{report:?}");
-    assert_eq!(report.journal_replayed, 0);
+    assert_eq!(report.garbage, 0, "{what}: {report:?}");
+    assert_eq!(report.journal_replayed, 0, "{what}");
     let after = rec.stats();
-    assert_eq!(after.pages_stored, before.pages_stored);
-    assert_eq!(after.compr_data_size_bytes, before.compr_data_size_bytes);
-    assert_eq!(after.same_pages, before.same_pages);
-    assert_eq!(after.huge_pages, before.huge_pages);
-    assert_eq!(after.mem_used_total_bytes, before.mem_used_total_bytes);
-    check_pages(&rec, page, &want, &[]).unwrap();
-    exercise(&rec, page, n);
+    let counters = |s: &uzram::store::StatsSnapshot| {
+        (
+            s.pages_stored,
+            s.compr_data_size_bytes,
+            s.same_pages,
+            s.huge_pages,
+            s.multi_objects,
+            s.mem_used_total_bytes,
+        )
+    };
+    assert_eq!(counters(&after), counters(&before), "{what}");
+    rec
 }
 
 #[test]
@@ -123,27 +136,7 @@ fn recovers_multi_page_objects_and_large_pages() {
             dev.write_at(&buf[..page], i * page as u64).unwrap();
             want[i as usize] = 9;
         }
-        dev.flush_deferred();
-        let before = dev.stats();
-        let files = dev.state_files().unwrap();
-        drop(dev);
-        let (rec, report) = Device::recover(files).unwrap();
-        assert_eq!(report.garbage, 0, "{page} {mps}: {report:?}");
-        let after = rec.stats();
-        assert_eq!(
-            (
-                after.pages_stored,
-                after.compr_data_size_bytes,
-                after.multi_objects
-            ),
-            (
-                before.pages_stored,
-                before.compr_data_size_bytes,
-                before.multi_objects
-            ),
-            "{page} {mps}"
-        );
-        assert_eq!(after.mem_used_total_bytes, before.mem_used_total_bytes);
+        let rec = recover_as_it_was(dev, &format!("{page} {mps}"));
         check_pages(&rec, page, &want, &[]).unwrap();
         exercise(&rec, page, n);
     }

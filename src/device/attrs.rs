@@ -603,7 +603,11 @@ mod tests {
         assert_eq!(cols(&dev), [0; 8], "uninitialised");
         dev.attr_store("disksize", "16M").unwrap();
         let empty = cols(&dev);
-        assert_eq!(empty[0], (16 << 20) / 4096 * 16 + 32768, "slot table and its journal");
+        assert_eq!(
+            empty[0],
+            (16 << 20) / 4096 * 16 + 32768,
+            "slot table and its journal"
+        );
         assert_eq!(empty[1..4], [0, 0, 0], "{empty:?}");
         let resting = (crate::zsmalloc::DEFERRED_FREE_BUDGET_BYTES / 4096) as u64 * 4;
         assert!(
