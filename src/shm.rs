@@ -221,22 +221,46 @@ impl ShmMap {
     /// kernels: a zero written over each page's first byte, which is zero in a fresh range:
     /// call it only on ranges nobody has written yet).
     pub fn populate(&self, len_bytes: usize) {
-        let len_bytes = len_bytes.min(self.len_bytes);
-        // SAFETY: the range lies inside the mapping; populating never changes contents.
+        self.populate_range(0, len_bytes);
+    }
+
+    /// As [`populate`](Self::populate), for `[offset, offset + len_bytes)` (clamped to the
+    /// mapping; `offset` rounded down to a page).
+    pub fn populate_range(&self, offset: usize, len_bytes: usize) {
+        let start = (offset & !4095).min(self.len_bytes);
+        let end = offset.saturating_add(len_bytes).min(self.len_bytes);
+        if start >= end {
+            return;
+        }
+        // SAFETY: `start < end <= len_bytes`: the range lies inside the mapping; populating
+        // never changes contents.
         let rc = unsafe {
             libc::madvise(
-                self.base.as_ptr().cast(),
-                len_bytes,
+                self.base.as_ptr().add(start).cast(),
+                end - start,
                 23, /* MADV_POPULATE_WRITE */
             )
         };
         if rc != 0 {
-            for off in (0..len_bytes).step_by(4096) {
-                // SAFETY: `off < len_bytes`, inside the mapping; the caller says the range is
-                // fresh (zero), so writing a zero changes nothing.
+            for off in (start..end).step_by(4096) {
+                // SAFETY: `off < end`, inside the mapping; the caller says the range is fresh
+                // (zero), so writing a zero changes nothing.
                 unsafe { self.base.as_ptr().add(off).write_volatile(0) };
             }
         }
+    }
+}
+
+#[cfg(test)]
+impl ShmMap {
+    /// Pages of the first `len_bytes` resident now (`mincore`).
+    pub(crate) fn resident_pages(&self, len_bytes: usize) -> usize {
+        let len_bytes = len_bytes.min(self.len_bytes);
+        let mut vec = vec![0u8; len_bytes.div_ceil(4096)];
+        // SAFETY: the range is inside the mapping; `vec` has a byte per page.
+        let rc = unsafe { libc::mincore(self.base.as_ptr().cast(), len_bytes, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().filter(|&&b| b & 1 != 0).count()
     }
 }
 
@@ -253,11 +277,7 @@ mod tests {
     use super::*;
 
     fn resident(map: &ShmMap, len: usize) -> usize {
-        let mut vec = vec![0u8; len.div_ceil(4096)];
-        // SAFETY: the range is inside the mapping; `vec` has a byte per page.
-        let rc = unsafe { libc::mincore(map.base().as_ptr().cast(), len, vec.as_mut_ptr()) };
-        assert_eq!(rc, 0);
-        vec.iter().filter(|&&b| b & 1 != 0).count()
+        map.resident_pages(len)
     }
 
     #[test]
@@ -279,5 +299,25 @@ mod tests {
         assert!(seen[..4096].iter().all(|&x| x == 0));
         assert!(seen[4096..].iter().all(|&x| x == 7));
         assert_eq!(f.len().unwrap(), 1 << 20);
+    }
+
+    #[test]
+    fn populate_range_faults_in_the_pages_it_covers_and_keeps_their_bytes() {
+        let f = ShmFile::create("test").unwrap();
+        f.set_len(1 << 20).unwrap();
+        let m = f.map(0, 1 << 20).unwrap();
+        // SAFETY: inside the fresh mapping, which only this test uses.
+        unsafe { m.base().as_ptr().add(5 * 4096 + 7).write(9) };
+        assert_eq!(resident(&m, 1 << 20), 1);
+        // From the middle of page 4 to the middle of page 6: pages 4, 5 and 6.
+        m.populate_range(4 * 4096 + 100, 2 * 4096);
+        assert_eq!(resident(&m, 1 << 20), 3);
+        // SAFETY: inside the mapping.
+        assert_eq!(unsafe { m.base().as_ptr().add(5 * 4096 + 7).read() }, 9);
+        // Past the end: clamped.
+        m.populate_range((1 << 20) - 4096, 1 << 30);
+        assert_eq!(resident(&m, 1 << 20), 4);
+        m.populate(2 * 4096);
+        assert_eq!(resident(&m, 1 << 20), 6);
     }
 }

@@ -60,14 +60,14 @@ impl SlotTable {
     /// As [`new`](Self::new); with `fault_in`, the whole table is faulted in now (a server
     /// backing swap: `crate::memory`), so no write under memory pressure faults a page of it.
     pub fn with_faulting(len: u64, fault_in: bool) -> Result<SlotTable> {
-        let bytes = Self::entries_bytes(len)?;
         let file = ShmFile::create("slots")?;
         file.set_len(Self::file_bytes(len)? as u64)?;
         let table = SlotTable::map(file, len)?;
         if fault_in {
-            // Serving swap: the whole table now (as the kernel's zram allocates its table at
-            // `disksize`), so no write under memory pressure faults a page of it in.
-            table.map.populate(bytes);
+            // Serving swap: the whole table and its journal now (as the kernel's zram
+            // allocates its table at `disksize`), so no write under memory pressure faults a
+            // page of either in.
+            table.map.populate(table.map.len_bytes());
         }
         Ok(table)
     }

@@ -145,6 +145,14 @@ impl HandleTable {
         Ok(HandleTable { map, file })
     }
 
+    /// Faults in the header and the words of the first `indices` handle indices (call it on a
+    /// fresh table: a pool serving swap, so that handing out an index under memory pressure
+    /// faults no page of the table).
+    pub(crate) fn populate(&self, indices: u64) {
+        let words = indices.min(MAX_HANDLES) as usize;
+        self.map.populate(HEADER_BYTES + words * 8);
+    }
+
     /// The memfd holding the table.
     #[allow(dead_code)]
     pub(crate) fn file(&self) -> &ShmFile {
@@ -229,6 +237,16 @@ impl HandleTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn populate_faults_in_the_header_and_the_words_asked_for() {
+        let t = HandleTable::new().unwrap();
+        assert_eq!(t.map.resident_pages(1 << 20), 0);
+        t.populate(1000);
+        // The header page and 8000 bytes of words: two pages.
+        assert_eq!(t.map.resident_pages(1 << 20), 3);
+        assert_eq!(t.indices(), 0, "populating hands nothing out");
+    }
 
     #[test]
     fn raw_round_trip() {

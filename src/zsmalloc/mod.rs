@@ -889,6 +889,25 @@ impl ZsPool {
         )?))
     }
 
+    /// Faults in the handle table's words for `objects` objects and the default deferred-free
+    /// queue's worth beyond (handles of freed objects not yet returned): a pool serving swap,
+    /// for the pages of its device (`Store`), so that handing out a handle under memory
+    /// pressure does not fault a page of the table in on a writer's path. Pages over 4 KiB
+    /// count twice (an object larger than a pool page is a span and its tail). Past that count
+    /// (handles kept on other classes' free lists), the table still grows by fault, a page per
+    /// 512 handles.
+    pub fn populate_handles(&self, objects: u64) {
+        let per_object = if self.core.page_size_bytes > POOL_PAGE_BYTES {
+            2
+        } else {
+            1
+        };
+        let queued = deferred_free::default_capacity(self.core.page_size_bytes) as u64;
+        self.core
+            .handles
+            .populate(objects.saturating_mul(per_object).saturating_add(queued));
+    }
+
     /// Whether the pool serves swap ([`with_swap_reserve`](Self::with_swap_reserve)).
     pub fn serves_swap(&self) -> bool {
         self.core.shared_frames

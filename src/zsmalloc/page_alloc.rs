@@ -485,6 +485,13 @@ impl FrameRecords {
         Ok(FrameRecords { map, file })
     }
 
+    /// Faults in the records of frames `[from, to)`, so that writing them (under a class
+    /// lock, on a writer's path) never waits for a page.
+    fn populate(&self, from: usize, to: usize) {
+        let size = std::mem::size_of::<FrameRecord>();
+        self.map.populate_range(from * size, (to - from) * size);
+    }
+
     fn get(&self, index: u32) -> &FrameRecord {
         assert!((index as usize) < MAX_FRAMES);
         // SAFETY: `index < MAX_FRAMES`, so the record lies inside the mapping (page aligned,
@@ -764,6 +771,14 @@ impl FrameAllocator {
             })?;
             st.chunks.push(Chunk { map });
             st.carved_in_last = 0;
+            // The new frames' records (a page per 256 frames), faulted in now, where the chunk
+            // is mapped (serving swap, by the refiller), not on a writer's path under the
+            // class lock, where a fault could wait for memory.
+            let records = self.records.get().expect("made with the first chunk");
+            records.populate(
+                chunk * self.frames_per_chunk,
+                (chunk + 1) * self.frames_per_chunk,
+            );
         }
         let chunk_base = st.chunks.last().expect("a chunk was just ensured").base();
         let offset = st.carved_in_last * self.frame_bytes;
