@@ -25,6 +25,7 @@
 use std::sync::Arc;
 
 use crate::error::Result;
+use crate::shm::ShmFile;
 use crate::zsmalloc::page_alloc::FrameAllocator;
 pub use crate::zsmalloc::page_alloc::SwapReserveStats;
 use crate::zsmalloc::{ClassTable, POOL_PAGE_BYTES};
@@ -61,13 +62,64 @@ impl SwapReserve {
             )
             .with_drop_batches(),
         );
-        let counts: Vec<usize> = ClassTable::new(POOL_PAGE_BYTES)
+        frames.set_reserve(bytes / POOL_PAGE_BYTES, &Self::page_counts())?;
+        Ok(Arc::new(SwapReserve { frames, bytes }))
+    }
+
+    /// The reserve a previous process left in `frames` and `records` (its
+    /// [`files`](Self::files)), of `bytes` (as [`new`](Self::new)), in recovery: recover each
+    /// device that served swap from it (`Device::recover_swap`), then call
+    /// [`finish_recovery`](Self::finish_recovery), which releases the frames no device
+    /// claimed, fills the reserve and starts its refiller. `EINVAL` if the files are not a
+    /// reserve's.
+    pub fn recover(bytes: usize, frames: ShmFile, records: ShmFile) -> Result<Arc<SwapReserve>> {
+        let frames = FrameAllocator::with_frame_pages(
+            POOL_PAGE_BYTES,
+            FRAME_PAGES,
+            crate::zsmalloc::page_alloc::FRAME_CACHE_BYTES,
+        )
+        .with_drop_batches()
+        .with_files(frames, records)?;
+        frames.begin_recovery();
+        Ok(Arc::new(SwapReserve {
+            frames: Arc::new(frames),
+            bytes,
+        }))
+    }
+
+    /// Ends recovery (see [`recover`](Self::recover)): frames no recovered device claimed are
+    /// given back to the system, and the reserve is faulted in and refilled as a new one's.
+    /// Nothing to do for a reserve that was not recovered.
+    pub fn finish_recovery(&self) -> Result<()> {
+        if !self.frames.is_recovering() {
+            return Ok(());
+        }
+        self.frames.finish_recovery()?;
+        self.frames
+            .set_reserve(self.bytes / POOL_PAGE_BYTES, &Self::page_counts())
+    }
+
+    /// New descriptors of the files holding the reserve's frames and their records, to hand
+    /// to a process that will [`recover`](Self::recover) it (each device serving swap hands
+    /// the same files over with its own: `Device::state_files`).
+    pub fn files(&self) -> Result<(ShmFile, ShmFile)> {
+        self.frames.files()
+    }
+
+    /// The zspage page counts of the size classes (what the reserve keeps frames for).
+    fn page_counts() -> Vec<usize> {
+        ClassTable::new(POOL_PAGE_BYTES)
             .classes()
             .iter()
             .map(|c| c.pages_per_zspage)
-            .collect();
-        frames.set_reserve(bytes / POOL_PAGE_BYTES, &counts)?;
-        Ok(Arc::new(SwapReserve { frames, bytes }))
+            .collect()
+    }
+
+    /// Stops the refiller, as the death of the process does (tests that leave a "dead"
+    /// process's devices in memory while another recovers their files).
+    #[cfg(any(test, feature = "testing"))]
+    pub fn stop_refiller(&self) {
+        self.frames.stop_refiller();
     }
 
     /// The size asked for, in bytes (the high mark).

@@ -154,6 +154,26 @@ impl ShmFile {
         Ok(out)
     }
 
+    /// Whether `other` is the same file (device and inode), e.g. a descriptor of it handed
+    /// over by another process.
+    pub fn same_file(&self, other: &ShmFile) -> Result<bool> {
+        Ok(self.stat()? == other.stat()?)
+    }
+
+    /// The file's device and inode.
+    fn stat(&self) -> Result<(u64, u64)> {
+        // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is open and `st` is a valid, writable `stat`.
+        if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::io(format!(
+                "fstat of a memfd: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        Ok((st.st_dev, st.st_ino))
+    }
+
     /// Maps `len_bytes` of the file from `offset` (a multiple of the system page size).
     pub fn map(&self, offset: u64, len_bytes: usize) -> Result<ShmMap> {
         ShmMap::new(self.fd.as_fd(), offset, len_bytes)
@@ -218,14 +238,14 @@ impl ShmMap {
     }
 
     /// Faults the first `len_bytes` in, writable (`MADV_POPULATE_WRITE`, Linux 5.14; older
-    /// kernels: a zero written over each page's first byte, which is zero in a fresh range:
-    /// call it only on ranges nobody has written yet).
+    /// kernels: each page's first byte read and written back, so call it only while nobody
+    /// else writes the range: a fresh table, or one being recovered). Contents never change.
     pub fn populate(&self, len_bytes: usize) {
         self.populate_range(0, len_bytes);
     }
 
     /// As [`populate`](Self::populate), for `[offset, offset + len_bytes)` (clamped to the
-    /// mapping; `offset` rounded down to a page).
+    /// mapping; `offset` rounded down to a page); the same condition on writers.
     pub fn populate_range(&self, offset: usize, len_bytes: usize) {
         let start = (offset & !4095).min(self.len_bytes);
         let end = offset.saturating_add(len_bytes).min(self.len_bytes);
@@ -243,9 +263,12 @@ impl ShmMap {
         };
         if rc != 0 {
             for off in (start..end).step_by(4096) {
-                // SAFETY: `off < end`, inside the mapping; the caller says the range is fresh
-                // (zero), so writing a zero changes nothing.
-                unsafe { self.base.as_ptr().add(off).write_volatile(0) };
+                // SAFETY: `off < end`, inside the mapping; nobody else writes the range (the
+                // caller's condition), so writing back the byte just read changes nothing.
+                unsafe {
+                    let p = self.base.as_ptr().add(off);
+                    p.write_volatile(p.read_volatile());
+                }
             }
         }
     }

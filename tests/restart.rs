@@ -27,6 +27,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use uzram::device::restart::{DeviceFiles, DEVICE_FILES};
 use uzram::device::Device;
+use uzram::memory::SwapReserve;
 use uzram::shm::ShmFile;
 use uzram_testkit::device::DeviceBuilder;
 use uzram_testkit::pages::{fill_page, Kind};
@@ -169,6 +170,95 @@ fn refuses_a_slot_naming_a_free_handle_and_a_foreign_header() {
     assert!(err.message().contains("header"), "{err}");
 }
 
+/// Devices serving swap share the server's swap reserve: two of them recover from its files
+/// (each pool claims only the frames its records are tagged with), a third that was not handed
+/// over loses its frames to the reserve when its recovery finishes, and the recovered devices
+/// take writes from the refilled reserve. Recovering one without the reserve, or with another
+/// reserve, is refused.
+#[test]
+fn recovers_devices_serving_swap() {
+    let page = 4096usize;
+    let n = 1024u64;
+    let reserve_bytes = 8 << 20;
+    let reserve = SwapReserve::new(reserve_bytes).unwrap();
+    let devs: Vec<Device> = (0..3)
+        .map(|_| {
+            let r = Arc::clone(&reserve);
+            DeviceBuilder::pages(n)
+                .with(move |d| d.set_swap_reserve(Some(r)).unwrap())
+                .build()
+        })
+        .collect();
+    let mut buf = vec![0u8; page];
+    let mut wants = Vec::new();
+    for (d, dev) in devs.iter().enumerate() {
+        let mut want = vec![0u64; n as usize];
+        for i in 0..n {
+            let v = 1 + (i + d as u64) % 3;
+            fill(i, v, &mut buf);
+            dev.write_at(&buf, i * page as u64).unwrap();
+            want[i as usize] = v;
+        }
+        for i in (d as u64..n).step_by(4) {
+            dev.discard(i * page as u64, page as u64).unwrap();
+            want[i as usize] = 0;
+        }
+        dev.compact();
+        dev.flush_deferred();
+        wants.push(want);
+    }
+    let (frames, records) = reserve.files().unwrap();
+    let files: Vec<DeviceFiles> = devs[..2].iter().map(|d| d.state_files().unwrap()).collect();
+    let stored: Vec<u64> = devs.iter().map(|d| d.stats().pages_stored).collect();
+    // The process "dies": its devices and reserve are left as they are (dropping them would
+    // clear their records), the refiller stops, the files stay.
+    reserve.stop_refiller();
+    std::mem::forget(devs);
+    drop(reserve);
+
+    let other = SwapReserve::new(1 << 20).unwrap();
+    let mut files = files.into_iter();
+    let a = files.next().unwrap();
+    let err = Device::recover(dup_files(&a)).unwrap_err();
+    assert!(err.message().contains("served swap"), "{err}");
+    let err = Device::recover_swap(dup_files(&a), &other).unwrap_err();
+    assert!(err.message().contains("not being recovered"), "{err}");
+
+    let rec = SwapReserve::recover(reserve_bytes, frames, records).unwrap();
+    let mut recovered = Vec::new();
+    for (d, f) in [a, files.next().unwrap()].into_iter().enumerate() {
+        let (dev, report) = Device::recover_swap(f, &rec).unwrap();
+        assert_eq!(report.garbage, 0, "device {d}: {report:?}");
+        assert_eq!(dev.stats().pages_stored, stored[d], "device {d}");
+        check_pages(&dev, page, &wants[d], &[]).unwrap();
+        recovered.push(dev);
+    }
+    let before = rec.stats().held_pages;
+    rec.finish_recovery().unwrap();
+    assert!(
+        rec.stats().held_pages > before,
+        "the reserve is faulted in again: {:?}",
+        rec.stats()
+    );
+    for (d, dev) in recovered.iter().enumerate() {
+        check_pages(dev, page, &wants[d], &[]).unwrap();
+        exercise(dev, page, n);
+        assert!(dev.swap_reserve().is_some(), "device {d} serves swap");
+    }
+}
+
+/// New descriptors of the same files.
+fn dup_files(f: &DeviceFiles) -> DeviceFiles {
+    let dup = |s: &ShmFile| s.try_clone_fd().unwrap();
+    DeviceFiles::from_fds([
+        dup(&f.header),
+        dup(&f.store.slots),
+        dup(&f.store.pool.handles),
+        dup(&f.store.pool.frames),
+        dup(&f.store.pool.records),
+    ])
+}
+
 /// Reads every page of `dev` and compares it with version `want[i]`, or (for the pages
 /// `in_flight` names) either of two versions. `Err` lists the mismatches.
 fn check_pages(
@@ -244,9 +334,15 @@ struct Config {
     /// Pages written at once by a group write (the multi-page group, or 4).
     group_pages: u64,
     threads: u64,
+    /// Serving swap: the device takes its frames from a swap reserve, which a second device
+    /// (not handed over, written by a thread of its own) shares.
+    swap: bool,
 }
 
-const CONFIGS: [Config; 3] = [
+/// The swap configuration's reserve.
+const SWAP_RESERVE_BYTES: usize = 8 << 20;
+
+const CONFIGS: [Config; 4] = [
     Config {
         name: "4k",
         page_size: 4096,
@@ -254,6 +350,7 @@ const CONFIGS: [Config; 3] = [
         multi_page_size: 4096,
         group_pages: 4,
         threads: 3,
+        swap: false,
     },
     Config {
         name: "4k-multi",
@@ -262,6 +359,7 @@ const CONFIGS: [Config; 3] = [
         multi_page_size: 65536,
         group_pages: 16,
         threads: 3,
+        swap: false,
     },
     Config {
         name: "16k",
@@ -270,6 +368,16 @@ const CONFIGS: [Config; 3] = [
         multi_page_size: 4096,
         group_pages: 2,
         threads: 2,
+        swap: false,
+    },
+    Config {
+        name: "4k-swap",
+        page_size: 4096,
+        pages: 1024,
+        multi_page_size: 4096,
+        group_pages: 4,
+        threads: 2,
+        swap: true,
     },
 ];
 
@@ -305,12 +413,20 @@ fn crash_model_child() {
     if canary {
         uzram::store::set_publish_before_copy(true);
     }
-    let dev = Arc::new(
+    let reserve = cfg
+        .swap
+        .then(|| SwapReserve::new(SWAP_RESERVE_BYTES).unwrap());
+    let swap_device = || {
+        let r = reserve.clone();
         DeviceBuilder::pages(cfg.pages)
             .page_size(cfg.page_size)
+            .with(move |d| d.set_swap_reserve(r).unwrap())
             .attr("multi_page_size", &cfg.multi_page_size.to_string())
-            .build(),
-    );
+            .build()
+    };
+    let dev = Arc::new(swap_device());
+    // Serving swap, a neighbour shares the reserve: its frames are not this device's.
+    let neighbour = cfg.swap.then(|| Arc::new(swap_device()));
     // SAFETY: the parent placed the socket at this number for us.
     let sock = unsafe { OwnedFd::from_raw_fd(CHILD_SOCK_FD) };
     let fds = dev.state_files().unwrap().into_fds();
@@ -336,6 +452,21 @@ fn crash_model_child() {
                 )
             };
             writer(&dev, &cfg, t, seed, entries);
+        }));
+    }
+    if let Some(nb) = neighbour {
+        threads.push(std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(seed ^ 0x5a);
+            let mut buf = vec![0u8; cfg.page_size];
+            for v in 1.. {
+                let i = rng.gen_range(0..cfg.pages);
+                fill(i, v, &mut buf);
+                write_retrying(&nb, &buf, i * cfg.page_size as u64);
+                if v % 16 == 0 {
+                    nb.discard(i * cfg.page_size as u64, cfg.page_size as u64)
+                        .unwrap();
+                }
+            }
         }));
     }
     {
@@ -379,7 +510,7 @@ fn writer(dev: &Device, cfg: &Config, t: u64, seed: u64, log: &[[AtomicU64; 2]])
         match kind {
             OP_WRITE => {
                 fill(target, version, &mut buf[..page]);
-                dev.write_at(&buf[..page], target * page as u64).unwrap();
+                write_retrying(dev, &buf[..page], target * page as u64);
             }
             OP_DISCARD => dev.discard(target * page as u64, page as u64).unwrap(),
             _ => {
@@ -387,11 +518,23 @@ fn writer(dev: &Device, cfg: &Config, t: u64, seed: u64, log: &[[AtomicU64; 2]])
                     let at = k as usize * page;
                     fill(first + k, version, &mut buf[at..at + page]);
                 }
-                dev.write_at(&buf, first * page as u64).unwrap();
+                write_retrying(dev, &buf, first * page as u64);
             }
         }
         std::sync::atomic::fence(Ordering::SeqCst);
         entry[1].store(ACKED, Ordering::Release);
+    }
+}
+
+/// Writes `buf` at `offset`, again while the swap reserve has no frame for it (`ENOMEM`, as a
+/// swap-out the kernel retries later: nothing was stored).
+fn write_retrying(dev: &Device, buf: &[u8], offset: u64) {
+    loop {
+        match dev.write_at(buf, offset) {
+            Ok(_) => return,
+            Err(e) if e.errno() == libc::ENOMEM => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => panic!("write at {offset}: {e}"),
+        }
     }
 }
 
@@ -561,7 +704,23 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
         }
         ops_acked += u64::from(state == ACKED);
     }
-    let mismatches = match Device::recover(DeviceFiles::from_fds(fds)) {
+    let files = DeviceFiles::from_fds(fds);
+    let recovered = if cfg.swap {
+        let dup = |f: &ShmFile| ShmFile::from_fd(f.try_clone_fd().unwrap());
+        let (frames, records) = (
+            dup(&files.store.pool.frames),
+            dup(&files.store.pool.records),
+        );
+        SwapReserve::recover(SWAP_RESERVE_BYTES, frames, records).and_then(|reserve| {
+            let dev = Device::recover_swap(files, &reserve)?;
+            // The neighbour's frames go back to the reserve.
+            reserve.finish_recovery()?;
+            Ok(dev)
+        })
+    } else {
+        Device::recover(files)
+    };
+    let mismatches = match recovered {
         Err(e) => Err(format!("recovery refused: {e}")),
         Ok((dev, _)) => check_pages(&dev, cfg.page_size, &want, &in_flight).map(|()| {
             // The recovered allocator takes writes again.
@@ -626,6 +785,11 @@ fn crash_model_4k_multi_page() {
 #[test]
 fn crash_model_16k() {
     crash_model(&CONFIGS[2]);
+}
+
+#[test]
+fn crash_model_4k_swap() {
+    crash_model(&CONFIGS[3]);
 }
 
 /// The harness can fail: with slots published before their objects' bytes are copied, some

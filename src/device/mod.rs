@@ -356,15 +356,12 @@ impl Device {
         #[cfg(not(any(test, feature = "testing")))]
         let capacity = None;
         let (pool_page_bytes, capacity, multi_pages) = self.pool_shape(&st.settings, capacity);
-        let header = self.write_header(
-            &st.settings,
-            disksize_bytes / page,
-            st.swap_reserve.is_some(),
-        )?;
         let pool = match &st.swap_reserve {
             Some(reserve) => ZsPool::with_swap_reserve(pool_page_bytes, capacity, reserve)?,
             None => ZsPool::with_deferred_capacity(pool_page_bytes, capacity)?,
         };
+        let swap_pool = pool.serves_swap().then(|| pool.pool_tag());
+        let header = self.write_header(&st.settings, disksize_bytes / page, swap_pool)?;
         let target = match st.settings.backing.clone() {
             Some(b) => Some(WbTarget::new(
                 b,

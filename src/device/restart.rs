@@ -4,7 +4,7 @@
 //! The header is a memfd of its own holding the settings the store was built with, as text:
 //! a magic line with the format's version, then `key value` lines. Recovery reads it, refuses
 //! settings whose state it cannot rebuild yet (a backing device, recompression codecs, a
-//! dictionary, a pool serving swap), rebuilds the codecs and then the store from its files,
+//! dictionary), rebuilds the codecs and then the store from its files,
 //! checking everything (`store::restore`, `zsmalloc::restore`).
 
 use std::os::fd::OwnedFd;
@@ -14,6 +14,7 @@ use super::{Device, Settings, MULTI_PAGE_SIZES_BYTES};
 use crate::clock::SystemClock;
 use crate::compress::CodecParams;
 use crate::error::{Error, Result};
+use crate::memory::SwapReserve;
 use crate::shm::ShmFile;
 pub use crate::store::RecoveryReport;
 use crate::store::{Store, StoreFiles};
@@ -78,13 +79,15 @@ struct Header {
     level: Option<i32>,
     /// What recovery cannot rebuild yet, if anything (`None`: all of it).
     unsupported: Option<String>,
+    /// Serving swap: its pool's record tag in the server's swap reserve.
+    swap_pool: Option<u16>,
 }
 
 impl Header {
     fn encode(&self) -> String {
         format!(
             "{MAGIC}\npage_size {}\npages {}\nmulti_page_size {}\ncomp_algorithm {}\nlevel {}\n\
-             unsupported {}\n",
+             unsupported {}\nswap_pool {}\n",
             self.page_size_bytes,
             self.pages,
             self.multi_page_size_bytes,
@@ -94,6 +97,7 @@ impl Header {
                 .as_deref()
                 .unwrap_or("none")
                 .replace('\n', " "),
+            self.swap_pool.map_or("none".to_string(), |t| t.to_string()),
         )
     }
 
@@ -127,6 +131,15 @@ impl Header {
             v if v == "none" => None,
             v => Some(v),
         };
+        let swap_pool = match field("swap_pool")?.as_str() {
+            "none" => None,
+            v => Some(
+                v.parse()
+                    .ok()
+                    .filter(|&t| t != 0)
+                    .ok_or_else(|| bad(&format!("has swap_pool {v:?}")))?,
+            ),
+        };
         Ok(Header {
             page_size_bytes,
             pages,
@@ -134,12 +147,13 @@ impl Header {
             comp_algorithm,
             level,
             unsupported,
+            swap_pool,
         })
     }
 }
 
 /// What a device's settings hold that recovery cannot rebuild yet.
-fn unsupported(settings: &Settings, serves_swap: bool) -> Option<String> {
+fn unsupported(settings: &Settings) -> Option<String> {
     let mut what = Vec::new();
     if settings.backing.is_some() {
         what.push("a backing device");
@@ -150,20 +164,17 @@ fn unsupported(settings: &Settings, serves_swap: bool) -> Option<String> {
     if settings.comp_params.dict.is_some() {
         what.push("a dictionary");
     }
-    if serves_swap {
-        what.push("the server's swap reserve");
-    }
     (!what.is_empty()).then(|| what.join(", "))
 }
 
 impl Device {
     /// Writes the header of a store being built with `settings` and `pages` pages (called by
-    /// `disksize`).
+    /// `disksize`); `swap_pool`: serving swap, its pool's tag in the swap reserve.
     pub(super) fn write_header(
         &self,
         settings: &Settings,
         pages: u64,
-        serves_swap: bool,
+        swap_pool: Option<u16>,
     ) -> Result<ShmFile> {
         let header = Header {
             page_size_bytes: self.page_size_bytes,
@@ -171,7 +182,8 @@ impl Device {
             multi_page_size_bytes: settings.multi_page_size_bytes,
             comp_algorithm: settings.comp_algorithm.clone(),
             level: settings.comp_params.level,
-            unsupported: unsupported(settings, serves_swap),
+            unsupported: unsupported(settings),
+            swap_pool,
         };
         let file = ShmFile::create("device")?;
         let text = header.encode();
@@ -186,8 +198,9 @@ impl Device {
     }
 
     /// New descriptors of the files holding this initialised device's state, to hand to a
-    /// process that will [`recover`](Device::recover) it. `ENODEV`-like `EINVAL` when
-    /// uninitialised, or serving swap (its frames are the server's).
+    /// process that will [`recover`](Device::recover) it (serving swap: the frames and their
+    /// records are the server's swap reserve's, the same files for every device;
+    /// [`recover_swap`](Device::recover_swap)). `EINVAL` when uninitialised.
     pub fn state_files(&self) -> Result<DeviceFiles> {
         let st = self.state.read();
         let (Some(store), Some(header)) = (st.store.as_ref(), st.header.as_ref()) else {
@@ -201,16 +214,50 @@ impl Device {
 
     /// The initialised device a previous process left in `files`: the header's settings, then
     /// the store rebuilt and checked (`docs/restart.md`, "Recovery"). `EINVAL` naming what is
-    /// wrong if any check fails, or if the device had settings whose state cannot be
-    /// recovered yet; the files are not changed then, except for garbage freed and the
-    /// journal rolled forward, which a second recovery finds done.
+    /// wrong if any check fails, if the device had settings whose state cannot be recovered
+    /// yet, or if it served swap (that takes [`recover_swap`](Device::recover_swap)); the
+    /// files are not changed then, except for garbage freed and the journal rolled forward,
+    /// which a second recovery finds done.
     pub fn recover(files: DeviceFiles) -> Result<(Device, RecoveryReport)> {
+        Device::recover_with(files, None)
+    }
+
+    /// As [`recover`](Device::recover), for a device that served swap from the swap reserve
+    /// `reserve` is recovering ([`SwapReserve::recover`], from the files this device's
+    /// `state_files` gave too; `EINVAL` if they are another reserve's). Recover every such
+    /// device, then finish the reserve's recovery ([`SwapReserve::finish_recovery`]).
+    pub fn recover_swap(
+        files: DeviceFiles,
+        reserve: &Arc<SwapReserve>,
+    ) -> Result<(Device, RecoveryReport)> {
+        Device::recover_with(files, Some(reserve))
+    }
+
+    fn recover_with(
+        files: DeviceFiles,
+        reserve: Option<&Arc<SwapReserve>>,
+    ) -> Result<(Device, RecoveryReport)> {
         let header = Header::decode(&files.header.read_at(0, HEADER_BYTES)?)?;
         if let Some(what) = &header.unsupported {
             return Err(Error::invalid(format!(
                 "recovery: the device had {what}, whose state is not recoverable yet"
             )));
         }
+        let swap = match (header.swap_pool, reserve) {
+            (Some(tag), Some(reserve)) => Some((reserve.as_ref(), tag)),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(Error::invalid(
+                    "recovery: the device served swap: recover it with the server's swap \
+                     reserve",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(Error::invalid(
+                    "recovery: the device did not serve swap, and a swap reserve was given",
+                ))
+            }
+        };
         let dev =
             Device::new_uninit_with_clock(header.page_size_bytes, Arc::new(SystemClock::new()))?;
         let mps = header.multi_page_size_bytes;
@@ -237,6 +284,7 @@ impl Device {
             pool_page_bytes,
             capacity,
             files.store,
+            swap,
             Arc::clone(&dev.clock),
         )?;
         {
@@ -244,6 +292,7 @@ impl Device {
             st.settings = settings;
             st.store = Some(store);
             st.header = Some(files.header);
+            st.swap_reserve = reserve.cloned();
         }
         Ok((dev, report))
     }
@@ -262,11 +311,13 @@ mod tests {
             comp_algorithm: "zstd".into(),
             level: Some(-3),
             unsupported: None,
+            swap_pool: None,
         };
         assert_eq!(Header::decode(h.encode().as_bytes()).unwrap(), h);
         let h2 = Header {
             level: None,
             unsupported: Some("a backing device".into()),
+            swap_pool: Some(3),
             ..h.clone()
         };
         assert_eq!(Header::decode(h2.encode().as_bytes()).unwrap(), h2);

@@ -64,10 +64,7 @@ impl SlotTable {
         file.set_len(Self::file_bytes(len)? as u64)?;
         let table = SlotTable::map(file, len)?;
         if fault_in {
-            // Serving swap: the whole table and its journal now (as the kernel's zram
-            // allocates its table at `disksize`), so no write under memory pressure faults a
-            // page of either in.
-            table.map.populate(table.map.len_bytes());
+            table.fault_in();
         }
         Ok(table)
     }
@@ -122,6 +119,13 @@ impl SlotTable {
             journal_offset: Self::entries_bytes(len)?,
             file,
         })
+    }
+
+    /// Faults the whole table and its journal in (serving swap, as the kernel's zram
+    /// allocates its table at `disksize`), so no write under memory pressure faults a page of
+    /// either in. Call it while nobody else writes the table (made or being recovered).
+    pub fn fault_in(&self) {
+        self.map.populate(self.map.len_bytes());
     }
 
     /// The memfd holding the entries.

@@ -96,8 +96,8 @@ impl Store {
         Ok(repointed)
     }
 
-    /// New descriptors of the files holding the store's state (`EINVAL` for a pool serving
-    /// swap, whose frames are the server's).
+    /// New descriptors of the files holding the store's state (serving swap, the pool's
+    /// frames and records are the server's swap reserve's).
     pub(crate) fn files(&self) -> Result<StoreFiles> {
         Ok(StoreFiles {
             slots: ShmFile::from_fd(self.slots.file().try_clone_fd()?),
@@ -109,7 +109,9 @@ impl Store {
     /// make it (no writeback target: written-back slots are refused). Every slot is checked:
     /// its handle live, of the slot's size, referenced by no other slot (a multi-page object:
     /// only by slots of its group), its codec known; objects no slot references are freed. A
-    /// failed check refuses the store, naming the slot or handle.
+    /// failed check refuses the store, naming the slot or handle. `swap`: the store served
+    /// swap, its pool under this tag in this swap reserve (being recovered); its slot table
+    /// and handle table are then faulted in, as a new one's.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn recover(
         page_size_bytes: usize,
@@ -119,9 +121,13 @@ impl Store {
         pool_page_bytes: usize,
         capacity: Option<usize>,
         files: StoreFiles,
+        swap: Option<(&crate::memory::SwapReserve, u16)>,
         clock: Arc<dyn Clock>,
     ) -> Result<(Store, RecoveryReport)> {
         let (slots, journal_replayed) = SlotTable::from_file(files.slots, nr_pages)?;
+        if swap.is_some() {
+            slots.fault_in();
+        }
         let multi_pages = multi_pages.max(1);
         let group_repointed = Self::finish_group_publish(&slots, nr_pages, multi_pages)?;
         // 1. Who references which handle.
@@ -177,7 +183,11 @@ impl Store {
         }
         // 2. The pool, keeping what the slots reference.
         let wanted = |index: u32| refs.get(index as usize).is_some_and(|&r| r != 0);
-        let (pool, pool_report) = ZsPool::restore(pool_page_bytes, capacity, files.pool, &wanted)?;
+        let (pool, pool_report) =
+            ZsPool::restore(pool_page_bytes, capacity, files.pool, swap, &wanted)?;
+        if swap.is_some() {
+            pool.populate_handles(nr_pages);
+        }
         // 3. Each slot against its object; the counters.
         let groups = if multi_pages > 1 {
             nr_pages / multi_pages as u64

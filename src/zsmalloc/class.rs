@@ -121,20 +121,21 @@ impl SizeClass {
     }
 
     /// Attaches a zspage with `frame` under id `id` (from [`take_id`](Self::take_id)), writing
-    /// the frame's record (`record`). The caller reserves a slot in it before dropping the
-    /// class lock.
+    /// the frame's record (`record`) for the pool tagged `pool`. The caller reserves a slot in
+    /// it before dropping the class lock.
     pub(crate) fn attach(
         &self,
         st: &mut ClassState,
         id: u32,
         frame: Frame,
         frames: &FrameAllocator,
+        pool: u16,
     ) {
         let (what, extra) = FrameUse::Zspage {
             class: self.position,
             id,
         }
-        .encode();
+        .encode(pool);
         frames.set_record(&frame, what, extra);
         let previous = self.desc(id).write().replace(frame);
         assert!(previous.is_none(), "unused zspage {id} still had a frame");

@@ -130,6 +130,9 @@ pub struct PoolCore {
     /// `frames` is the server's: frames go back to it when the pool drops, and its refiller is
     /// not the pool's to stop.
     shared_frames: bool,
+    /// The tag in this pool's frame records (`record`): 0 for frames of its own, else unique
+    /// among the pools of the shared allocator (taken from it, given back when the pool drops).
+    pool_tag: u16,
     /// Pool pages (4 KiB) of attached zspages and spans (incremented when a zspage or span is
     /// created, decremented when its pages were returned).
     total_pages: AtomicU64,
@@ -184,6 +187,10 @@ impl PoolCore {
             spans: SpanTable::default(),
             // Frames of at least a device page, so the largest span fits one.
             shared_frames: shared_frames.is_some(),
+            pool_tag: match &shared_frames {
+                Some(frames) => frames.take_pool_tag(None)?,
+                None => 0,
+            },
             frames: match shared_frames {
                 Some(frames) => {
                     assert!(frames.frame_pages() * POOL_PAGE_BYTES >= page_size_bytes);
@@ -291,7 +298,7 @@ impl PoolCore {
                 let frame = spare.take().expect("the loop above leaves a spare frame");
                 match class.take_id(&mut st) {
                     Ok(id) => {
-                        class.attach(&mut st, id, frame, &self.frames);
+                        class.attach(&mut st, id, frame, &self.frames, self.pool_tag);
                         self.total_pages.fetch_add(pages as u64, Ordering::Relaxed);
                         id
                     }
@@ -370,7 +377,7 @@ impl PoolCore {
             pages: pages as u32,
             tail_raw: tail.map_or(0, Handle::to_raw),
         }
-        .encode();
+        .encode(self.pool_tag);
         self.frames.set_record(&frame, what, extra);
         *self.spans.descs.get_or_grow(u64::from(id)).write() = Some(SpanObj { frame, pages, tail });
         st.spans += 1;
@@ -1059,6 +1066,8 @@ impl Drop for PoolCore {
                 self.frames.release(span.frame, span.pages);
             }
         }
+        // Every record naming the tag is cleared: another pool may take it.
+        self.frames.give_back_pool_tag(self.pool_tag);
     }
 }
 

@@ -285,6 +285,12 @@ pub(crate) struct FrameAllocator {
     starved: std::sync::OnceLock<StarvedHook>,
     /// The last refiller thread spawned, joined by `stop_refiller` (or by the next spawn).
     refiller: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The record tags of the pools sharing this allocator (`record`, "pool tag"), in use now.
+    pool_tags: Mutex<std::collections::BTreeSet<u16>>,
+    /// A shared allocator being recovered (`SwapReserve::recover`): the frames its pools'
+    /// recoveries claimed so far; `None` once recovery is finished (or for any other
+    /// allocator).
+    recovering: Mutex<Option<Vec<u32>>>,
 }
 
 /// Pages the reserve keeps populated per zspage size (per page count `k`): 64 pages, 256 KiB,
@@ -574,6 +580,8 @@ impl FrameAllocator {
             reserve_cond: Condvar::new(),
             starved: std::sync::OnceLock::new(),
             refiller: Mutex::new(None),
+            pool_tags: Mutex::new(std::collections::BTreeSet::new()),
+            recovering: Mutex::new(None),
         }
     }
 
@@ -697,6 +705,82 @@ impl FrameAllocator {
             .file
             .try_clone_fd()?;
         Ok((ShmFile::from_fd(frames), ShmFile::from_fd(records)))
+    }
+
+    /// A record tag for a new pool sharing this allocator: `want` (a recovered pool's, `EINVAL`
+    /// if another pool has it), else the lowest free one. `ENOSPC`-like `ENOMEM` once
+    /// [`MAX_POOL_TAG`](super::record::MAX_POOL_TAG) pools share it.
+    pub(crate) fn take_pool_tag(&self, want: Option<u16>) -> Result<u16> {
+        let mut tags = self.pool_tags.lock();
+        let tag = match want {
+            Some(t) if t == 0 || t > super::record::MAX_POOL_TAG || tags.contains(&t) => {
+                return Err(Error::invalid(format!(
+                    "zsmalloc: pool tag {t} is not free in the shared frame allocator"
+                )));
+            }
+            Some(t) => t,
+            None => (1..=super::record::MAX_POOL_TAG)
+                .find(|t| !tags.contains(t))
+                .ok_or_else(|| {
+                    Error::no_memory("zsmalloc: every pool tag of the shared allocator is taken")
+                })?,
+        };
+        tags.insert(tag);
+        Ok(tag)
+    }
+
+    /// Gives `tag` back (a pool that dropped, after clearing its records); 0 is ignored.
+    pub(crate) fn give_back_pool_tag(&self, tag: u16) {
+        self.pool_tags.lock().remove(&tag);
+    }
+
+    /// Starts recovering a shared allocator: until [`finish_recovery`](Self::finish_recovery),
+    /// the pools' recoveries add the frames they claim ([`add_claimed`](Self::add_claimed))
+    /// instead of releasing the others.
+    pub(crate) fn begin_recovery(&self) {
+        *self.recovering.lock() = Some(Vec::new());
+    }
+
+    /// Whether the allocator is being recovered (see [`begin_recovery`](Self::begin_recovery)).
+    pub(crate) fn is_recovering(&self) -> bool {
+        self.recovering.lock().is_some()
+    }
+
+    /// A pool's recovery claimed `frames` (`EINVAL` if another pool's did already: two pools'
+    /// records claiming a frame cannot be, each record holds one tag).
+    pub(crate) fn add_claimed(&self, frames: &[u32]) -> Result<()> {
+        let mut rec = self.recovering.lock();
+        let Some(claimed) = rec.as_mut() else {
+            return Err(Error::invalid(
+                "zsmalloc: the shared frame allocator is not being recovered",
+            ));
+        };
+        claimed.extend_from_slice(frames);
+        Ok(())
+    }
+
+    /// Ends recovery: every carved frame no pool claimed is released
+    /// ([`release_unclaimed`](Self::release_unclaimed): its record cleared, its pages punched
+    /// out), including frames of pools nobody recovered.
+    pub(crate) fn finish_recovery(&self) -> Result<()> {
+        let Some(mut claimed) = self.recovering.lock().take() else {
+            return Ok(());
+        };
+        claimed.sort_unstable();
+        if let Some(w) = claimed.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::invalid(format!(
+                "zsmalloc recovery: frame {} claimed by two pools",
+                w[0]
+            )));
+        }
+        self.release_unclaimed(&claimed)
+    }
+
+    /// Whether `frames` and `records` are this allocator's files (the same open files, as
+    /// `fstat` says), for a pool recovered onto a shared allocator.
+    pub(crate) fn has_files(&self, frames: &ShmFile, records: &ShmFile) -> Result<bool> {
+        let mine = self.files()?;
+        Ok(mine.0.same_file(frames)? && mine.1.same_file(records)?)
     }
 
     /// Makes the files (with the first chunk) without handing a frame out.

@@ -15,8 +15,14 @@
 //! | bits | zspage | span |
 //! |---|---|---|
 //! | 62..=63 | `0b10` | `0b01` |
+//! | 48..=61 | pool tag | pool tag |
 //! | 32..=47 | class (position in the pool's class list) | whole pages |
 //! | 0..=31 | zspage id | span id |
+//!
+//! The *pool tag* says which pool the frame's zspage or span belongs to when several pools
+//! take frames from one allocator (the swap reserve: `crate::memory`): 1 to [`MAX_POOL_TAG`],
+//! unique among the allocator's live pools, recorded in each device's header. A pool with
+//! frames of its own has tag 0.
 //!
 //! `extra`: a span's tail handle (`Handle::to_raw`, 0: none); 0 for a zspage.
 //!
@@ -39,17 +45,23 @@ pub(crate) enum FrameUse {
     Span { id: u32, pages: u32, tail_raw: u64 },
 }
 
+/// The largest pool tag (14 bits).
+pub(crate) const MAX_POOL_TAG: u16 = (1 << 14) - 1;
+const POOL_SHIFT: u32 = 48;
+
 const ZSPAGE: u64 = 0b10 << 62;
 const SPAN: u64 = 0b01 << 62;
 const KIND: u64 = 0b11 << 62;
 
 impl FrameUse {
-    /// The record's two words.
-    pub(crate) fn encode(self) -> (u64, u64) {
+    /// The record's two words, for a frame of the pool tagged `pool`.
+    pub(crate) fn encode(self, pool: u16) -> (u64, u64) {
+        debug_assert!(pool <= MAX_POOL_TAG);
+        let tag = u64::from(pool) << POOL_SHIFT;
         match self {
             FrameUse::Zspage { class, id } => {
                 debug_assert!(class < 1 << 16);
-                (ZSPAGE | u64::from(class) << 32 | u64::from(id), 0)
+                (ZSPAGE | tag | u64::from(class) << 32 | u64::from(id), 0)
             }
             FrameUse::Span {
                 id,
@@ -57,29 +69,31 @@ impl FrameUse {
                 tail_raw,
             } => {
                 debug_assert!(pages < 1 << 16);
-                (SPAN | u64::from(pages) << 32 | u64::from(id), tail_raw)
+                (
+                    SPAN | tag | u64::from(pages) << 32 | u64::from(id),
+                    tail_raw,
+                )
             }
         }
     }
 
-    /// What the words say; `Ok(None)` for a frame holding nothing, `Err` for words no writer
-    /// makes.
-    #[allow(dead_code)]
-    pub(crate) fn decode(what: u64, extra: u64) -> Result<Option<FrameUse>, String> {
+    /// What the words say and the pool tag; `Ok(None)` for a frame holding nothing, `Err`
+    /// for words no writer makes.
+    pub(crate) fn decode(what: u64, extra: u64) -> Result<Option<(u16, FrameUse)>, String> {
         let field = ((what >> 32) & 0xffff) as u32;
+        let pool = ((what >> POOL_SHIFT) & u64::from(MAX_POOL_TAG)) as u16;
         let id = what as u32;
-        let unused = what & !(KIND | 0xffff << 32 | 0xffff_ffff);
-        if unused != 0 {
-            return Err(format!("record {what:#x} sets unused bits"));
-        }
         match what & KIND {
             0 if what == 0 => Ok(None),
-            ZSPAGE if extra == 0 => Ok(Some(FrameUse::Zspage { class: field, id })),
-            SPAN => Ok(Some(FrameUse::Span {
-                id,
-                pages: field,
-                tail_raw: extra,
-            })),
+            ZSPAGE if extra == 0 => Ok(Some((pool, FrameUse::Zspage { class: field, id }))),
+            SPAN => Ok(Some((
+                pool,
+                FrameUse::Span {
+                    id,
+                    pages: field,
+                    tail_raw: extra,
+                },
+            ))),
             _ => Err(format!("record {what:#x}/{extra:#x} is no zspage nor span")),
         }
     }
@@ -108,14 +122,15 @@ mod tests {
                 tail_raw: 99,
             },
         ] {
-            let (w, e) = u.encode();
-            assert_eq!(FrameUse::decode(w, e), Ok(Some(u)));
+            for pool in [0, 1, MAX_POOL_TAG] {
+                let (w, e) = u.encode(pool);
+                assert_eq!(FrameUse::decode(w, e), Ok(Some((pool, u))));
+            }
         }
         assert_eq!(FrameUse::decode(0, 0), Ok(None));
         // A stop between a record's two stores: nothing, whatever `extra` holds.
         assert_eq!(FrameUse::decode(0, 5), Ok(None));
         assert!(FrameUse::decode(KIND, 0).is_err());
-        assert!(FrameUse::decode(ZSPAGE | 1 << 50, 0).is_err());
         assert!(FrameUse::decode(ZSPAGE, 3).is_err());
     }
 }

@@ -62,14 +62,9 @@ fn corrupt(msg: String) -> Error {
 
 impl ZsPool {
     /// New descriptors of the files holding the pool's state, to hand to another process. A
-    /// pool serving swap shares its frames with the server's other pools and cannot be
-    /// handed over alone (`EINVAL`).
+    /// pool serving swap hands over the server's swap reserve's frames and records (shared
+    /// by every pool of the server, each frame's record tagged with its pool).
     pub fn files(&self) -> Result<PoolFiles> {
-        if self.core.shared_frames {
-            return Err(Error::invalid(
-                "a pool serving swap shares the server's frames: its state is not its own",
-            ));
-        }
         let (frames, records) = self.core.frames.files()?;
         Ok(PoolFiles {
             handles: ShmFile::from_fd(self.core.handles.file().try_clone_fd()?),
@@ -81,12 +76,17 @@ impl ZsPool {
     /// The pool a previous process left in `files`, for pages of `page_size_bytes` and a
     /// deferred-free queue of `capacity` (as [`ZsPool::with_deferred_capacity`]), keeping the
     /// live objects whose handle index `wanted` says yes to (and the tails of wanted spans),
-    /// freeing the others. Every check of the module docs that fails refuses the pool
-    /// (`EINVAL`, naming what is wrong).
+    /// freeing the others. `shared`: the pool took its frames from the server's swap reserve
+    /// under this record tag; the reserve must be being recovered
+    /// ([`SwapReserve::recover`](crate::memory::SwapReserve::recover)) from the same files as
+    /// `files.frames` and `files.records`, and the frames no pool claims are released when it
+    /// finishes. Every check of the module docs that fails refuses the pool (`EINVAL`, naming
+    /// what is wrong); no frame is claimed then.
     pub fn restore(
         page_size_bytes: usize,
         capacity: Option<usize>,
         files: PoolFiles,
+        shared: Option<(&crate::memory::SwapReserve, u16)>,
         wanted: &dyn Fn(u32) -> bool,
     ) -> Result<(ZsPool, RestoreReport)> {
         if !SUPPORTED_PAGE_SIZES_BYTES.contains(&page_size_bytes) {
@@ -95,16 +95,37 @@ impl ZsPool {
             )));
         }
         let handles = HandleTable::from_file(files.handles)?;
-        let frames = Arc::new(
-            FrameAllocator::with_frame_pages(
-                POOL_PAGE_BYTES,
-                page_size_bytes / POOL_PAGE_BYTES,
-                FRAME_CACHE_BYTES,
-            )
-            .with_drop_batches()
-            .with_reserve()
-            .with_files(files.frames, files.records)?,
-        );
+        let (frames, pool_tag) = match shared {
+            Some((reserve, tag)) => {
+                let frames = Arc::clone(reserve.frames());
+                if !frames.is_recovering() {
+                    return Err(corrupt(
+                        "the pool served swap, and the swap reserve given is not being recovered"
+                            .into(),
+                    ));
+                }
+                if !frames.has_files(&files.frames, &files.records)? {
+                    return Err(corrupt(
+                        "the pool served swap from another swap reserve than the one given".into(),
+                    ));
+                }
+                let tag = frames.take_pool_tag(Some(tag))?;
+                (frames, tag)
+            }
+            None => (
+                Arc::new(
+                    FrameAllocator::with_frame_pages(
+                        POOL_PAGE_BYTES,
+                        page_size_bytes / POOL_PAGE_BYTES,
+                        FRAME_CACHE_BYTES,
+                    )
+                    .with_drop_batches()
+                    .with_reserve()
+                    .with_files(files.frames, files.records)?,
+                ),
+                0,
+            ),
+        };
         let table = ClassTable::new(POOL_PAGE_BYTES);
         let classes: Box<[SizeClass]> = table
             .classes()
@@ -119,7 +140,8 @@ impl ZsPool {
             classes,
             handles,
             spans: SpanTable::default(),
-            shared_frames: false,
+            shared_frames: shared.is_some(),
+            pool_tag,
             frames,
             total_pages: AtomicU64::new(0),
             pages_compacted: AtomicU64::new(0),
@@ -129,6 +151,12 @@ impl ZsPool {
         };
         let report = core.restore(wanted)?;
         Ok((ZsPool::with_core(core), report))
+    }
+
+    /// The record tag of a pool serving swap (0 for a pool with frames of its own): what its
+    /// device's header records, for [`restore`](Self::restore).
+    pub fn pool_tag(&self) -> u16 {
+        self.core.pool_tag
     }
 }
 
@@ -154,9 +182,20 @@ impl PoolCore {
                 r.what.load(Ordering::Acquire),
                 r.extra.load(Ordering::Relaxed),
             );
-            match FrameUse::decode(what, extra)
-                .map_err(|e| corrupt(format!("frame {index}: {e}")))?
-            {
+            let used = FrameUse::decode(what, extra)
+                .map_err(|e| corrupt(format!("frame {index}: {e}")))?;
+            let used = match used {
+                None => None,
+                // Another pool's frame (a shared allocator).
+                Some((tag, _)) if tag != self.pool_tag && self.shared_frames => None,
+                Some((tag, _)) if tag != self.pool_tag => {
+                    return Err(corrupt(format!(
+                        "frame {index} is tagged for pool {tag} in a pool of its own"
+                    )));
+                }
+                Some((_, used)) => Some(used),
+            };
+            match used {
                 None => {}
                 Some(FrameUse::Zspage { class, id }) => {
                     let map = zspage_frames.get_mut(class as usize).ok_or_else(|| {
@@ -375,7 +414,13 @@ impl PoolCore {
             }
         }
         claimed.sort_unstable();
-        frames.release_unclaimed(&claimed)?;
+        if self.shared_frames {
+            // The other pools' recoveries claim theirs; the reserve's recovery releases the
+            // rest when it finishes.
+            frames.add_claimed(&claimed)?;
+        } else {
+            frames.release_unclaimed(&claimed)?;
+        }
         self.total_pages.store(total_pages, Ordering::Relaxed);
         Ok(report)
     }
