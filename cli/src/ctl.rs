@@ -21,7 +21,9 @@ pub struct CtlArgs {
     /// The attribute, with zram's name (`mm_stat`, `disksize`, `compact`, `writeback`, ...);
     /// `metrics`: every device's statistics in Prometheus's text format; `hot_add` (prints the
     /// new device's id) and `hot_remove ID` (or the device's name when it is not `zramN`): the
-    /// server's, as zram's /sys/class/zram-control.
+    /// server's, as zram's /sys/class/zram-control; `upgrade`: the keeper's (`uzram serve
+    /// --keeper`) replaces the server by the binary now on disk, the devices' state handed over
+    /// (docs/restart.md).
     pub attr: String,
     /// Print a long operation's progress lines on stderr (`uzram: LINE`) when stderr is not a
     /// terminal (on a terminal a progress bar is drawn; elsewhere nothing, by default).
@@ -176,6 +178,10 @@ pub fn run_ctl(args: CtlArgs) -> i32 {
         // Every device's, not only --dev's: what a scraper wants in one go.
         return crate::metrics::run(&dir);
     }
+    // `upgrade` is the keeper's (`uzram serve --keeper`).
+    if args.attr == "upgrade" {
+        return upgrade(&dir);
+    }
     // zram's /sys/class/zram-control/ attributes are the server's, not a device's.
     let connected = if control::CLASS_ATTRS.contains(&args.attr.as_str()) {
         let path = control::class_socket_path(&dir);
@@ -236,6 +242,48 @@ pub fn run_ctl(args: CtlArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("uzram: {}: the server closed the connection: {e}", args.dev);
+            exit_code(e.raw_os_error().unwrap_or(libc::EIO))
+        }
+    }
+}
+
+/// `uzram ctl upgrade`: asks the keeper to replace the server by the binary now on disk;
+/// prints its answer, or its error (the server serves on unchanged, or again).
+fn upgrade(dir: &Path) -> i32 {
+    let path = uzram_service::keeper::socket_path(dir);
+    let mut client = match ControlClient::connect(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            let errno = e.raw_os_error().unwrap_or(libc::EIO);
+            eprintln!(
+                "uzram: upgrade: cannot reach the keeper at {}: {} (is `uzram serve --keeper` \
+                 running? under systemd: systemctl restart uzram)",
+                path.display(),
+                strerror(errno)
+            );
+            return exit_code(errno);
+        }
+    };
+    let req = Request::Store {
+        attr: "upgrade".into(),
+        value: "1".into(),
+        counts: false,
+    };
+    match client.call_with_progress(&req, &mut |_| {}) {
+        Ok(Ok(text)) => {
+            print!("{text}");
+            0
+        }
+        Ok(Err(WireError {
+            errno,
+            name,
+            message,
+        })) => {
+            eprintln!("uzram: upgrade: {} ({name}): {message}", strerror(errno));
+            exit_code(errno)
+        }
+        Err(e) => {
+            eprintln!("uzram: upgrade: the keeper closed the connection: {e}");
             exit_code(e.raw_os_error().unwrap_or(libc::EIO))
         }
     }

@@ -20,7 +20,9 @@ use uzram_service::config::{ServeConfig, DEFAULT_CONFIG_TOML};
 use uzram_service::frontend::control::Attachments;
 use uzram_service::frontend::nbd::TlsMode;
 use uzram_service::frontend::unix_socket;
+use uzram_service::fd_store;
 use uzram_service::generator_files;
+use uzram_service::keeper::{self, KeeperConfig};
 use uzram_service::host::{server_config, Host};
 use uzram_service::policy::PolicyConfig;
 
@@ -132,6 +134,13 @@ pub struct ServeArgs {
     /// its NBD socket (QEMU's vhost-user-blk-pci; docs/vhost-user.md).
     #[arg(long)]
     pub vhost_user: bool,
+    /// Run as a keeper: a small process holding every device's state and a serving child,
+    /// which it starts again, handing it the state, when it dies (a crash, kill -9, the OOM
+    /// killer), and replaces by the binary now on disk on `uzram ctl upgrade` or SIGUSR2
+    /// (docs/restart.md). Not needed under systemd: the unit keeps the state in systemd's
+    /// file descriptor store.
+    #[arg(long)]
+    pub keeper: bool,
     /// Export every device read-only over NBD: clients may read; writes, trims and
     /// write-zeroes get EPERM (`read_only = true` per device in the file). Not with --ublk or
     /// --vhost-user.
@@ -283,8 +292,24 @@ pub fn run(args: ServeArgs) -> Result<()> {
         println!("uzram: systemd.zram=0 on the kernel command line: no device; exiting");
         return Ok(());
     }
+    let started_by_keeper = std::env::var_os(fd_store::KEEPER_FD_ENV).is_some();
     let cfg = config(&args)?;
     let server_config = server_config(&cfg)?;
+    if args.keeper && !started_by_keeper {
+        let exe = std::env::current_exe().context("the uzram binary's path")?;
+        let code = keeper::run(KeeperConfig {
+            exe,
+            args: std::env::args_os().skip(1).collect(),
+            socket_dir: uzram_service::host::socket_dir(&cfg)?,
+        })?;
+        std::process::exit(code);
+    }
+    // Where the devices' state goes (the keeper, systemd's fd store, or nowhere), and what a
+    // previous process left: read before any thread exists (it changes the environment).
+    let (fd_store, inherited) = fd_store::from_env();
+    if started_by_keeper {
+        set_process_name();
+    }
     // A missing ublk_drv is one clear line, before anything is created.
     if cfg.devices.iter().any(|d| d.ublk) {
         if let Err(e) = uzram_service::frontend::ublk::check_driver() {
@@ -298,7 +323,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
         .context("installing signal handlers")?;
-    let host = Host::start(&cfg, server_config)?;
+    let fd_store = std::sync::Arc::new(fd_store);
+    let host = Host::start_keeping(
+        &cfg,
+        server_config,
+        std::sync::Arc::clone(&fd_store),
+        inherited,
+    )?;
 
     // The first signal starts a bounded stop; a second one forces the exit at once (after
     // removing the sockets that are still ours).
@@ -328,9 +359,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
             eprintln!("uzram: --swap: {line}");
         }
     }
+    if fd_store.keeps() {
+        println!(
+            "state: kept by {} across a crash or an upgrade (docs/restart.md)",
+            fd_store.kind()
+        );
+    }
     println!("serving; stop with Ctrl-C or SIGTERM");
     use std::io::Write;
     std::io::stdout().flush().ok();
+    fd_store.ready();
 
     let sig = first_rx.recv().unwrap_or(SIGTERM);
     eprintln!(
@@ -343,6 +381,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     eprintln!("uzram: stopped");
     Ok(())
+}
+
+/// Names this process `uzram` (the keeper starts it through `/proc/self/fd/N`, which would
+/// name it `N` in `ps` and `top`).
+fn set_process_name() {
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"uzram".as_ptr()) };
 }
 
 fn signal_name(sig: i32) -> &'static str {

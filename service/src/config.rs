@@ -414,6 +414,72 @@ impl DeviceSpec {
     }
 }
 
+impl DeviceSpec {
+    /// The device a previous process left in `files`, checked against this configuration
+    /// (docs/restart.md, "The server"): recovered and its invariants checked
+    /// ([`Device::recover`]), then its page size, `disksize` and every attribute that can
+    /// only be set before `disksize` (`comp_algorithm`, `multi_page_size`, ...) compared with
+    /// the configuration's, and the attributes that can change on a live device (`mem_limit`,
+    /// ...) stored again. `EINVAL` naming what differs or what is wrong; a write-only
+    /// attribute that can only be set before `disksize` (`algorithm_params`) keeps the saved
+    /// state's value.
+    pub fn recover(
+        &self,
+        files: uzram::device::restart::DeviceFiles,
+        ram_bytes: u64,
+    ) -> Result<(Device, uzram::device::restart::RecoveryReport)> {
+        let differs = |what: &str, saved: &dyn std::fmt::Display, cfg: &dyn std::fmt::Display| {
+            Error::invalid(format!(
+                "its saved state has {what} {saved}, the configuration {cfg}"
+            ))
+        };
+        let (dev, report) = Device::recover(files)?;
+        if dev.page_size_bytes() != self.page_size_bytes {
+            return Err(differs(
+                "page_size",
+                &dev.page_size_bytes(),
+                &self.page_size_bytes,
+            ));
+        }
+        let size = eval_size(&self.disksize, ram_bytes)?;
+        let page = self.page_size_bytes as u64;
+        let want = size.div_ceil(page) * page;
+        if dev.disksize_bytes() != want {
+            return Err(differs(
+                "disksize",
+                &dev.disksize_bytes(),
+                &format!("{want} ({})", self.disksize),
+            ));
+        }
+        // The configuration's device before its disksize: what the settings fixed at
+        // disksize read as there.
+        let template = Device::new_uninit(self.page_size_bytes)?;
+        for (k, v) in &self.attrs {
+            template.attr_store(k, v)?;
+        }
+        for (k, v) in &self.attrs {
+            match dev.attr_store(k, v) {
+                Ok(()) => {}
+                Err(e) if e.kind() == uzram::ErrorKind::Busy => {
+                    let (Ok(saved), Ok(cfg)) = (dev.attr_show(k), template.attr_show(k)) else {
+                        continue;
+                    };
+                    if saved != cfg {
+                        return Err(differs(k, &saved.trim_end(), &cfg.trim_end()));
+                    }
+                }
+                Err(e) => {
+                    return Err(Error::new(
+                        e.kind(),
+                        format!("{k} = {v:?}: {}", e.message()),
+                    ))
+                }
+            }
+        }
+        Ok((dev, report))
+    }
+}
+
 /// Evaluates a `disksize`: a size with zram's suffixes (`4G`), or an expression of `ram`
 /// (total RAM in bytes) with explicit units: `ram * 0.5`, `min(ram / 2, 4096M)`,
 /// `max(ram / 4, 512M) + 64M` (see [`crate::size_expr`], [`crate::size_expr::Units::Bytes`]).

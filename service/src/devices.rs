@@ -13,6 +13,7 @@
 //! `zram_index_mutex`); it is taken before a device's `DeviceAttachments::state`, never after.
 //! A control connection takes only `state` (storing `disksize`).
 
+use crate::fd_store::StateStore;
 use crate::frontend::control::{self, Attachments, ControlServer, HotPlug, RemoveTarget};
 use crate::frontend::metrics::{self, DeviceSamples};
 use crate::frontend::nbd::{Export, Server};
@@ -44,6 +45,8 @@ pub struct DeviceAttachments {
     ublk: Option<UblkConfig>,
     /// Whether it gets a vhost-user socket, where, and how.
     vhost: Option<(PathBuf, VhostUserConfig)>,
+    /// Where its state files go when it gets a size, and leave when it is reset.
+    fd_store: Arc<StateStore>,
     state: Mutex<AttachState>,
 }
 
@@ -66,12 +69,14 @@ impl DeviceAttachments {
         device: Arc<Device>,
         ublk: Option<UblkConfig>,
         vhost: Option<(PathBuf, VhostUserConfig)>,
+        fd_store: Arc<StateStore>,
     ) -> DeviceAttachments {
         DeviceAttachments {
             name: name.to_string(),
             device,
             ublk,
             vhost,
+            fd_store,
             state: Mutex::new(AttachState::default()),
         }
     }
@@ -133,7 +138,12 @@ impl Attachments for DeviceAttachments {
     }
 
     fn initialised(&self) -> uzram::Result<()> {
+        self.fd_store.store(&self.name, &self.device);
         self.start_missing()
+    }
+
+    fn reset(&self) {
+        self.fd_store.remove(&self.name);
     }
 }
 
@@ -207,6 +217,8 @@ pub struct ServerFrontends {
     pub ublk: Option<UblkConfig>,
     /// A vhost-user socket per device.
     pub vhost: Option<VhostUserConfig>,
+    /// Where the devices' state files go (`crate::fd_store`).
+    pub fd_store: Arc<StateStore>,
 }
 
 /// The server's devices.
@@ -249,6 +261,7 @@ impl Devices {
             Arc::clone(&device),
             ublk,
             vhost,
+            Arc::clone(&self.frontends.fd_store),
         ));
         attach.start_missing()?;
         let mut list = lock(&self.list);
@@ -294,6 +307,80 @@ impl Devices {
         });
         list.push(Arc::clone(&served));
         Ok(served)
+    }
+
+    /// Adds a device a previous process of the server had added by `hot_add`, recovered from
+    /// its state: served as `hot_add` serves a device, under its name.
+    pub fn add_recovered(&self, name: &str, device: Arc<Device>) -> uzram::Result<()> {
+        let mut list = lock(&self.list);
+        if list.len() >= MAX_DEVICES {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!("the server has {MAX_DEVICES} devices, its most"),
+            ));
+        }
+        if list.iter().any(|s| s.name == name) {
+            return Err(Error::busy(format!("a device {name} exists already")));
+        }
+        self.add_unconfigured(&mut list, name, device, "recovered")?;
+        Ok(())
+    }
+
+    /// Serves `device` under `name` with every frontend the server runs, its sockets in the
+    /// server's directory (`hot_add`'s way; `list` is `Devices::list`, locked). `how` names
+    /// the way in the log.
+    fn add_unconfigured(
+        &self,
+        list: &mut Vec<Arc<Served>>,
+        name: &str,
+        device: Arc<Device>,
+        how: &str,
+    ) -> uzram::Result<()> {
+        let name = name.to_string();
+        let dir = &self.frontends.dir;
+        let export = Export {
+            name: name.clone(),
+            description: format!(
+                "uzram {name} ({}, {} pages)",
+                device.comp_algorithm(),
+                device.page_size_bytes()
+            ),
+            device: Arc::clone(&device) as Arc<dyn BlockDevice>,
+            read_only: false,
+        };
+        let socket = dir.join(format!("{name}.sock"));
+        self.server.add_export(export, Some(socket.clone()))?;
+        let attach = Arc::new(DeviceAttachments::new(
+            &name,
+            Arc::clone(&device),
+            self.frontends.ublk.clone(),
+            self.frontends
+                .vhost
+                .clone()
+                .map(|c| (vhost_user::socket_path(dir, &name), c)),
+            Arc::clone(&self.frontends.fd_store),
+        ));
+        let policy = Arc::new(DevicePolicy::new(name.clone(), Arc::clone(&device)));
+        let ctl = control::socket_path(dir, &name);
+        let started = Arc::clone(&attach);
+        let served = match attach
+            .start_missing()
+            .and_then(|()| self.finish_add(list, &name, device, &ctl, attach, Arc::clone(&policy)))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                started.stop();
+                let _ = self.server.remove_export(&name);
+                return Err(e);
+            }
+        };
+        self.policies.add(policy);
+        eprintln!(
+            "uzram: {how}: {name}: nbd+unix:///{name}?socket={}, control {}",
+            socket.display(),
+            served.ctl.display()
+        );
+        Ok(())
     }
 
     /// The devices now.
@@ -365,46 +452,9 @@ impl HotPlug for Devices {
             .expect("fewer than MAX_DEVICES are taken");
         let name = format!("zram{id}");
         drop(taken);
-        let dir = &self.frontends.dir;
         let device = Device::new_uninit(HOT_ADD_PAGE_SIZE_BYTES)?;
         device.set_swap_reserve(self.frontends.swap_reserve.clone())?;
-        let device = Arc::new(device);
-        let export = Export {
-            name: name.clone(),
-            description: format!(
-                "uzram {name} ({}, {HOT_ADD_PAGE_SIZE_BYTES} pages)",
-                device.comp_algorithm()
-            ),
-            device: Arc::clone(&device) as Arc<dyn BlockDevice>,
-            read_only: false,
-        };
-        let socket = dir.join(format!("{name}.sock"));
-        self.server.add_export(export, Some(socket.clone()))?;
-        let attach = Arc::new(DeviceAttachments::new(
-            &name,
-            Arc::clone(&device),
-            self.frontends.ublk.clone(),
-            self.frontends
-                .vhost
-                .clone()
-                .map(|c| (vhost_user::socket_path(dir, &name), c)),
-        ));
-        let policy = Arc::new(DevicePolicy::new(name.clone(), Arc::clone(&device)));
-        let ctl = control::socket_path(dir, &name);
-        let served =
-            match self.finish_add(&mut list, &name, device, &ctl, attach, Arc::clone(&policy)) {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = self.server.remove_export(&name);
-                    return Err(e);
-                }
-            };
-        self.policies.add(policy);
-        eprintln!(
-            "uzram: hot_add: {name}: nbd+unix:///{name}?socket={}, control {}",
-            socket.display(),
-            served.ctl.display()
-        );
+        self.add_unconfigured(&mut list, &name, Arc::new(device), "hot_add")?;
         Ok(id)
     }
 
@@ -441,6 +491,7 @@ impl HotPlug for Devices {
         }
         list.remove(i);
         drop(list);
+        self.frontends.fd_store.remove(name);
         if let Some(c) = lock(&served.control).take() {
             c.stop();
         }

@@ -17,6 +17,7 @@
 
 use crate::config::ServeConfig;
 use crate::devices::{Devices, Served, ServerFrontends};
+use crate::fd_store::{Inherited, StateStore};
 use crate::frontend::control::{self, ControlServer, HotPlug};
 use crate::frontend::metrics::{
     self,
@@ -71,6 +72,20 @@ pub fn default_socket_dir() -> PathBuf {
     }
 }
 
+/// The server's socket directory: the first device's socket's (the default one created and
+/// checked when it is that).
+pub fn socket_dir(cfg: &ServeConfig) -> Result<PathBuf> {
+    let first = cfg.devices.first().context("no devices")?;
+    match &first.socket {
+        Some(p) => Ok(p.parent().unwrap_or(Path::new(".")).to_path_buf()),
+        None => {
+            let dir = default_socket_dir();
+            unix_socket::ensure_private_dir(&dir)?;
+            Ok(dir)
+        }
+    }
+}
+
 /// The NBD server's settings from the configuration: limits and TLS. Warns on stderr about a
 /// TCP address off loopback without TLS.
 pub fn server_config(cfg: &ServeConfig) -> Result<ServerConfig> {
@@ -116,6 +131,25 @@ pub fn server_config(cfg: &ServeConfig) -> Result<ServerConfig> {
     Ok(sc)
 }
 
+/// Logs a device recovered from a previous process's state.
+fn log_recovered(name: &str, r: &uzram::device::restart::RecoveryReport) {
+    eprintln!(
+        "uzram: {name}: recovered: {} pages stored in {} objects ({} garbage objects freed, {} \
+         journal entries rolled forward)",
+        r.pages_stored, r.objects, r.garbage, r.journal_replayed
+    );
+}
+
+/// Logs a device refused at start: its saved state failed a check (`why`).
+fn refuse(name: &str, why: &str, fd_store: &StateStore) {
+    eprintln!(
+        "uzram: {name}: refused: {why}; the device is not served (its saved state stays with \
+         {}, untouched: stop the keeper, or remove it from systemd's fd store, to start it \
+         anew)",
+        fd_store.kind()
+    );
+}
+
 /// A running server: its devices, the NBD server, the class socket, the policy thread and
 /// the metrics endpoint. Dropping it without [`Host::stop`] leaves the threads running.
 pub struct Host {
@@ -140,8 +174,29 @@ impl std::fmt::Debug for Host {
 }
 
 impl Host {
-    /// Starts the server the configuration describes (see the module's start order).
+    /// Starts the server the configuration describes (see the module's start order), with
+    /// new devices whose state nothing keeps.
     pub fn start(cfg: &ServeConfig, server_config: ServerConfig) -> Result<Host> {
+        Self::start_keeping(
+            cfg,
+            server_config,
+            Arc::new(StateStore::none()),
+            Inherited::new(),
+        )
+    }
+
+    /// As [`start`](Self::start), recovering the devices whose files a previous process left
+    /// (`inherited`: docs/restart.md, "The server"), and handing every device's files to
+    /// `fd_store`. A configured device whose saved state fails a check, or differs from the
+    /// configuration, is refused: not served, its error in the log; a device of the saved
+    /// state the configuration does not name (added by `hot_add`) is served as `hot_add`
+    /// serves one. Fails if every configured device is refused.
+    pub fn start_keeping(
+        cfg: &ServeConfig,
+        server_config: ServerConfig,
+        fd_store: Arc<StateStore>,
+        mut inherited: Inherited,
+    ) -> Result<Host> {
         let mut swap_report = cfg.swap.then(crate::frontend::swap::prepare);
         if cfg.devices.iter().any(|d| d.ublk) {
             crate::frontend::ublk::check_driver()?;
@@ -187,8 +242,8 @@ impl Host {
         let mut exports = Vec::new();
         let mut policies = Vec::new();
         let mut socket_dir = None;
+        let mut refused = Vec::new();
         for spec in &cfg.devices {
-            let device = Arc::new(spec.build_with_swap(ram, swap_reserve.as_ref())?);
             let socket = match &spec.socket {
                 Some(p) => {
                     unix_socket::check_socket_parent(p)?;
@@ -202,6 +257,24 @@ impl Host {
             };
             let dir = socket.parent().unwrap_or(Path::new(".")).to_path_buf();
             socket_dir.get_or_insert_with(|| dir.clone());
+            let device = match inherited.remove(&spec.name) {
+                None => spec.build_with_swap(ram, swap_reserve.as_ref())?,
+                Some(files) => match files.and_then(|f| {
+                    spec.recover(f, ram)
+                        .map_err(|e| e.message().to_string())
+                }) {
+                    Ok((device, report)) => {
+                        log_recovered(&spec.name, &report);
+                        device
+                    }
+                    Err(e) => {
+                        refuse(&spec.name, &e, &fd_store);
+                        refused.push(spec.name.clone());
+                        continue;
+                    }
+                },
+            };
+            let device = Arc::new(device);
             exports.push(Export {
                 name: spec.name.clone(),
                 description: format!(
@@ -231,6 +304,12 @@ impl Host {
         }
         // The server's class socket, zram's /sys/class/zram-control: beside the first device's.
         let socket_dir = socket_dir.context("no devices")?;
+        if exports.is_empty() {
+            bail!(
+                "every configured device was refused ({}): nothing to serve",
+                refused.join(", ")
+            );
+        }
 
         let server = Arc::new(
             Server::start(exports, &listen, server_config).context("starting the NBD server")?,
@@ -258,6 +337,7 @@ impl Host {
                     .iter()
                     .any(|d| d.vhost_user)
                     .then(|| vhost_config.clone()),
+                fd_store: Arc::clone(&fd_store),
             },
         ));
         // Each device's block device and vhost-user socket: after the NBD server, before its
@@ -265,6 +345,7 @@ impl Host {
         let mut served = Vec::new();
         for (spec, device, dir, policy) in devices {
             let name = &spec.name;
+            fd_store.store(name, &device);
             let ctl = control::socket_path(&dir, name);
             served.push(
                 registry
@@ -279,6 +360,24 @@ impl Host {
                     )
                     .with_context(|| format!("device {name}"))?,
             );
+        }
+        // The devices a previous process had added by hot_add.
+        for (name, files) in inherited {
+            let recovered = files.and_then(|f| {
+                let (device, report) = uzram::device::Device::recover(f)
+                    .map_err(|e| e.message().to_string())?;
+                log_recovered(&name, &report);
+                let device = Arc::new(device);
+                device
+                    .set_swap_reserve(None)
+                    .map_err(|e| e.message().to_string())?;
+                registry
+                    .add_recovered(&name, device)
+                    .map_err(|e| e.message().to_string())
+            });
+            if let Err(e) = recovered {
+                refuse(&name, &e, &fd_store);
+            }
         }
         let class_path = control::class_socket_path(&socket_dir);
         let class =

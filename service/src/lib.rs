@@ -13,14 +13,20 @@
 //!   [`size_expr`] (their size expressions).
 //! - [`devices`]: the registry of a running server's devices, hot-plug (`hot_add`,
 //!   `hot_remove`) and each device's frontends.
+//! - Restarts: [`fd_store`] (where a serving process keeps its devices' state files, and the
+//!   files it inherits), [`keeper`] (`uzram serve --keeper`: the process holding them and
+//!   restarting the server), [`scm`] (descriptors over unix sockets).
 //! - [`host`]: a running server as a type, [`host::Host::start`] and [`host::Host::stop`], and
 //!   the defaults it starts from (RAM, the socket directory, the NBD server's settings).
 
 pub mod config;
 pub mod devices;
+pub mod fd_store;
 pub mod frontend;
 pub mod generator_conf;
 pub mod generator_files;
 pub mod host;
+pub mod keeper;
 pub mod policy;
+pub mod scm;
 pub mod size_expr;

@@ -242,6 +242,18 @@ impl ControlServer {
         Self::start_handler(path, handler)
     }
 
+    /// Binds `path` (as [`start`](Self::start)) and answers each request with `handler` (no
+    /// progress lines): a socket of the server's own beyond the devices' and the class's
+    /// (the keeper's `upgrade`).
+    pub fn start_fn(
+        path: &Path,
+        handler: Arc<dyn Fn(Request) -> Result<String> + Send + Sync>,
+    ) -> Result<ControlServer> {
+        let handler: Arc<Handler> =
+            Arc::new(move |req: Request, _: &mut dyn FnMut(Response)| handler(req));
+        Self::start_handler(path, handler)
+    }
+
     /// Binds `path` (mode 0600; a stale socket is replaced, a live one is `EBUSY`) and answers
     /// each request with `handler`.
     fn start_handler(path: &Path, handler: Arc<Handler>) -> Result<ControlServer> {
@@ -378,6 +390,8 @@ pub trait Attachments: Send + Sync {
     fn block_dev(&self) -> Option<PathBuf>;
     /// Called after `disksize` was stored: start what needs a size. An error is the store's.
     fn initialised(&self) -> Result<()>;
+    /// Called after a `reset` emptied the device.
+    fn reset(&self) {}
 }
 
 /// A block device that exists for the whole life of the control socket.
@@ -559,10 +573,13 @@ fn handle_device(
             value,
             counts,
         } => {
+            let was_initialised = device.is_initialised();
             store(device, frontends, &attr, &value, counts, progress)?;
-            if attr == "disksize" {
-                if let Some(a) = frontends.attachments {
+            if let Some(a) = frontends.attachments {
+                if attr == "disksize" {
                     a.initialised()?;
+                } else if attr == "reset" && was_initialised && !device.is_initialised() {
+                    a.reset();
                 }
             }
             Ok(String::new())
