@@ -17,13 +17,13 @@ use clap::Args;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use uzram_service::config::{ServeConfig, DEFAULT_CONFIG_TOML};
+use uzram_service::fd_store;
 use uzram_service::frontend::control::Attachments;
 use uzram_service::frontend::nbd::TlsMode;
 use uzram_service::frontend::unix_socket;
-use uzram_service::fd_store;
 use uzram_service::generator_files;
-use uzram_service::keeper::{self, KeeperConfig};
 use uzram_service::host::{server_config, Host};
+use uzram_service::keeper::{self, KeeperConfig};
 use uzram_service::policy::PolicyConfig;
 
 #[derive(Debug, Args)]

@@ -46,7 +46,9 @@ pub const MAX_MESSAGE_BYTES: usize = 512;
 pub fn storable_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 240
-        && name.bytes().all(|b| b.is_ascii_graphic() && b != b':' && b != b'/')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b':' && b != b'/')
 }
 
 /// Where the state files go.
@@ -145,7 +147,12 @@ impl StateStore {
                     let remove = format!("FDSTOREREMOVE=1\nFDNAME={name}/{file}\n");
                     scm::send(sock.as_fd(), Some((addr, *len)), remove.as_bytes(), &[])?;
                     let store = format!("FDSTORE=1\nFDNAME={name}/{file}\n");
-                    scm::send(sock.as_fd(), Some((addr, *len)), store.as_bytes(), &[fd.as_fd()])?;
+                    scm::send(
+                        sock.as_fd(),
+                        Some((addr, *len)),
+                        store.as_bytes(),
+                        &[fd.as_fd()],
+                    )?;
                 }
                 Ok(())
             }
@@ -166,7 +173,10 @@ impl StateStore {
             }),
         };
         if let Err(e) = r {
-            eprintln!("uzram: {name}: cannot drop its state from {}: {e}", self.kind());
+            eprintln!(
+                "uzram: {name}: cannot drop its state from {}: {e}",
+                self.kind()
+            );
         }
     }
 
@@ -195,7 +205,10 @@ pub fn from_env() -> (StateStore, Inherited) {
         let list = var(STATE_FDS_ENV).unwrap_or_default();
         let fds = list
             .split_whitespace()
-            .map(|n| n.parse::<RawFd>().map_err(|_| format!("{STATE_FDS_ENV}={list:?}")))
+            .map(|n| {
+                n.parse::<RawFd>()
+                    .map_err(|_| format!("{STATE_FDS_ENV}={list:?}"))
+            })
             .collect();
         (fds, var(STATE_FDNAMES_ENV).unwrap_or_default())
     } else {
@@ -334,13 +347,7 @@ fn systemd(path: &str) -> io::Result<StateStore> {
     // A path's address counts its terminating NUL; an abstract one its exact bytes.
     let len = base + offset + name.len() + usize::from(!abstract_ns);
     // SAFETY: socket has no memory preconditions.
-    let raw = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
+    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {
         return Err(io::Error::last_os_error());
     }

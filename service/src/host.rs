@@ -259,10 +259,9 @@ impl Host {
             socket_dir.get_or_insert_with(|| dir.clone());
             let device = match inherited.remove(&spec.name) {
                 None => spec.build_with_swap(ram, swap_reserve.as_ref())?,
-                Some(files) => match files.and_then(|f| {
-                    spec.recover(f, ram)
-                        .map_err(|e| e.message().to_string())
-                }) {
+                Some(files) => match files
+                    .and_then(|f| spec.recover(f, ram).map_err(|e| e.message().to_string()))
+                {
                     Ok((device, report)) => {
                         log_recovered(&spec.name, &report);
                         device
@@ -364,8 +363,8 @@ impl Host {
         // The devices a previous process had added by hot_add.
         for (name, files) in inherited {
             let recovered = files.and_then(|f| {
-                let (device, report) = uzram::device::Device::recover(f)
-                    .map_err(|e| e.message().to_string())?;
+                let (device, report) =
+                    uzram::device::Device::recover(f).map_err(|e| e.message().to_string())?;
                 log_recovered(&name, &report);
                 let device = Arc::new(device);
                 device

@@ -15,7 +15,7 @@
 //!   250 ms, 500 ms... up to [`MAX_RESTART_DELAY`] while children keep dying early.
 //! - **A child exits 0** (it was stopped: SIGTERM to it, or its configuration serves nothing):
 //!   the keeper exits too, and the files with it. So does a first child that fails before it
-//!   serves (a bad configuration: nothing to keep).
+//!   serves and before it handed any file over (a bad configuration: nothing to keep).
 //! - **SIGTERM, SIGINT or SIGHUP**: SIGTERM to the child, which stops as `uzram serve` does;
 //!   SIGKILL after [`STOP_TIMEOUT`] or at a second signal; then the keeper exits 0.
 //! - **Upgrade** (`uzram ctl upgrade` on the socket `DIR/uzram-keeper`, or SIGUSR2): the
@@ -155,7 +155,7 @@ pub fn run(cfg: KeeperConfig) -> Result<i32> {
                 req_tx
                     .send(tx)
                     .map_err(|_| Error::new(ErrorKind::NoDevice, "the keeper is stopping"))?;
-                let _ = (&*wake).write_byte();
+                let _ = wake.write_byte();
                 match rx.recv() {
                     Ok(Ok(s)) => Ok(s),
                     Ok(Err(e)) => Err(Error::new(ErrorKind::Io, e)),
@@ -403,7 +403,9 @@ impl Keeper {
         match verb {
             "store" if storable_name(name) && fds.len() == DEVICE_FILES => {
                 if !self.files.contains_key(name) && self.files.len() >= MAX_HELD {
-                    log(format!("{name}: not held: already {MAX_HELD} devices' state"));
+                    log(format!(
+                        "{name}: not held: already {MAX_HELD} devices' state"
+                    ));
                     return;
                 }
                 let fds: [OwnedFd; DEVICE_FILES] = fds.try_into().expect("length checked");
@@ -440,7 +442,7 @@ impl Keeper {
             }
         };
         let ran = c.started.elapsed();
-        if !self.served {
+        if !self.served && self.files.is_empty() {
             log(format!(
                 "the server exited before it served ({}): nothing to keep; exiting",
                 describe(status)
@@ -508,7 +510,10 @@ impl Keeper {
             if r[1] {
                 self.read_messages();
                 let mut c = self.child.take().expect("checked");
-                let status = c.proc.wait().unwrap_or_else(|_| ExitStatus::from_raw(1 << 8));
+                let status = c
+                    .proc
+                    .wait()
+                    .unwrap_or_else(|_| ExitStatus::from_raw(1 << 8));
                 return Waited::Exited(status);
             }
             if r[0] && drain(&self.stop_pipe) {

@@ -1,0 +1,413 @@
+//! `uzram serve --keeper` as a user runs it: real pages written with real NBD clients, the
+//! serving process killed (`kill -9`) or upgraded (`uzram ctl upgrade`), everything read back
+//! through a new connection; a client that reconnects by itself (QEMU's `reconnect-delay`)
+//! carries on across a kill; a corrupt state file refuses its device and no other; restarts
+//! are rate-limited; SIGTERM stops the keeper and its server in seconds.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use uzram_testkit::pages::{program_pages, Program};
+use uzram_testkit::process::{require, run, wait_for, wait_timeout};
+use uzram_testkit::serve::{uzram_bin, Running, Serve};
+
+/// Two devices of different sizes, their sockets in the test's directory.
+const TWO_DEVICES: &str = "[[device]]\nname = \"zram0\"\ndisksize = \"64M\"\n\
+                           socket = \"{dir}/zram0.sock\"\n\
+                           [[device]]\nname = \"zram1\"\ndisksize = \"32M\"\n\
+                           socket = \"{dir}/zram1.sock\"\n";
+
+/// A running keeper; its serving child (and any other) killed when dropped.
+struct Kept {
+    r: Running,
+}
+
+impl Kept {
+    fn start(serve: Serve) -> Kept {
+        let r = serve.arg(&["--keeper"]).start();
+        assert!(
+            r.lines().iter().any(|l| l.contains("kept by the keeper")),
+            "{:?}",
+            r.lines()
+        );
+        Kept { r }
+    }
+
+    /// The keeper's children now.
+    fn children(&self) -> Vec<u32> {
+        let pid = self.r.pid();
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(|p| p.parse().unwrap())
+            .collect()
+    }
+
+    /// The serving child.
+    fn child(&self) -> u32 {
+        let c = self.children();
+        assert_eq!(c.len(), 1, "children {c:?}: {}", self.r.log());
+        c[0]
+    }
+
+    /// How many times a server printed `serving`.
+    fn servings(&self) -> usize {
+        self.r
+            .lines()
+            .iter()
+            .filter(|l| l.starts_with("serving"))
+            .count()
+    }
+
+    /// `kill -9` the serving child; waits until a new one serves.
+    fn kill_child(&self) {
+        let before = self.servings();
+        let old = self.child();
+        kill9(old);
+        wait_for("a new server", Duration::from_secs(30), || {
+            self.servings() > before
+        });
+        assert_ne!(self.child(), old);
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        for c in self.children() {
+            kill9(c);
+        }
+    }
+}
+
+fn kill9(pid: u32) {
+    // SAFETY: kill has no memory preconditions.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+}
+
+/// `n` pages of real program bytes (version `version`) in a file of `dir`.
+fn pages_file(dir: &Path, name: &str, n: usize, version: u64) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, program_pages(n, version, Program::Any).concat()).unwrap();
+    path
+}
+
+/// Writes `file` at the start of device `dev` with qemu-img.
+fn write_file(r: &Running, dev: &str, file: &Path) {
+    run(Command::new("qemu-img").args([
+        "convert",
+        "-n",
+        "-f",
+        "raw",
+        "-O",
+        "raw",
+        file.to_str().unwrap(),
+        &r.uri(dev),
+    ]));
+}
+
+/// Reads device `dev` with qemu-img (a new connection) and compares its start with `file`.
+fn check_file(r: &Running, dev: &str, file: &Path) {
+    let out = r.dir().join(format!("{dev}.read"));
+    run(Command::new("qemu-img").args([
+        "convert",
+        "-f",
+        "raw",
+        "-O",
+        "raw",
+        &r.uri(dev),
+        out.to_str().unwrap(),
+    ]));
+    let want = std::fs::read(file).unwrap();
+    let got = std::fs::read(&out).unwrap();
+    assert!(
+        got.len() >= want.len() && got[..want.len()] == want[..],
+        "{dev}: what was written does not read back"
+    );
+    std::fs::remove_file(out).unwrap();
+}
+
+#[test]
+fn kill_9_loses_nothing() {
+    require("qemu-img");
+    let k = Kept::start(Serve::config(TWO_DEVICES));
+    let dir = k.r.dir();
+    let a = pages_file(dir, "a", 4096, 1);
+    let b = pages_file(dir, "b", 2048, 2);
+    write_file(&k.r, "zram0", &a);
+    write_file(&k.r, "zram1", &b);
+    let stored = k.r.columns("zram0", "mm_stat");
+    for round in 0..3 {
+        k.kill_child();
+        check_file(&k.r, "zram0", &a);
+        check_file(&k.r, "zram1", &b);
+        // The recovered device holds what it held: same data bytes, same compressed bytes.
+        let now = k.r.columns("zram0", "mm_stat");
+        assert_eq!(now[..2], stored[..2], "round {round}: mm_stat {now:?}");
+    }
+    let log = k.r.log();
+    assert!(log.contains("zram0: recovered: 4096 pages stored"), "{log}");
+    // Overwrites after a recovery are kept by the next one too.
+    let c = pages_file(dir, "c", 1024, 3);
+    write_file(&k.r, "zram1", &c);
+    k.kill_child();
+    check_file(&k.r, "zram1", &c);
+}
+
+#[test]
+fn a_reconnecting_client_carries_on_across_a_kill() {
+    require("qemu-io");
+    require("qemu-img");
+    let k = Kept::start(Serve::config(TWO_DEVICES));
+    let dir = k.r.dir().to_path_buf();
+    // 40 writes of 512 KiB of real pages, 50 ms apart, through one connection that
+    // reconnects by itself; the server is killed in the middle.
+    let chunks: Vec<PathBuf> = (0..40)
+        .map(|i| pages_file(&dir, &format!("chunk{i}"), 128, 10 + i))
+        .collect();
+    let mut args = Vec::new();
+    for (i, c) in chunks.iter().enumerate() {
+        args.push("-c".into());
+        args.push(format!("write -s {} {}K 512K", c.display(), i * 512));
+        args.push("-c".into());
+        args.push("sleep 50".into());
+    }
+    args.push(format!(
+        "json:{{\"driver\":\"raw\",\"file\":{{\"driver\":\"nbd\",\"server\":{{\"type\":\
+         \"unix\",\"path\":\"{}\"}},\"export\":\"zram0\",\"reconnect-delay\":30}}}}",
+        k.r.socket("zram0").display()
+    ));
+    let mut qemu = Command::new("qemu-io")
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    k.kill_child();
+    assert!(
+        wait_timeout(&mut qemu, Duration::from_secs(60)).is_some(),
+        "qemu-io did not finish"
+    );
+    let out = qemu.wait_with_output().unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert_eq!(text.matches("wrote 524288/524288").count(), 40, "{text}");
+    assert!(
+        !text.contains("error") && !text.contains("failed"),
+        "{text}"
+    );
+    let all = dir.join("all");
+    let bytes: Vec<u8> = chunks
+        .iter()
+        .flat_map(|c| std::fs::read(c).unwrap())
+        .collect();
+    std::fs::write(&all, bytes).unwrap();
+    check_file(&k.r, "zram0", &all);
+}
+
+/// A copy of the built binary at `path`, put there by a rename (as a package manager
+/// installs one: the running file is not written).
+fn install_copy(path: &Path) {
+    let tmp = path.with_extension("new");
+    std::fs::copy(uzram_bin(), &tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn upgrade(r: &Running) -> std::process::Output {
+    r.ctl(&["upgrade"])
+}
+
+#[test]
+fn upgrade_hands_the_pages_over_and_a_bad_binary_changes_nothing() {
+    require("qemu-img");
+    // The keeper runs a copy of the binary in the test's directory (`env` as the prefix).
+    let k = Kept::start(Serve::config(TWO_DEVICES).prefix(&["env"]));
+    let dir = k.r.dir().to_path_buf();
+    let exe = dir.join("uzram");
+    let a = pages_file(&dir, "a", 4096, 1);
+    write_file(&k.r, "zram0", &a);
+
+    // A new binary: the server is replaced, the pages are there.
+    install_copy(&exe);
+    let before = k.child();
+    let o = upgrade(&k.r);
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{o:?}\n{}", k.r.log());
+    assert!(said.starts_with("upgraded to uzram "), "{said}");
+    assert_ne!(k.child(), before);
+    check_file(&k.r, "zram0", &a);
+
+    // A file that does not run: refused before the server is touched.
+    std::fs::write(dir.join("uzram.new"), "not a program\n").unwrap();
+    std::fs::set_permissions(
+        dir.join("uzram.new"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::rename(dir.join("uzram.new"), &exe).unwrap();
+    let before = k.child();
+    let o = upgrade(&k.r);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{o:?}");
+    assert!(
+        err.contains("does not run") && err.contains("serves on unchanged"),
+        "{err}"
+    );
+    assert_eq!(k.child(), before, "the server was touched");
+    check_file(&k.r, "zram0", &a);
+
+    // A new binary whose server cannot start (its configuration broken meanwhile): the
+    // keeper keeps the state and restarts until the configuration is mended.
+    install_copy(&exe);
+    let config = dir.join("uzram.toml");
+    let good = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, "[[device]]\nname = 3\n").unwrap();
+    let o = upgrade(&k.r);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{o:?}");
+    assert!(err.contains("exited before it served"), "{err}");
+    std::fs::write(&config, good).unwrap();
+    let n = k.servings();
+    wait_for("the server again", Duration::from_secs(30), || {
+        k.servings() > n
+    });
+    check_file(&k.r, "zram0", &a);
+}
+
+/// The keeper's memfds named `uzram-NAME`: (path under /proc, size).
+fn keeper_memfds(keeper: u32, name: &str) -> Vec<(PathBuf, u64)> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{keeper}/fd")).unwrap() {
+        let p = e.unwrap().path();
+        let Ok(target) = std::fs::read_link(&p) else {
+            continue;
+        };
+        if target
+            .to_string_lossy()
+            .starts_with(&format!("/memfd:uzram-{name} "))
+        {
+            v.push((p.clone(), std::fs::metadata(&p).unwrap().len()));
+        }
+    }
+    v
+}
+
+#[test]
+fn a_corrupt_state_file_refuses_its_device_and_no_other() {
+    require("qemu-img");
+    let k = Kept::start(Serve::config(TWO_DEVICES));
+    let dir = k.r.dir();
+    let a = pages_file(dir, "a", 1024, 1);
+    let b = pages_file(dir, "b", 1024, 2);
+    write_file(&k.r, "zram0", &a);
+    write_file(&k.r, "zram1", &b);
+    // zram1's slot table is the smaller one (32M: 8192 slots); flip the bits of page 5's
+    // slot in the keeper's copy.
+    let slots = keeper_memfds(k.r.pid(), "slots");
+    assert_eq!(slots.len(), 2, "{slots:?}");
+    let (path, _) = slots.iter().min_by_key(|(_, len)| *len).unwrap();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        let mut slot = [0u8; 16];
+        f.read_exact_at(&mut slot, 5 * 16).unwrap();
+        for b in &mut slot {
+            *b ^= 0xff;
+        }
+        f.write_all_at(&slot, 5 * 16).unwrap();
+    }
+    k.kill_child();
+    let log = k.r.log();
+    let refusal = log
+        .lines()
+        .find(|l| l.starts_with("uzram: zram1: refused: "))
+        .unwrap_or_else(|| panic!("no refusal of zram1: {log}"));
+    assert!(refusal.contains("slot 5"), "{refusal}");
+    assert!(!log.contains("zram0: refused"), "{log}");
+    check_file(&k.r, "zram0", &a);
+    // zram1 is not served: a client cannot connect.
+    let o = Command::new("qemu-img")
+        .args(["info", "-f", "raw", &k.r.uri("zram1")])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "zram1 served: {o:?}");
+    // The keeper keeps zram1's state (nothing dropped), and refuses it again next time.
+    assert!(!log.contains("dropped zram1"), "{log}");
+    k.kill_child();
+    assert_eq!(
+        k.r.log().matches("uzram: zram1: refused: ").count(),
+        2,
+        "{}",
+        k.r.log()
+    );
+    check_file(&k.r, "zram0", &a);
+}
+
+#[test]
+fn restarts_are_rate_limited_and_sigterm_stops_everything() {
+    let mut k = Kept::start(Serve::args(&[
+        "--disksize",
+        "16M",
+        "--socket",
+        "{dir}/zram0.sock",
+    ]));
+    // Every server killed as soon as it appears, for 4 s: a few restarts, not a tight loop.
+    let mut seen = std::collections::BTreeSet::new();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(4) {
+        for c in k.children() {
+            if seen.insert(c) {
+                kill9(c);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        (3..=8).contains(&seen.len()),
+        "{} servers in 4 s: {}",
+        seen.len(),
+        k.r.log()
+    );
+    assert!(k.r.log().contains("restarting in "), "{}", k.r.log());
+    // The keeper serves again, then SIGTERM stops it and its server within seconds.
+    let n = k.servings();
+    wait_for("a server", Duration::from_secs(30), || k.servings() > n);
+    let child = k.child();
+    let t = Instant::now();
+    k.r.signal("-TERM");
+    let status = k.r.wait_exit(Duration::from_secs(10));
+    assert!(status.success(), "{status:?}: {}", k.r.log());
+    assert!(t.elapsed() < Duration::from_secs(10));
+    assert!(
+        !Path::new(&format!("/proc/{child}")).exists(),
+        "the server outlived its keeper"
+    );
+    let left: Vec<_> = std::fs::read_dir(k.r.dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".sock") || n.ends_with(".ctl") || n == "uzram-keeper")
+        .collect();
+    assert!(left.is_empty(), "sockets left behind: {left:?}");
+}
+
+#[test]
+fn a_first_server_that_cannot_start_ends_the_keeper() {
+    // Nothing to keep yet: the keeper exits with the server's status (no restart loop).
+    let f = Serve::args(&["--keeper", "--disksize", "16M", "--algorithm", "nope"])
+        .arg(&["--socket", "{dir}/zram0.sock"])
+        .refused();
+    assert!(f.stderr.contains("nope"), "{}", f.stderr);
+    assert_eq!(
+        f.stderr.matches("started the server").count(),
+        1,
+        "{}",
+        f.stderr
+    );
+}
