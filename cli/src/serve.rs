@@ -320,10 +320,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // SIGINT, SIGTERM and SIGHUP are taken by a handler that only writes a pipe
     // (signal-hook's self-pipe), read by the signal thread below. No thread yet: `Host::start`
     // marks the process an I/O flusher first when serving swap.
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+    // SIGUSR2 (under systemd's fd store): the same stop, then exit status 75, which systemd's
+    // `Restart=on-failure` answers with a restart from the binary now on disk, the store kept.
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR2};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR2])
         .context("installing signal handlers")?;
     let fd_store = std::sync::Arc::new(fd_store);
+    let restartable = fd_store.is_systemd();
     let host = Host::start_keeping(
         &cfg,
         server_config,
@@ -340,6 +343,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .spawn(move || {
             let mut first = true;
             for sig in signals.forever() {
+                if sig == SIGUSR2 && first && !restartable {
+                    eprintln!(
+                        "uzram: SIGUSR2 ignored: {}",
+                        if started_by_keeper {
+                            "send it to the keeper (uzram ctl upgrade)"
+                        } else {
+                            "nothing keeps the devices' state (uzram serve --keeper, or systemd's \
+                             fd store)"
+                        }
+                    );
+                    continue;
+                }
                 if first {
                     first = false;
                     let _ = first_tx.send(sig);
@@ -379,6 +394,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     for path in host.stop() {
         eprintln!("uzram: removed {}", path.display());
     }
+    if sig == SIGUSR2 {
+        eprintln!(
+            "uzram: stopped for a restart (exit status {RESTART_EXIT_STATUS}): systemd starts the \
+             binary now on disk with the devices' state"
+        );
+        std::process::exit(RESTART_EXIT_STATUS);
+    }
     eprintln!("uzram: stopped");
     Ok(())
 }
@@ -390,11 +412,15 @@ fn set_process_name() {
     unsafe { libc::prctl(libc::PR_SET_NAME, c"uzram".as_ptr()) };
 }
 
+/// The exit status of a stop for a restart (SIGUSR2 under systemd's fd store): `EX_TEMPFAIL`.
+const RESTART_EXIT_STATUS: i32 = 75;
+
 fn signal_name(sig: i32) -> &'static str {
-    use signal_hook::consts::{SIGHUP, SIGINT};
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGUSR2};
     match sig {
         SIGINT => "SIGINT",
         SIGHUP => "SIGHUP",
+        SIGUSR2 => "SIGUSR2",
         _ => "SIGTERM",
     }
 }

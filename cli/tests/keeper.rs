@@ -411,3 +411,135 @@ fn a_first_server_that_cannot_start_ends_the_keeper() {
         f.stderr
     );
 }
+
+/// systemd's side of its fd store, as the notification socket and `LISTEN_FDS` make it: the
+/// server hands every file over (`FDSTORE=1`, `FDNAME=`), is killed, and a new one started
+/// with the files (`LISTEN_PID`, `LISTEN_FDS`, `LISTEN_FDNAMES`) serves the same pages.
+#[test]
+fn systemd_fd_store_keeps_the_pages() {
+    use std::collections::BTreeMap;
+    use std::io::{BufRead, BufReader};
+    use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+    use std::os::unix::net::UnixDatagram;
+    use std::os::unix::process::CommandExt;
+    require("qemu-img");
+    let dir = tempfile::tempdir().unwrap();
+    let notify = dir.path().join("notify");
+    let sock = UnixDatagram::bind(&notify).unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    // The store: names to descriptors, as systemd keeps them.
+    let mut store: BTreeMap<String, OwnedFd> = BTreeMap::new();
+    let mut receive = |store: &mut BTreeMap<String, OwnedFd>| loop {
+        let mut buf = [0u8; 512];
+        let (n, fds) = match uzram_service::scm::recv(sock.as_fd(), &mut buf) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(e) => panic!("{e}"),
+        };
+        let text = String::from_utf8_lossy(&buf[..n]).to_string();
+        let name = text
+            .lines()
+            .find_map(|l| l.strip_prefix("FDNAME="))
+            .unwrap_or_else(|| panic!("no FDNAME in {text:?}"))
+            .to_string();
+        if text.contains("FDSTOREREMOVE=1") {
+            assert!(fds.is_empty(), "{text:?}");
+            store.remove(&name);
+        } else {
+            assert!(text.contains("FDSTORE=1") && fds.len() == 1, "{text:?}");
+            store.insert(name, fds.into_iter().next().unwrap());
+        }
+    };
+    let r = Serve::args(&["--disksize", "16M", "--socket", "{dir}/zram0.sock"])
+        .env("NOTIFY_SOCKET", &notify)
+        .start();
+    assert!(
+        r.lines()
+            .iter()
+            .any(|l| l.contains("kept by systemd's fd store")),
+        "{:?}",
+        r.lines()
+    );
+    receive(&mut store);
+    let names: Vec<&String> = store.keys().collect();
+    assert_eq!(
+        names,
+        [
+            "zram0/frames",
+            "zram0/handles",
+            "zram0/header",
+            "zram0/records",
+            "zram0/slots"
+        ]
+    );
+    let a = pages_file(dir.path(), "a", 2048, 7);
+    write_file(&r, "zram0", &a);
+    kill9(r.pid());
+    let mut r = r;
+    r.child.wait().unwrap();
+
+    // The new server, with the store's files from descriptor 3 on.
+    let (names, fds): (Vec<String>, Vec<OwnedFd>) = store.into_iter().unzip();
+    // Above the range they go to, so that moving one never overwrites another.
+    let high: Vec<i32> = fds
+        .iter()
+        // SAFETY: F_DUPFD_CLOEXEC on an open descriptor: a new one, closed below.
+        .map(|f| unsafe { libc::fcntl(f.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 64) })
+        .collect();
+    assert!(high.iter().all(|&f| f >= 64));
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "LISTEN_PID=$$ exec \"$0\" \"$@\""])
+        .arg(uzram_bin())
+        .args(["serve", "--disksize", "16M", "--socket"])
+        .arg(r.socket("zram0"))
+        .env("LISTEN_FDS", fds.len().to_string())
+        .env("LISTEN_FDNAMES", names.join(":"))
+        .env("NOTIFY_SOCKET", &notify)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(dir.path().join("stderr2")).unwrap());
+    let moved = high.clone();
+    // SAFETY: between fork and exec only dup2 (async-signal-safe) on open descriptors.
+    unsafe {
+        cmd.pre_exec(move || {
+            for (i, &f) in moved.iter().enumerate() {
+                if libc::dup2(f, 3 + i as i32) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    for f in high {
+        // SAFETY: the duplicates made above, not used any more.
+        unsafe { libc::close(f) };
+    }
+    let out = child.stdout.take().unwrap();
+    let serving = BufReader::new(out)
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l.starts_with("serving"));
+    let log = std::fs::read_to_string(dir.path().join("stderr2")).unwrap();
+    assert!(serving, "{log}");
+    assert!(log.contains("zram0: recovered: 2048 pages stored"), "{log}");
+    let read = dir.path().join("read");
+    run(Command::new("qemu-img").args([
+        "convert",
+        "-f",
+        "raw",
+        "-O",
+        "raw",
+        &r.uri("zram0"),
+        read.to_str().unwrap(),
+    ]));
+    assert_eq!(
+        std::fs::read(&read).unwrap()[..a.metadata().unwrap().len() as usize],
+        std::fs::read(&a).unwrap()[..]
+    );
+    // SIGUSR2: a clean stop for systemd to restart (exit status 75, Restart=on-failure).
+    // SAFETY: kill on our own child, not reaped yet.
+    unsafe { libc::kill(child.id() as i32, libc::SIGUSR2) };
+    let status = wait_timeout(&mut child, Duration::from_secs(20)).expect("stopped");
+    assert_eq!(status.code(), Some(75));
+}

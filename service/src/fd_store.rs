@@ -103,6 +103,11 @@ impl StateStore {
         }
     }
 
+    /// Whether systemd's fd store keeps the files.
+    pub fn is_systemd(&self) -> bool {
+        matches!(*self.lock(), Holder::Systemd { .. })
+    }
+
     /// Whether anything keeps the files.
     pub fn keeps(&self) -> bool {
         !matches!(*self.lock(), Holder::None)
