@@ -27,6 +27,9 @@ enum BenchCommand {
     Gc(GcArgs),
     /// Releasing pages: synchronous vs. deferred free, and the short class-lock section.
     Free(FreeArgs),
+    /// A restart: the time from `kill -9` of `uzram serve --keeper`'s server to the first
+    /// request served again, for a device holding real pages, against one holding nothing.
+    Restart(RestartArgs),
     /// The NBD server with fio, against nbdkit's memory plugin and the kernel's zram.
     Nbd(NbdArgs),
     /// Copying a sparse device with nbdcopy, with and without block status, against nbdkit's
@@ -311,6 +314,29 @@ struct FreeArgs {
 }
 
 #[derive(Debug, Args)]
+struct RestartArgs {
+    /// Page corpus (from `uzram corpus`); built with default settings if missing.
+    #[arg(long, default_value = DEFAULT_CORPUS)]
+    corpus: PathBuf,
+    /// Sizes of pages stored, one device each, comma separated (K, M, G suffixes); a device
+    /// holding nothing is measured first, as the anchor.
+    #[arg(long, value_delimiter = ',', default_value = "1G")]
+    sizes: Vec<String>,
+    /// Kills per size; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Algorithm the device compresses with.
+    #[arg(long, default_value = "lz4")]
+    codec: String,
+    /// Where to write the JSON (default: bench/results/restart-UNIXTIME.json).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw the main comparison into this PNG (bench/README.md shows them).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
 struct NbdArgs {
     /// Seconds per point.
     #[arg(long, default_value_t = 10)]
@@ -476,6 +502,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let doc = crate::free::run(&corpus, &opts)?;
             write_results(a.json.as_deref(), "free", &doc, a.plot.as_deref())
+        }
+        BenchCommand::Restart(a) => {
+            let corpus = load_or_build_corpus(&a.corpus)?;
+            let sizes_bytes = a
+                .sizes
+                .iter()
+                .map(|s| uzram::units::parse_size_bytes(s).with_context(|| format!("--sizes {s}")))
+                .collect::<anyhow::Result<Vec<u64>>>()?;
+            let opts = crate::restart::RestartBenchOptions {
+                sizes_bytes,
+                repeats: a.repeats.max(1),
+                codec: a.codec,
+            };
+            let doc = crate::restart::run(&corpus, &opts)?;
+            write_results(a.json.as_deref(), "restart", &doc, a.plot.as_deref())
         }
         BenchCommand::Multipage(a) => {
             let path = a.corpus.as_path();

@@ -21,6 +21,7 @@ pub mod nbd;
 pub mod plot;
 pub mod recompress;
 pub mod remote;
+pub mod restart;
 pub mod sparse_copy;
 pub mod store;
 pub mod vhost;

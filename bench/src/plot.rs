@@ -129,6 +129,27 @@ pub fn chart_for(doc: &Value) -> Result<Chart> {
                 ),
             ],
         ),
+        "restart" => (
+            "uzram bench restart: kill -9 to the first request served again".to_string(),
+            "ms (lower is better)",
+            doc.get("sizes")
+                .and_then(Value::as_array)
+                .map(|rows| {
+                    rows.iter()
+                        .flat_map(|r| {
+                            let gib = r.get("stored_gib").and_then(Value::as_f64).unwrap_or(0.0);
+                            let ms = |k: &str| r.get(k).and_then(Value::as_f64).map(|s| s * 1e3);
+                            let stored = format!("{gib:.2} GiB stored");
+                            [
+                                bar(stored.clone(), ms("restart_median_s"), gib == 0.0),
+                                bar(format!("target at {stored}"), ms("target_s"), true)
+                                    .filter(|_| gib > 0.0),
+                            ]
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        ),
         "writeback" => (
             "uzram bench writeback: batch sizes vs batch 1".to_string(),
             "pages/s (higher is better)",

@@ -507,3 +507,28 @@ fn bench_sparse_copy_writes_its_table_and_json() {
         }
     }
 }
+
+/// `uzram bench restart` end to end: a device of real pages and the empty anchor, one kill
+/// each; the restart times are finite and positive and every page was verified.
+#[test]
+fn bench_restart_writes_its_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus_path = self_corpus(dir.path(), 512);
+    let doc = run_bench(
+        dir.path(),
+        "restart",
+        &["restart", "--sizes", "8M", "--repeats", "1"],
+        &corpus_path,
+        None,
+        &["kill to first read", "8 MiB"],
+    );
+    let sizes = doc["sizes"].as_array().unwrap();
+    assert_eq!(sizes.len(), 2, "{doc}");
+    assert_eq!(sizes[0]["stored_bytes"], 0);
+    assert_eq!(sizes[1]["stored_bytes"], 8 << 20);
+    assert_eq!(sizes[1]["verified_pages"], 2048);
+    for s in sizes {
+        let v = s["restart_median_s"].as_f64().unwrap();
+        assert!(v.is_finite() && v > 0.0, "{s}");
+    }
+}

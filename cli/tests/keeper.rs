@@ -430,7 +430,7 @@ fn systemd_fd_store_keeps_the_pages() {
         .unwrap();
     // The store: names to descriptors, as systemd keeps them.
     let mut store: BTreeMap<String, OwnedFd> = BTreeMap::new();
-    let mut receive = |store: &mut BTreeMap<String, OwnedFd>| loop {
+    let receive = |store: &mut BTreeMap<String, OwnedFd>| loop {
         let mut buf = [0u8; 512];
         let (n, fds) = match uzram_service::scm::recv(sock.as_fd(), &mut buf) {
             Ok(m) => m,
