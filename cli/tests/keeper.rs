@@ -543,3 +543,57 @@ fn systemd_fd_store_keeps_the_pages() {
     let status = wait_timeout(&mut child, Duration::from_secs(20)).expect("stopped");
     assert_eq!(status.code(), Some(75));
 }
+
+/// A device added by `hot_add` comes back after a kill; `reset` drops a device's state; a
+/// configuration that changed a device's `disksize` refuses that device only.
+#[test]
+fn hot_add_reset_and_a_changed_configuration() {
+    require("qemu-img");
+    let k = Kept::start(Serve::config(TWO_DEVICES));
+    let dir = k.r.dir().to_path_buf();
+    let o = k.r.ctl(&["hot_add"]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "2");
+    k.r.set("zram2", "disksize", "16M");
+    let a = pages_file(&dir, "a", 1024, 1);
+    let b = pages_file(&dir, "b", 1024, 2);
+    write_file(&k.r, "zram2", &a);
+    write_file(&k.r, "zram1", &b);
+    k.kill_child();
+    assert!(
+        k.r.log().contains("uzram: recovered: zram2: "),
+        "{}",
+        k.r.log()
+    );
+    check_file(&k.r, "zram2", &a);
+    check_file(&k.r, "zram1", &b);
+
+    // reset drops the state: after a kill, zram2 is gone (it is not in the configuration).
+    k.r.set("zram2", "reset", "1");
+    wait_for("the keeper to drop zram2", Duration::from_secs(10), || {
+        k.r.log().contains("dropped zram2's state")
+    });
+    // zram1 grows in the configuration: its saved state is refused, zram0 is served.
+    let config = dir.join("uzram.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("\"32M\"", "\"48M\"")).unwrap();
+    k.kill_child();
+    let log = k.r.log();
+    assert!(
+        log.contains("uzram: zram1: refused: its saved state has disksize 33554432, the configuration 50331648 (48M)"),
+        "{log}"
+    );
+    assert_eq!(log.matches("uzram: recovered: zram2").count(), 1, "{log}");
+    assert!(!k.r.socket("zram2").exists() || qemu_img_fails(&k.r.uri("zram2")));
+    assert!(qemu_img_fails(&k.r.uri("zram1")));
+    assert!(!qemu_img_fails(&k.r.uri("zram0")));
+}
+
+fn qemu_img_fails(uri: &str) -> bool {
+    !Command::new("qemu-img")
+        .args(["info", "-f", "raw", uri])
+        .output()
+        .unwrap()
+        .status
+        .success()
+}

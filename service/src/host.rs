@@ -366,12 +366,8 @@ impl Host {
                 let (device, report) =
                     uzram::device::Device::recover(f).map_err(|e| e.message().to_string())?;
                 log_recovered(&name, &report);
-                let device = Arc::new(device);
-                device
-                    .set_swap_reserve(None)
-                    .map_err(|e| e.message().to_string())?;
                 registry
-                    .add_recovered(&name, device)
+                    .add_recovered(&name, Arc::new(device))
                     .map_err(|e| e.message().to_string())
             });
             if let Err(e) = recovered {
