@@ -293,9 +293,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
         return Ok(());
     }
     let started_by_keeper = std::env::var_os(fd_store::KEEPER_FD_ENV).is_some();
+    let keeper_mode = args.keeper && !started_by_keeper;
+    // Where the devices' state goes (the keeper, systemd's fd store, or nowhere), and what a
+    // previous process left: taken before anything runs a program (a configuration's `set!`
+    // lines) or starts a thread (it changes the environment).
+    let (fd_store, inherited) = if keeper_mode {
+        (fd_store::StateStore::none(), fd_store::Inherited::new())
+    } else {
+        fd_store::from_env()
+    };
     let cfg = config(&args)?;
     let server_config = server_config(&cfg)?;
-    if args.keeper && !started_by_keeper {
+    if keeper_mode {
         let exe = std::env::current_exe().context("the uzram binary's path")?;
         let code = keeper::run(KeeperConfig {
             exe,
@@ -304,9 +313,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
         })?;
         std::process::exit(code);
     }
-    // Where the devices' state goes (the keeper, systemd's fd store, or nowhere), and what a
-    // previous process left: read before any thread exists (it changes the environment).
-    let (fd_store, inherited) = fd_store::from_env();
     if started_by_keeper {
         set_process_name();
     }

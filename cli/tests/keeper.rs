@@ -183,7 +183,11 @@ fn a_reconnecting_client_carries_on_across_a_kill() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(700));
+    // Killed once some writes were served and while the client is still writing.
+    wait_for("the first writes", Duration::from_secs(30), || {
+        k.r.columns("zram0", "mm_stat")[0] >= 1 << 20
+    });
+    assert!(qemu.try_wait().unwrap().is_none(), "qemu-io finished first");
     k.kill_child();
     assert!(
         wait_timeout(&mut qemu, Duration::from_secs(60)).is_some(),

@@ -187,6 +187,9 @@ pub fn run(cfg: KeeperConfig) -> Result<i32> {
         requests,
     };
     let code = k.main_loop();
+    // The keeper first (an upgrade request still queued is answered "stopping" as its reply
+    // channel drops), then the socket's threads.
+    drop(k);
     control.stop();
     Ok(code)
 }
