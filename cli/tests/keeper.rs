@@ -243,6 +243,20 @@ fn upgrade_hands_the_pages_over_and_a_bad_binary_changes_nothing() {
     assert!(said.starts_with("upgraded to uzram "), "{said}");
     assert_ne!(k.child(), before);
     check_file(&k.r, "zram0", &a);
+    // SIGUSR2 to the keeper does the same.
+    let (before, n) = (k.child(), k.servings());
+    k.r.signal("-USR2");
+    wait_for("the upgraded server", Duration::from_secs(60), || {
+        k.servings() > n
+    });
+    assert_ne!(k.child(), before);
+    assert_eq!(
+        k.r.log()
+            .matches("uzram keeper: upgraded to uzram ")
+            .count(),
+        2
+    );
+    check_file(&k.r, "zram0", &a);
 
     // A file that does not run: refused before the server is touched.
     std::fs::write(dir.join("uzram.new"), "not a program\n").unwrap();
