@@ -615,3 +615,32 @@ fn qemu_img_fails(uri: &str) -> bool {
         .status
         .success()
 }
+
+/// A server serving swap (`--swap`: every device's frames in one reserve) keeps every device
+/// across kills: the reserve is recovered with them.
+#[test]
+fn a_swap_server_keeps_its_devices() {
+    require("qemu-img");
+    let k = Kept::start(Serve::config(TWO_DEVICES).arg(&["--swap", "--swap-reserve", "16M"]));
+    let dir = k.r.dir().to_path_buf();
+    let a = pages_file(&dir, "a", 4096, 1);
+    let b = pages_file(&dir, "b", 2048, 2);
+    write_file(&k.r, "zram0", &a);
+    write_file(&k.r, "zram1", &b);
+    let stored = k.r.columns("zram1", "mm_stat");
+    for _ in 0..2 {
+        k.kill_child();
+        check_file(&k.r, "zram0", &a);
+        check_file(&k.r, "zram1", &b);
+        assert_eq!(k.r.columns("zram1", "mm_stat")[..2], stored[..2]);
+    }
+    let log = k.r.log();
+    assert!(!log.contains("refused"), "{log}");
+    assert!(log.contains("zram0: recovered: 4096 pages stored"), "{log}");
+    // Written after a recovery, kept by the next.
+    let c = pages_file(&dir, "c", 1024, 3);
+    write_file(&k.r, "zram0", &c);
+    k.kill_child();
+    check_file(&k.r, "zram0", &c);
+    check_file(&k.r, "zram1", &b);
+}

@@ -417,7 +417,8 @@ impl DeviceSpec {
 impl DeviceSpec {
     /// The device a previous process left in `files`, checked against this configuration
     /// (docs/restart.md, "The server"): recovered and its invariants checked
-    /// ([`Device::recover`]), then its page size, `disksize` and every attribute that can
+    /// ([`Device::recover`], or [`Device::recover_swap`] from the server's swap reserve in
+    /// recovery), then its page size, `disksize` and every attribute that can
     /// only be set before `disksize` (`comp_algorithm`, `multi_page_size`, ...) compared with
     /// the configuration's, and the attributes that can change on a live device (`mem_limit`,
     /// ...) stored again. `EINVAL` naming what differs or what is wrong; a write-only
@@ -427,13 +428,17 @@ impl DeviceSpec {
         &self,
         files: uzram::device::restart::DeviceFiles,
         ram_bytes: u64,
+        swap_reserve: Option<&std::sync::Arc<uzram::memory::SwapReserve>>,
     ) -> Result<(Device, uzram::device::restart::RecoveryReport)> {
         let differs = |what: &str, saved: &dyn std::fmt::Display, cfg: &dyn std::fmt::Display| {
             Error::invalid(format!(
                 "its saved state has {what} {saved}, the configuration {cfg}"
             ))
         };
-        let (dev, report) = Device::recover(files)?;
+        let (dev, report) = match swap_reserve {
+            Some(reserve) => Device::recover_swap(files, reserve)?,
+            None => Device::recover(files)?,
+        };
         if dev.page_size_bytes() != self.page_size_bytes {
             return Err(differs(
                 "page_size",

@@ -33,6 +33,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use uzram::clock::SystemClock;
+use uzram::shm::ShmFile;
 use uzram::BlockDevice;
 
 /// Total RAM from /proc/meminfo.
@@ -131,6 +132,17 @@ pub fn server_config(cfg: &ServeConfig) -> Result<ServerConfig> {
     Ok(sc)
 }
 
+/// The swap reserve's files a previous process left, from the first device handed back
+/// (every device of a swap server hands the reserve's files over with its own).
+fn saved_reserve(inherited: &Inherited) -> Option<(ShmFile, ShmFile)> {
+    let files = inherited.values().find_map(|f| f.as_ref().ok())?;
+    let dup = |f: &ShmFile| f.try_clone_fd().map(ShmFile::from_fd).ok();
+    Some((
+        dup(&files.store.pool.frames)?,
+        dup(&files.store.pool.records)?,
+    ))
+}
+
 /// Logs a device recovered from a previous process's state.
 fn log_recovered(name: &str, r: &uzram::device::restart::RecoveryReport) {
     eprintln!(
@@ -211,8 +223,25 @@ impl Host {
                     None => uzram::memory::default_swap_reserve_bytes(ram),
                 };
                 let bytes = usize::try_from(bytes).context("swap_reserve too large")?;
-                let reserve = uzram::memory::SwapReserve::new(bytes)
-                    .context("faulting in the swap reserve")?;
+                let reserve = match saved_reserve(&inherited) {
+                    // The previous process's reserve, in recovery until every device is.
+                    Some((frames, records)) => {
+                        match uzram::memory::SwapReserve::recover(bytes, frames, records) {
+                            Ok(r) => r,
+                            Err(e) => {
+                                eprintln!(
+                                    "uzram: the saved swap reserve is refused: {}; its devices \
+                                     are refused with it",
+                                    e.message()
+                                );
+                                uzram::memory::SwapReserve::new(bytes)
+                                    .context("faulting in the swap reserve")?
+                            }
+                        }
+                    }
+                    None => uzram::memory::SwapReserve::new(bytes)
+                        .context("faulting in the swap reserve")?,
+                };
                 match crate::frontend::swap::oom_trigger() {
                     Some(hook) => {
                         reserve.on_starved(hook);
@@ -259,9 +288,10 @@ impl Host {
             socket_dir.get_or_insert_with(|| dir.clone());
             let device = match inherited.remove(&spec.name) {
                 None => spec.build_with_swap(ram, swap_reserve.as_ref())?,
-                Some(files) => match files
-                    .and_then(|f| spec.recover(f, ram).map_err(|e| e.message().to_string()))
-                {
+                Some(files) => match files.and_then(|f| {
+                    spec.recover(f, ram, swap_reserve.as_ref())
+                        .map_err(|e| e.message().to_string())
+                }) {
                     Ok((device, report)) => {
                         log_recovered(&spec.name, &report);
                         device
@@ -300,6 +330,32 @@ impl Host {
         }
         if let Some(addr) = cfg.listen {
             listen.push(Listen::Tcp(addr));
+        }
+        // The devices a previous process had added by hot_add (served once the registry
+        // exists).
+        let mut hot_added = Vec::new();
+        for (name, files) in std::mem::take(&mut inherited) {
+            let recovered = files.and_then(|f| {
+                let r = match &swap_reserve {
+                    Some(reserve) => uzram::device::Device::recover_swap(f, reserve),
+                    None => uzram::device::Device::recover(f),
+                };
+                r.map_err(|e| e.message().to_string())
+            });
+            match recovered {
+                Ok((device, report)) => {
+                    log_recovered(&name, &report);
+                    hot_added.push((name, Arc::new(device)));
+                }
+                Err(e) => refuse(&name, &e, &fd_store),
+            }
+        }
+        // Every device recovered: the frames of a saved swap reserve no device claimed are
+        // released, and the reserve is filled, before anything is served.
+        if let Some(reserve) = &swap_reserve {
+            reserve
+                .finish_recovery()
+                .context("finishing the swap reserve's recovery")?;
         }
         // The server's class socket, zram's /sys/class/zram-control: beside the first device's.
         let socket_dir = socket_dir.context("no devices")?;
@@ -360,18 +416,9 @@ impl Host {
                     .with_context(|| format!("device {name}"))?,
             );
         }
-        // The devices a previous process had added by hot_add.
-        for (name, files) in inherited {
-            let recovered = files.and_then(|f| {
-                let (device, report) =
-                    uzram::device::Device::recover(f).map_err(|e| e.message().to_string())?;
-                log_recovered(&name, &report);
-                registry
-                    .add_recovered(&name, Arc::new(device))
-                    .map_err(|e| e.message().to_string())
-            });
-            if let Err(e) = recovered {
-                refuse(&name, &e, &fd_store);
+        for (name, device) in hot_added {
+            if let Err(e) = registry.add_recovered(&name, device) {
+                refuse(&name, e.message(), &fd_store);
             }
         }
         let class_path = control::class_socket_path(&socket_dir);
