@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::class::SizeClass;
-use super::deferred_free::{self, DeferredQueue};
+use super::deferred_free;
 use super::handle::{Handle, HandleTable, Location};
 use super::page_alloc::{FrameAllocator, FRAME_CACHE_BYTES};
 use super::record::FrameUse;
@@ -145,7 +145,7 @@ impl ZsPool {
             frames,
             total_pages: AtomicU64::new(0),
             pages_compacted: AtomicU64::new(0),
-            deferred: DeferredQueue::new(capacity),
+            deferred: deferred_free::pool_queue(capacity),
             #[cfg(any(test, feature = "testing"))]
             release_under_class_lock: false,
         };
