@@ -25,11 +25,12 @@ use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use uzram::device::restart::{DeviceFiles, DEVICE_FILES};
+use uzram::backing::{FileBacking, FileOptions};
+use uzram::device::restart::{DeviceFiles, Recover, DEVICE_FILES};
 use uzram::device::Device;
 use uzram::memory::SwapReserve;
 use uzram::shm::ShmFile;
-use uzram_testkit::device::DeviceBuilder;
+use uzram_testkit::device::{bd, real_tmpdir, writeback_all, DeviceBuilder};
 use uzram_testkit::pages::{fill_page, Kind};
 
 // ------------------------------------------------------------------------------------------
@@ -168,6 +169,87 @@ fn refuses_a_slot_naming_a_free_handle_and_a_foreign_header() {
     let fds = [header.into_fd(), slots, handles, frames, records];
     let err = Device::recover(DeviceFiles::from_fds(fds)).unwrap_err();
     assert!(err.message().contains("header"), "{err}");
+}
+
+/// Pages written back to a backing file (bitmap layout, plain and compressed blocks, single
+/// pages and 64 KiB multi-page objects) read back after recovery with the file opened again;
+/// the bitmap is rebuilt from the slots (`bd_count` as before, every block claimed once), and
+/// the recovered device writes back again. Without the backing file, or with another, the
+/// device is refused.
+#[test]
+fn recovers_written_back_pages() {
+    let page = 4096usize;
+    let n = 512u64;
+    for (mps, compressed) in [("4096", false), ("4096", true), ("64K", false)] {
+        let what = format!("multi_page_size {mps}, compressed_writeback {compressed}");
+        let dir = real_tmpdir();
+        let path = dir.path().join("backing");
+        let options = FileOptions::default();
+        let backing = FileBacking::create(&path, 2 * n * page as u64, &options).unwrap();
+        let dev = DeviceBuilder::pages(n)
+            .backing(Arc::new(backing))
+            .compressed_writeback(compressed)
+            .attr("multi_page_size", mps)
+            .build();
+        let mut buf = vec![0u8; 16 * page];
+        let mut want = vec![0u64; n as usize];
+        for g in 0..n / 16 {
+            for k in 0..16u64 {
+                let i = g * 16 + k;
+                let at = k as usize * page;
+                fill(i, 1 + g % 3, &mut buf[at..at + page]);
+                want[i as usize] = 1 + g % 3;
+            }
+            dev.write_at(&buf, g * 16 * page as u64).unwrap();
+        }
+        writeback_all(&dev, n);
+        // Some written-back pages overwritten (in memory now) or discarded (blocks freed).
+        for i in (0..n).step_by(5) {
+            fill(i, 7, &mut buf[..page]);
+            dev.write_at(&buf[..page], i * page as u64).unwrap();
+            want[i as usize] = 7;
+        }
+        for i in (3..n).step_by(11) {
+            dev.discard(i * page as u64, page as u64).unwrap();
+            want[i as usize] = 0;
+        }
+        dev.flush_deferred();
+        let bd_before = bd(&dev);
+        assert!(bd_before[0] > n / 4, "{what}: {bd_before:?}");
+        let stored = dev.stats().pages_stored;
+        let files = dev.state_files().unwrap();
+        let again = dup_files(&files);
+        drop(dev);
+
+        let err = Device::recover(dup_files(&files)).unwrap_err();
+        assert!(
+            err.message().contains("give its backing device"),
+            "{what}: {err}"
+        );
+        let other =
+            FileBacking::create(dir.path().join("other"), page as u64 * 64, &options).unwrap();
+        let with_other = Recover {
+            backing: Some(Arc::new(other)),
+            ..Recover::default()
+        };
+        let err = Device::recover_with(dup_files(&files), with_other).unwrap_err();
+        assert!(err.message().contains("wrote back to"), "{what}: {err}");
+
+        let reopened = FileBacking::open(&path, &options).unwrap();
+        let with = Recover {
+            backing: Some(Arc::new(reopened)),
+            ..Recover::default()
+        };
+        let (rec, report) = Device::recover_with(again, with).unwrap();
+        assert_eq!(report.garbage, 0, "{what}: {report:?}");
+        assert_eq!(rec.stats().pages_stored, stored, "{what}");
+        assert_eq!(bd(&rec)[0], bd_before[0], "{what}: bd_count");
+        check_pages(&rec, page, &want, &[]).unwrap();
+        // Written back again, over the rebuilt bitmap: no block is handed out twice.
+        writeback_all(&rec, n);
+        check_pages(&rec, page, &want, &[]).unwrap();
+        exercise(&rec, page, n);
+    }
 }
 
 /// Devices serving swap share the server's swap reserve: two of them recover from its files
@@ -337,12 +419,15 @@ struct Config {
     /// Serving swap: the device takes its frames from a swap reserve, which a second device
     /// (not handed over, written by a thread of its own) shares.
     swap: bool,
+    /// Writing back: the device has a backing file, and a thread writes every page back
+    /// again and again (bitmap layout).
+    writeback: bool,
 }
 
 /// The swap configuration's reserve.
 const SWAP_RESERVE_BYTES: usize = 8 << 20;
 
-const CONFIGS: [Config; 4] = [
+const CONFIGS: [Config; 5] = [
     Config {
         name: "4k",
         page_size: 4096,
@@ -351,6 +436,7 @@ const CONFIGS: [Config; 4] = [
         group_pages: 4,
         threads: 3,
         swap: false,
+        writeback: false,
     },
     Config {
         name: "4k-multi",
@@ -360,6 +446,7 @@ const CONFIGS: [Config; 4] = [
         group_pages: 16,
         threads: 3,
         swap: false,
+        writeback: false,
     },
     Config {
         name: "16k",
@@ -369,6 +456,7 @@ const CONFIGS: [Config; 4] = [
         group_pages: 2,
         threads: 2,
         swap: false,
+        writeback: false,
     },
     Config {
         name: "4k-swap",
@@ -378,6 +466,17 @@ const CONFIGS: [Config; 4] = [
         group_pages: 4,
         threads: 2,
         swap: true,
+        writeback: false,
+    },
+    Config {
+        name: "4k-multi-writeback",
+        page_size: 4096,
+        pages: 1024,
+        multi_page_size: 65536,
+        group_pages: 16,
+        threads: 2,
+        swap: false,
+        writeback: true,
     },
 ];
 
@@ -416,13 +515,20 @@ fn crash_model_child() {
     let reserve = cfg
         .swap
         .then(|| SwapReserve::new(SWAP_RESERVE_BYTES).unwrap());
+    let backing_path = parts.next().filter(|p| !p.is_empty()).map(str::to_string);
     let swap_device = || {
         let r = reserve.clone();
-        DeviceBuilder::pages(cfg.pages)
+        let mut b = DeviceBuilder::pages(cfg.pages)
             .page_size(cfg.page_size)
             .with(move |d| d.set_swap_reserve(r).unwrap())
-            .attr("multi_page_size", &cfg.multi_page_size.to_string())
-            .build()
+            .attr("multi_page_size", &cfg.multi_page_size.to_string());
+        if let Some(path) = &backing_path {
+            let size = 2 * cfg.pages * cfg.page_size as u64;
+            b = b.backing(Arc::new(
+                FileBacking::create(path, size, &FileOptions::default()).unwrap(),
+            ));
+        }
+        b.build()
     };
     let dev = Arc::new(swap_device());
     // Serving swap, a neighbour shares the reserve: its frames are not this device's.
@@ -452,6 +558,12 @@ fn crash_model_child() {
                 )
             };
             writer(&dev, &cfg, t, seed, entries);
+        }));
+    }
+    if cfg.writeback {
+        let dev = Arc::clone(&dev);
+        threads.push(std::thread::spawn(move || loop {
+            writeback_all(&dev, cfg.pages);
         }));
     }
     if let Some(nb) = neighbour {
@@ -608,11 +720,15 @@ fn recv_fds(sock: &OwnedFd) -> Option<[OwnedFd; DEVICE_FILES]> {
 struct Point {
     mismatches: Result<(), String>,
     ops_acked: u64,
+    /// Pages the recovered device had on the backing device (`bd_count`).
+    written_back: u64,
 }
 
 /// One crash point: a child runs `cfg` with `seed` and is killed after `run`; the parent
 /// recovers and checks.
 fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
+    let dir = real_tmpdir();
+    let backing_path = cfg.writeback.then(|| dir.path().join("backing"));
     let mut pair = [0 as RawFd; 2];
     // SAFETY: `pair` has room for the two fds socketpair writes.
     let rc = unsafe {
@@ -639,9 +755,12 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
     .env(
         CHILD_ENV,
         format!(
-            "{},{seed},{}",
+            "{},{seed},{},{}",
             cfg.name,
-            if canary { "canary" } else { "-" }
+            if canary { "canary" } else { "-" },
+            backing_path
+                .as_ref()
+                .map_or(String::new(), |p| p.display().to_string())
         ),
     )
     .stdout(std::process::Stdio::null());
@@ -717,12 +836,23 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
             reserve.finish_recovery()?;
             Ok(dev)
         })
+    } else if let Some(path) = &backing_path {
+        let backing = FileBacking::open(path, &FileOptions::default()).unwrap();
+        Device::recover_with(
+            files,
+            Recover {
+                backing: Some(Arc::new(backing)),
+                ..Recover::default()
+            },
+        )
     } else {
         Device::recover(files)
     };
+    let mut written_back = 0;
     let mismatches = match recovered {
         Err(e) => Err(format!("recovery refused: {e}")),
         Ok((dev, _)) => check_pages(&dev, cfg.page_size, &want, &in_flight).map(|()| {
+            written_back = bd(&dev)[0];
             // The recovered allocator takes writes again.
             exercise(&dev, cfg.page_size, cfg.pages.min(64));
         }),
@@ -730,6 +860,7 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
     Point {
         mismatches,
         ops_acked,
+        written_back,
     }
 }
 
@@ -748,6 +879,7 @@ fn crash_model(cfg: &Config) {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| rand::random::<u32>().into());
     let mut acked = 0;
+    let mut with_wb = 0;
     let mut runs = SmallRng::seed_from_u64(base);
     for n in 0..points() {
         let seed = base + n;
@@ -763,13 +895,19 @@ fn crash_model(cfg: &Config) {
             );
         }
         acked += p.ops_acked;
+        with_wb += u64::from(p.written_back > 0);
     }
     eprintln!(
-        "{}: {} crash points, 0 mismatches, {acked} operations acknowledged (seeds from {base})",
+        "{}: {} crash points, 0 mismatches, {acked} operations acknowledged, {with_wb} \
+         recovered with written-back pages (seeds from {base})",
         cfg.name,
         points()
     );
     assert!(acked > 0, "no operation ever completed before a kill");
+    assert!(
+        !cfg.writeback || with_wb > 0,
+        "no crash point recovered a page written back"
+    );
 }
 
 #[test]
@@ -790,6 +928,11 @@ fn crash_model_16k() {
 #[test]
 fn crash_model_4k_swap() {
     crash_model(&CONFIGS[3]);
+}
+
+#[test]
+fn crash_model_4k_multi_page_writeback() {
+    crash_model(&CONFIGS[4]);
 }
 
 /// The harness can fail: with slots published before their objects' bytes are copied, some

@@ -11,13 +11,14 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use super::{Device, Settings, MULTI_PAGE_SIZES_BYTES};
+use crate::backing::Backing;
 use crate::clock::SystemClock;
 use crate::compress::CodecParams;
 use crate::error::{Error, Result};
 use crate::memory::SwapReserve;
 use crate::shm::ShmFile;
 pub use crate::store::RecoveryReport;
-use crate::store::{Store, StoreFiles};
+use crate::store::{BackingLayout, Store, StoreFiles, WbTarget};
 use crate::zsmalloc::PoolFiles;
 
 /// The header's first line: the format and its version.
@@ -81,13 +82,16 @@ struct Header {
     unsupported: Option<String>,
     /// Serving swap: its pool's record tag in the server's swap reserve.
     swap_pool: Option<u16>,
+    /// The backing device written back to (`Backing::describe`), its size, and
+    /// `compressed_writeback`; `None` without one.
+    backing: Option<(String, u64, bool)>,
 }
 
 impl Header {
     fn encode(&self) -> String {
         format!(
             "{MAGIC}\npage_size {}\npages {}\nmulti_page_size {}\ncomp_algorithm {}\nlevel {}\n\
-             unsupported {}\nswap_pool {}\n",
+             unsupported {}\nswap_pool {}\nbacking {}\n",
             self.page_size_bytes,
             self.pages,
             self.multi_page_size_bytes,
@@ -98,6 +102,15 @@ impl Header {
                 .unwrap_or("none")
                 .replace('\n', " "),
             self.swap_pool.map_or("none".to_string(), |t| t.to_string()),
+            self.backing
+                .as_ref()
+                .map_or("none".to_string(), |(name, bytes, compressed)| {
+                    format!(
+                        "{bytes} {} {}",
+                        u8::from(*compressed),
+                        name.replace('\n', " ")
+                    )
+                }),
         )
     }
 
@@ -140,6 +153,22 @@ impl Header {
                     .ok_or_else(|| bad(&format!("has swap_pool {v:?}")))?,
             ),
         };
+        let backing = match field("backing")?.as_str() {
+            "none" => None,
+            v => {
+                let mut parts = v.splitn(3, ' ');
+                let bytes = parts.next().and_then(|b| b.parse().ok());
+                let compressed = match parts.next() {
+                    Some("0") => Some(false),
+                    Some("1") => Some(true),
+                    _ => None,
+                };
+                match (bytes, compressed, parts.next()) {
+                    (Some(b), Some(c), Some(name)) => Some((name.to_string(), b, c)),
+                    _ => return Err(bad(&format!("has backing {v:?}"))),
+                }
+            }
+        };
         Ok(Header {
             page_size_bytes,
             pages,
@@ -148,6 +177,7 @@ impl Header {
             level,
             unsupported,
             swap_pool,
+            backing,
         })
     }
 }
@@ -155,8 +185,8 @@ impl Header {
 /// What a device's settings hold that recovery cannot rebuild yet.
 fn unsupported(settings: &Settings) -> Option<String> {
     let mut what = Vec::new();
-    if settings.backing.is_some() {
-        what.push("a backing device");
+    if settings.backing.is_some() && settings.backing_layout == BackingLayout::Zoned {
+        what.push("a backing device in the zoned layout");
     }
     if settings.recomp_algorithms.iter().any(Option::is_some) {
         what.push("recompression codecs");
@@ -184,6 +214,10 @@ impl Device {
             level: settings.comp_params.level,
             unsupported: unsupported(settings),
             swap_pool,
+            backing: settings
+                .backing
+                .as_ref()
+                .map(|b| (b.describe(), b.size_bytes(), settings.compressed_writeback)),
         };
         let file = ShmFile::create("device")?;
         let text = header.encode();
@@ -215,11 +249,11 @@ impl Device {
     /// The initialised device a previous process left in `files`: the header's settings, then
     /// the store rebuilt and checked (`docs/restart.md`, "Recovery"). `EINVAL` naming what is
     /// wrong if any check fails, if the device had settings whose state cannot be recovered
-    /// yet, or if it served swap (that takes [`recover_swap`](Device::recover_swap)); the
-    /// files are not changed then, except for garbage freed and the journal rolled forward,
-    /// which a second recovery finds done.
+    /// yet, or if it served swap or wrote back (those take
+    /// [`recover_with`](Device::recover_with)); the files are not changed then, except for
+    /// garbage freed and the journal rolled forward, which a second recovery finds done.
     pub fn recover(files: DeviceFiles) -> Result<(Device, RecoveryReport)> {
-        Device::recover_with(files, None)
+        Device::recover_with(files, Recover::default())
     }
 
     /// As [`recover`](Device::recover), for a device that served swap from the swap reserve
@@ -230,19 +264,27 @@ impl Device {
         files: DeviceFiles,
         reserve: &Arc<SwapReserve>,
     ) -> Result<(Device, RecoveryReport)> {
-        Device::recover_with(files, Some(reserve))
+        Device::recover_with(
+            files,
+            Recover {
+                swap_reserve: Some(Arc::clone(reserve)),
+                ..Recover::default()
+            },
+        )
     }
 
-    fn recover_with(
-        files: DeviceFiles,
-        reserve: Option<&Arc<SwapReserve>>,
-    ) -> Result<(Device, RecoveryReport)> {
+    /// As [`recover`](Device::recover), with what the device used beyond its files: the
+    /// swap reserve it served swap from, the backing device it wrote back to (opened again by
+    /// the caller; `EINVAL` unless its name and size are the ones the header recorded). Each
+    /// is required exactly when the header says the device had it.
+    pub fn recover_with(files: DeviceFiles, with: Recover) -> Result<(Device, RecoveryReport)> {
         let header = Header::decode(&files.header.read_at(0, HEADER_BYTES)?)?;
         if let Some(what) = &header.unsupported {
             return Err(Error::invalid(format!(
                 "recovery: the device had {what}, whose state is not recoverable yet"
             )));
         }
+        let reserve = with.swap_reserve.as_ref();
         let swap = match (header.swap_pool, reserve) {
             (Some(tag), Some(reserve)) => Some((reserve.as_ref(), tag)),
             (None, None) => None,
@@ -255,6 +297,30 @@ impl Device {
             (None, Some(_)) => {
                 return Err(Error::invalid(
                     "recovery: the device did not serve swap, and a swap reserve was given",
+                ))
+            }
+        };
+        let (backing, compressed_writeback) = match (&header.backing, with.backing) {
+            (None, None) => (None, false),
+            (Some((name, bytes, compressed)), Some(b)) => {
+                if b.describe() != *name || b.size_bytes() != *bytes {
+                    return Err(Error::invalid(format!(
+                        "recovery: the device wrote back to {name} ({bytes} bytes), not to {} \
+                         ({} bytes)",
+                        b.describe(),
+                        b.size_bytes()
+                    )));
+                }
+                (Some(b), *compressed)
+            }
+            (Some((name, _, _)), None) => {
+                return Err(Error::invalid(format!(
+                    "recovery: the device wrote back to {name}: give its backing device"
+                )))
+            }
+            (None, Some(_)) => {
+                return Err(Error::invalid(
+                    "recovery: the device had no backing device, and one was given",
                 ))
             }
         };
@@ -272,7 +338,20 @@ impl Device {
             comp_algorithm: header.comp_algorithm.clone(),
             comp_params: CodecParams::with_level(header.level),
             multi_page_size_bytes: mps,
+            backing: backing.clone(),
+            compressed_writeback,
+            backing_layout: BackingLayout::Bitmap,
             ..Settings::default()
+        };
+        let target = match backing {
+            Some(b) => Some(WbTarget::new(
+                b,
+                BackingLayout::Bitmap,
+                compressed_writeback,
+                header.page_size_bytes,
+                settings.zone_size_bytes,
+            )?),
+            None => None,
         };
         let codecs = Device::new_codecs(&settings)?;
         let (pool_page_bytes, capacity, multi_pages) = dev.pool_shape(&settings, None);
@@ -285,6 +364,7 @@ impl Device {
             capacity,
             files.store,
             swap,
+            target,
             Arc::clone(&dev.clock),
         )?;
         {
@@ -292,9 +372,27 @@ impl Device {
             st.settings = settings;
             st.store = Some(store);
             st.header = Some(files.header);
-            st.swap_reserve = reserve.cloned();
+            st.swap_reserve = with.swap_reserve;
         }
         Ok((dev, report))
+    }
+}
+
+/// What a device used beyond its files, for [`Device::recover_with`].
+#[derive(Default)]
+pub struct Recover {
+    /// The server's swap reserve, being recovered, if the device served swap.
+    pub swap_reserve: Option<Arc<SwapReserve>>,
+    /// The backing device, opened again, if the device wrote back.
+    pub backing: Option<Arc<dyn Backing>>,
+}
+
+impl std::fmt::Debug for Recover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recover")
+            .field("swap_reserve", &self.swap_reserve.is_some())
+            .field("backing", &self.backing.as_ref().map(|b| b.describe()))
+            .finish()
     }
 }
 
@@ -312,12 +410,14 @@ mod tests {
             level: Some(-3),
             unsupported: None,
             swap_pool: None,
+            backing: None,
         };
         assert_eq!(Header::decode(h.encode().as_bytes()).unwrap(), h);
         let h2 = Header {
             level: None,
             unsupported: Some("a backing device".into()),
             swap_pool: Some(3),
+            backing: Some(("/var/tmp/wb file".into(), 1 << 30, true)),
             ..h.clone()
         };
         assert_eq!(Header::decode(h2.encode().as_bytes()).unwrap(), h2);

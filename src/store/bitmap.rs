@@ -103,6 +103,11 @@ impl BlockBitmap {
         self.blocks
     }
 
+    /// Number of blocks (what recovery checks a location against).
+    pub fn blocks_total(&self) -> u64 {
+        self.blocks
+    }
+
     /// Blocks allocated now.
     pub fn bd_count(&self) -> u64 {
         self.bd_count.load(Ordering::Relaxed)
@@ -161,6 +166,25 @@ impl BlockBitmap {
         }
         g.hint = self.blocks;
         None
+    }
+
+    /// Recovery: marks the `count` blocks from `block` allocated (a written-back slot's, or a
+    /// multi-page object's extent) if they are in range and all free; `false` (nothing
+    /// changed) otherwise: two slots claiming a block, or a location past the device.
+    pub fn claim_extent(&self, block: BlockIndex, count: u64) -> bool {
+        let Some(end) = block.0.checked_add(count).filter(|&e| e <= self.blocks) else {
+            return false;
+        };
+        let mut g = self.inner.lock();
+        let is_set = |g: &Inner, b: u64| g.words[(b / 64) as usize] & (1 << (b % 64)) != 0;
+        if (block.0..end).any(|b| is_set(&g, b)) {
+            return false;
+        }
+        for b in block.0..end {
+            g.words[(b / 64) as usize] |= 1 << (b % 64);
+        }
+        self.bd_count.fetch_add(count, Ordering::Relaxed);
+        true
     }
 
     /// Marks `block` allocated if it is free (the benchmark's `fragmented` layout reserves every

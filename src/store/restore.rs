@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use super::stats::StoreStats;
+use super::target::WbTarget;
 use super::{Codecs, Store};
 use crate::clock::Clock;
 use crate::error::{Error, Result};
@@ -106,7 +107,9 @@ impl Store {
     }
 
     /// The store a previous process left in `files`, as [`Store::with_multi_pages`] would
-    /// make it (no writeback target: written-back slots are refused). Every slot is checked:
+    /// make it, writing back into `target` (a fresh target over the backing device the store
+    /// wrote back to; without one, written-back slots are refused): every WB slot's location
+    /// is claimed in it, once. Every slot is checked:
     /// its handle live, of the slot's size, referenced by no other slot (a multi-page object:
     /// only by slots of its group), its codec known; objects no slot references are freed. A
     /// failed check refuses the store, naming the slot or handle. `swap`: the store served
@@ -122,6 +125,7 @@ impl Store {
         capacity: Option<usize>,
         files: StoreFiles,
         swap: Option<(&crate::memory::SwapReserve, u16)>,
+        target: Option<WbTarget>,
         clock: Arc<dyn Clock>,
     ) -> Result<(Store, RecoveryReport)> {
         let (slots, journal_replayed) = SlotTable::from_file(files.slots, nr_pages)?;
@@ -145,10 +149,18 @@ impl Store {
                 continue;
             }
             if st.has(SlotFlags::WB) {
-                return Err(corrupt(format!(
-                    "slot {i} is written back: recovering written-back pages is not supported \
-                     yet"
-                )));
+                if target.is_none() {
+                    return Err(corrupt(format!(
+                        "slot {i} is written back, and no backing device was given"
+                    )));
+                }
+                if st.has(SlotFlags::MULTI) && multi_pages == 1 {
+                    return Err(corrupt(format!(
+                        "slot {i} shares a written-back multi-page object, but multi-page \
+                         objects are off"
+                    )));
+                }
+                continue; // its location: claimed below
             }
             let Some(raw) = st.handle_raw() else {
                 continue; // SAME
@@ -197,6 +209,7 @@ impl Store {
         let group_refs: Box<[AtomicU8]> = (0..groups).map(|_| AtomicU8::new(0)).collect();
         let stats = StoreStats::default();
         let mut group_handle: Vec<u64> = vec![0; groups as usize];
+        let mut group_wb: Vec<Option<u64>> = vec![None; groups as usize];
         for i in 0..nr_pages {
             let st = slots.entry(SlotIndex(i)).state_unlocked();
             if st.is_empty() {
@@ -205,6 +218,42 @@ impl Store {
             StoreStats::add(&stats.pages_stored, 1);
             if st.has(SlotFlags::SAME) {
                 StoreStats::add(&stats.same_pages, 1);
+                continue;
+            }
+            if let Some(location) = st.wb_location() {
+                let target = target.as_ref().expect("checked above");
+                codecs
+                    .get(st.codec())
+                    .map_err(|e| corrupt(format!("slot {i}: {}", e.message())))?;
+                if !st.has(SlotFlags::MULTI) {
+                    target
+                        .claim(location, 1)
+                        .map_err(|e| corrupt(format!("slot {i}: {e}")))?;
+                    continue;
+                }
+                let group = (i / multi_pages as u64) as usize;
+                if group >= groups as usize {
+                    return Err(corrupt(format!("slot {i} is MULTI outside a whole group")));
+                }
+                let blocks = WbTarget::group_blocks(st.size_bytes(), page_size_bytes);
+                match group_wb[group] {
+                    None => {
+                        target
+                            .claim(location, blocks)
+                            .map_err(|e| corrupt(format!("slot {i}: {e}")))?;
+                        group_wb[group] = Some(location);
+                        StoreStats::add(&stats.multi_wb_objects, 1);
+                        StoreStats::add(&stats.multi_wb_blocks, blocks);
+                    }
+                    Some(seen) if seen == location => {}
+                    _ => {
+                        return Err(corrupt(format!(
+                            "group of slot {i} points at two written-back locations"
+                        )))
+                    }
+                }
+                group_refs[group].fetch_add(1, Ordering::Relaxed);
+                StoreStats::add(&stats.multi_wb_pages, 1);
                 continue;
             }
             let raw = st.value;
@@ -257,6 +306,13 @@ impl Store {
                 StoreStats::add(&stats.compr_data_size_bytes, size as u64);
             }
         }
+        if let Some(g) =
+            (0..groups as usize).find(|&g| group_wb[g].is_some() && group_handle[g] != 0)
+        {
+            return Err(corrupt(format!(
+                "group {g} holds a multi-page object both in memory and written back"
+            )));
+        }
         let total_pages = pool.total_pages();
         stats.update_max_used(total_pages);
         let report = RecoveryReport {
@@ -280,7 +336,7 @@ impl Store {
             pool,
             codecs,
             stats,
-            target: None,
+            target,
             epoch: clock.now(),
             clock,
         };

@@ -220,6 +220,29 @@ impl WbTarget {
         }
     }
 
+    /// Recovery: the location a WB slot (or a written-back multi-page object's group) points
+    /// at, `blocks` long, is in use: marked in the bitmap. `Err` naming what is wrong if it is
+    /// out of range or already claimed (two slots on one block). The zoned layout is not
+    /// recovered (its zones' state is not rebuilt yet): `Err`.
+    pub(crate) fn claim(&self, location: u64, blocks: u64) -> std::result::Result<(), String> {
+        match self {
+            WbTarget::Bitmap(t) => {
+                let block = BlockLoc::from_raw(location).block;
+                if t.bitmap.claim_extent(block, blocks) {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "block {} ({blocks} long) is past the backing device's {} blocks or \
+                         named twice",
+                        block.0,
+                        t.bitmap.blocks_total()
+                    ))
+                }
+            }
+            WbTarget::Zoned(_) => Err("the zoned layout is not recoverable yet".into()),
+        }
+    }
+
     /// Page-sized blocks a written-back multi-page object of `size_bytes` takes: in the bitmap
     /// layout its blocks, in the zoned layout what `bd_count` counts for its record.
     pub(crate) fn group_blocks(size_bytes: usize, page_size_bytes: usize) -> u64 {
