@@ -644,3 +644,64 @@ fn a_swap_server_keeps_its_devices() {
     check_file(&k.r, "zram0", &c);
     check_file(&k.r, "zram1", &b);
 }
+
+/// A device that wrote pages back to a backing file keeps them across kills: the file is
+/// opened again from the configuration's `backing_dev` and the bitmap of its blocks rebuilt
+/// from the slots; pages written back after a recovery are kept by the next one.
+#[test]
+fn written_back_pages_come_back_after_a_kill() {
+    require("qemu-img");
+    let tmp = uzram_testkit::device::real_tmpdir();
+    let backing = tmp.path().join("backing");
+    std::fs::File::create(&backing)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let k = Kept::start(Serve::zram0_over("32M", &backing, ""));
+    let dir = k.r.dir().to_path_buf();
+    let a = pages_file(&dir, "a", 4096, 1);
+    write_file(&k.r, "zram0", &a);
+    k.r.set("zram0", "idle", "all");
+    k.r.set("zram0", "writeback", "idle");
+    let bd = k.r.columns("zram0", "bd_stat");
+    assert!(bd[0] > 2048, "most pages written back: bd_stat {bd:?}");
+    k.kill_child();
+    check_file(&k.r, "zram0", &a);
+    assert_eq!(k.r.columns("zram0", "bd_stat")[0], bd[0], "bd_count");
+    // Half overwritten (in memory again, their blocks freed) and written back once more
+    // over the rebuilt bitmap: no block handed out twice.
+    let b = pages_file(&dir, "b", 2048, 2);
+    write_file(&k.r, "zram0", &b);
+    k.r.set("zram0", "idle", "all");
+    k.r.set("zram0", "writeback", "idle");
+    k.kill_child();
+    let mut want = std::fs::read(&b).unwrap();
+    want.extend_from_slice(&std::fs::read(&a).unwrap()[want.len()..]);
+    let both = dir.join("both");
+    std::fs::write(&both, want).unwrap();
+    check_file(&k.r, "zram0", &both);
+    // A device added by hot_add, which no configuration names: its backing file is opened
+    // again by the name its saved state recorded.
+    let backing1 = tmp.path().join("backing1");
+    std::fs::File::create(&backing1)
+        .unwrap()
+        .set_len(32 << 20)
+        .unwrap();
+    let o = k.r.ctl(&["hot_add"]);
+    assert!(o.status.success(), "{o:?}");
+    let added = format!("zram{}", String::from_utf8_lossy(&o.stdout).trim());
+    k.r.set(&added, "backing_dev", backing1.to_str().unwrap());
+    k.r.set(&added, "disksize", "16M");
+    let c = pages_file(&dir, "c", 2048, 3);
+    write_file(&k.r, &added, &c);
+    k.r.set(&added, "idle", "all");
+    k.r.set(&added, "writeback", "idle");
+    let bd1 = k.r.columns(&added, "bd_stat");
+    assert!(bd1[0] > 1024, "bd_stat {bd1:?}");
+    k.kill_child();
+    check_file(&k.r, &added, &c);
+    check_file(&k.r, "zram0", &both);
+    assert_eq!(k.r.columns(&added, "bd_stat")[0], bd1[0], "bd_count");
+    let log = k.r.log();
+    assert!(!log.contains("refused"), "{log}");
+}

@@ -417,8 +417,9 @@ impl DeviceSpec {
 impl DeviceSpec {
     /// The device a previous process left in `files`, checked against this configuration
     /// (docs/restart.md, "The server"): recovered and its invariants checked
-    /// ([`Device::recover`], or [`Device::recover_swap`] from the server's swap reserve in
-    /// recovery), then its page size, `disksize` and every attribute that can
+    /// ([`Device::recover_with`]: from the server's swap reserve in recovery, if it serves
+    /// swap; over its backing device, opened again from the configuration's `backing_dev`),
+    /// then its page size, `disksize` and every attribute that can
     /// only be set before `disksize` (`comp_algorithm`, `multi_page_size`, ...) compared with
     /// the configuration's, and the attributes that can change on a live device (`mem_limit`,
     /// ...) stored again. `EINVAL` naming what differs or what is wrong; a write-only
@@ -435,10 +436,19 @@ impl DeviceSpec {
                 "its saved state has {what} {saved}, the configuration {cfg}"
             ))
         };
-        let (dev, report) = match swap_reserve {
-            Some(reserve) => Device::recover_swap(files, reserve)?,
-            None => Device::recover(files)?,
+        // The configuration's device before its disksize: what the settings fixed at
+        // disksize read as there, and its backing device, opened again for the recovery.
+        let template = Device::new_uninit(self.page_size_bytes)?;
+        for (k, v) in &self.attrs {
+            template
+                .attr_store(k, v)
+                .map_err(|e| Error::new(e.kind(), format!("{k} = {v:?}: {}", e.message())))?;
+        }
+        let with = uzram::device::restart::Recover {
+            swap_reserve: swap_reserve.cloned(),
+            backing: template.backing(),
         };
+        let (dev, report) = Device::recover_with(files, with)?;
         if dev.page_size_bytes() != self.page_size_bytes {
             return Err(differs(
                 "page_size",
@@ -455,12 +465,6 @@ impl DeviceSpec {
                 &dev.disksize_bytes(),
                 &format!("{want} ({})", self.disksize),
             ));
-        }
-        // The configuration's device before its disksize: what the settings fixed at
-        // disksize read as there.
-        let template = Device::new_uninit(self.page_size_bytes)?;
-        for (k, v) in &self.attrs {
-            template.attr_store(k, v)?;
         }
         for (k, v) in &self.attrs {
             match dev.attr_store(k, v) {

@@ -336,11 +336,15 @@ impl Host {
         let mut hot_added = Vec::new();
         for (name, files) in std::mem::take(&mut inherited) {
             let recovered = files.and_then(|f| {
-                let r = match &swap_reserve {
-                    Some(reserve) => uzram::device::Device::recover_swap(f, reserve),
-                    None => uzram::device::Device::recover(f),
+                // No configuration names it: its backing device, if it wrote back, is
+                // opened again by the name its header recorded.
+                let with = |backing| uzram::device::restart::Recover {
+                    swap_reserve: swap_reserve.clone(),
+                    backing,
                 };
-                r.map_err(|e| e.message().to_string())
+                f.open_recorded_backing()
+                    .and_then(|b| uzram::device::Device::recover_with(f, with(b)))
+                    .map_err(|e| e.message().to_string())
             });
             match recovered {
                 Ok((device, report)) => {

@@ -397,13 +397,15 @@ fn store_backing_dev(d: &Device, value: &str) -> Result<()> {
             "backing_dev cannot change once initialised: reset first",
         ));
     }
-    let value = strip_newline(value);
+    d.set_backing(open_backing_dev(strip_newline(value))?)
+}
+
+/// Opens what `backing_dev` names: an NBD URI, else a file or block device path.
+pub(crate) fn open_backing_dev(value: &str) -> Result<Arc<dyn crate::backing::Backing>> {
     if crate::backing::nbd::uri::is_nbd_uri(value) {
-        let backing = NbdBacking::open(value, &NbdOptions::default())?;
-        return d.set_backing(Arc::new(backing));
+        return Ok(Arc::new(NbdBacking::open(value, &NbdOptions::default())?));
     }
-    let backing = FileBacking::open(value, &FileOptions::default())?;
-    d.set_backing(Arc::new(backing))
+    Ok(Arc::new(FileBacking::open(value, &FileOptions::default())?))
 }
 
 /// `zone_size`: a size with zram's suffixes; `EBUSY` once initialised (checked first).

@@ -494,6 +494,12 @@ impl Device {
             .map(|g| g.zone_size_bytes)
     }
 
+    /// The backing device set (`backing_dev`), if any: what a recovery of this device's saved
+    /// state needs opened again (`Device::recover_with`).
+    pub fn backing(&self) -> Option<Arc<dyn Backing>> {
+        self.state.read().settings.backing.clone()
+    }
+
     /// What `backing_dev` shows: the backing's path, or `none`.
     pub fn backing_dev(&self) -> String {
         self.state

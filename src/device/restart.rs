@@ -70,6 +70,21 @@ impl DeviceFiles {
     }
 }
 
+impl DeviceFiles {
+    /// The backing device the saved device wrote back to, opened again by the name its
+    /// header recorded (a file or block device path, or an NBD URI, as `backing_dev` takes
+    /// them), for [`Recover::backing`] when no configuration names the device (one added by
+    /// `hot_add`); `Ok(None)` if it had none. `EINVAL` for a header that is not one, the
+    /// open's error otherwise.
+    pub fn open_recorded_backing(&self) -> Result<Option<Arc<dyn Backing>>> {
+        let header = Header::decode(&self.header.read_at(0, HEADER_BYTES)?)?;
+        header
+            .backing
+            .map(|(name, _, _)| super::attrs::open_backing_dev(&name))
+            .transpose()
+    }
+}
+
 /// The settings a header records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Header {
