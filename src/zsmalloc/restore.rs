@@ -160,6 +160,9 @@ impl ZsPool {
     }
 }
 
+/// No frame holds this zspage id (in recovery's id-indexed tables).
+const NO_FRAME: u32 = u32::MAX;
+
 /// A span as its record says.
 struct SpanRecord {
     frame: u32,
@@ -174,7 +177,10 @@ impl PoolCore {
         let carved = frames.carved_frames();
         let frame_pages = frames.frame_pages();
         // 1. Records: (class, id) -> frame; span id -> its record.
-        let mut zspage_frames: Vec<HashMap<u32, u32>> = vec![HashMap::new(); self.classes.len()];
+        // Per class, indexed by zspage id ([`NO_FRAME`]: none). Ids are dense: a live
+        // zspage's id was taken while every lower one was in use, each with a frame, so an id
+        // is below the frames carved (checked).
+        let mut zspage_frames: Vec<Vec<u32>> = vec![Vec::new(); self.classes.len()];
         let mut span_records: HashMap<u32, SpanRecord> = HashMap::new();
         for index in 0..carved {
             let r = frames.record(index);
@@ -203,11 +209,22 @@ impl PoolCore {
                             "frame {index} names class {class}, which does not exist"
                         ))
                     })?;
-                    if let Some(other) = map.insert(id, index) {
+                    if id >= carved {
                         return Err(corrupt(format!(
-                            "frames {other} and {index} both hold zspage {id} of class {class}"
+                            "frame {index} holds zspage {id} of class {class}, an id past the \
+                             {carved} frames carved"
                         )));
                     }
+                    if map.len() <= id as usize {
+                        map.resize(id as usize + 1, NO_FRAME);
+                    }
+                    if map[id as usize] != NO_FRAME {
+                        return Err(corrupt(format!(
+                            "frames {} and {index} both hold zspage {id} of class {class}",
+                            map[id as usize]
+                        )));
+                    }
+                    map[id as usize] = index;
                 }
                 Some(FrameUse::Span {
                     id,
@@ -238,8 +255,8 @@ impl PoolCore {
         if indices > super::handle::MAX_HANDLES {
             return Err(corrupt(format!("{indices} handles handed out")));
         }
-        let mut objects: Vec<HashMap<u32, Vec<(u32, u32)>>> =
-            vec![HashMap::new(); self.classes.len()];
+        // Per class: (zspage id, object index, handle index) of every live object, sorted below.
+        let mut objects: Vec<Vec<(u32, u32, u32)>> = vec![Vec::new(); self.classes.len()];
         let mut span_handles: HashMap<u32, u32> = HashMap::new();
         let mut live: Vec<(u32, Location)> = Vec::new();
         let mut free_indices: Vec<u32> = Vec::new();
@@ -277,7 +294,12 @@ impl PoolCore {
                 }
             } else {
                 let c = self.table.class_of(loc.size_bytes);
-                if !zspage_frames[c].contains_key(&loc.zspage) {
+                if zspage_frames[c]
+                    .get(loc.zspage as usize)
+                    .copied()
+                    .unwrap_or(NO_FRAME)
+                    == NO_FRAME
+                {
                     return Err(corrupt(format!(
                         "handle {index} names zspage {} of class {c}, which no frame holds",
                         loc.zspage
@@ -289,22 +311,20 @@ impl PoolCore {
                         loc.obj, self.classes[c].info.objs_per_zspage
                     )));
                 }
-                objects[c]
-                    .entry(loc.zspage)
-                    .or_default()
-                    .push((loc.obj, index));
+                objects[c].push((loc.zspage, loc.obj, index));
             }
             live.push((index, loc));
         }
-        for (c, zspages) in objects.iter_mut().enumerate() {
-            for (id, objs) in zspages.iter_mut() {
-                objs.sort_unstable();
-                if let Some(w) = objs.windows(2).find(|w| w[0].0 == w[1].0) {
-                    return Err(corrupt(format!(
-                        "handles {} and {} both name object {} of zspage {id} of class {c}",
-                        w[0].1, w[1].1, w[0].0
-                    )));
-                }
+        for (c, objs) in objects.iter_mut().enumerate() {
+            objs.sort_unstable();
+            if let Some(w) = objs
+                .windows(2)
+                .find(|w| (w[0].0, w[0].1) == (w[1].0, w[1].1))
+            {
+                return Err(corrupt(format!(
+                    "handles {} and {} both name object {} of zspage {} of class {c}",
+                    w[0].2, w[1].2, w[0].1, w[0].0
+                )));
             }
         }
         // 3. What is kept: wanted objects, and the tails of wanted spans.
@@ -363,16 +383,17 @@ impl PoolCore {
         }
         for (c, class) in self.classes.iter().enumerate() {
             let mut zspages = Vec::new();
-            for (&id, objs) in &objects[c] {
-                let used: Vec<(u32, u32)> = objs
+            for run in objects[c].chunk_by(|a, b| a.0 == b.0) {
+                let id = run[0].0;
+                let used: Vec<(u32, u32)> = run
                     .iter()
-                    .copied()
-                    .filter(|&(_, h)| keep[h as usize])
+                    .filter(|&&(_, _, h)| keep[h as usize])
+                    .map(|&(_, obj, h)| (obj, h))
                     .collect();
                 if used.is_empty() {
                     continue;
                 }
-                let frame_index = zspage_frames[c][&id];
+                let frame_index = zspage_frames[c][id as usize];
                 claimed.push(frame_index);
                 zspages.push((id, frames.claim(frame_index), used));
             }
