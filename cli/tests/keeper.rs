@@ -127,10 +127,21 @@ fn check_file(r: &Running, dev: &str, file: &Path) {
     std::fs::remove_file(out).unwrap();
 }
 
+/// A TCP port free now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 #[test]
 fn kill_9_loses_nothing() {
     require("qemu-img");
-    let k = Kept::start(Serve::config(TWO_DEVICES));
+    let port = free_port();
+    let k =
+        Kept::start(Serve::config(TWO_DEVICES).arg(&["--listen", &format!("127.0.0.1:{port}")]));
     let dir = k.r.dir();
     let a = pages_file(dir, "a", 4096, 1);
     let b = pages_file(dir, "b", 2048, 2);
@@ -152,6 +163,11 @@ fn kill_9_loses_nothing() {
     write_file(&k.r, "zram1", &c);
     k.kill_child();
     check_file(&k.r, "zram1", &c);
+    // The TCP port comes back too.
+    let tcp = format!("nbd://127.0.0.1:{port}/zram0");
+    let out = run(Command::new("qemu-img").args(["info", "--output=json", "-f", "raw", &tcp]));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["virtual-size"], 64u64 << 20);
 }
 
 #[test]
