@@ -614,7 +614,10 @@ fn hot_add_reset_and_a_changed_configuration() {
     k.kill_child();
     let log = k.r.log();
     assert!(
-        log.contains("uzram: zram1: refused: its saved state has disksize 33554432, the configuration 50331648 (48M)"),
+        log.contains(
+            "uzram: zram1: refused: its saved state has disksize 33554432, the configuration \
+             50331648 (48M)"
+        ),
         "{log}"
     );
     assert_eq!(log.matches("uzram: recovered: zram2").count(), 1, "{log}");

@@ -12,8 +12,9 @@
 //! A new process inherits the files as systemd hands them back: descriptors from 3 on, their
 //! count and names in `LISTEN_FDS` and `LISTEN_FDNAMES` (colon-separated, with `LISTEN_PID`
 //! the process's pid), or from the keeper in `UZRAM_STATE_FDS` and `UZRAM_STATE_FDNAMES` (the
-//! same names; the descriptors' numbers listed, space-separated). A device's files are named `NAME/header`, `NAME/slots`, `NAME/handles`,
-//! `NAME/frames` and `NAME/records` ([`FILE_NAMES`], [`DeviceFiles::into_fds`]' order).
+//! same names; the descriptors' numbers listed, space-separated). A device's files are named
+//! `NAME/header`, `NAME/slots`, `NAME/handles`, `NAME/frames` and `NAME/records`
+//! ([`FILE_NAMES`], [`DeviceFiles::into_fds`]' order).
 
 use std::collections::BTreeMap;
 use std::io;
