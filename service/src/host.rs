@@ -144,11 +144,19 @@ fn saved_reserve(inherited: &Inherited) -> Option<(ShmFile, ShmFile)> {
 }
 
 /// Logs a device recovered from a previous process's state.
-fn log_recovered(name: &str, r: &uzram::device::restart::RecoveryReport) {
+fn log_recovered(
+    name: &str,
+    r: &uzram::device::restart::RecoveryReport,
+    took: std::time::Duration,
+) {
     eprintln!(
         "uzram: {name}: recovered: {} pages stored in {} objects ({} garbage objects freed, {} \
-         journal entries rolled forward)",
-        r.pages_stored, r.objects, r.garbage, r.journal_replayed
+         journal entries rolled forward) in {} ms",
+        r.pages_stored,
+        r.objects,
+        r.garbage,
+        r.journal_replayed,
+        took.as_millis()
     );
 }
 
@@ -286,6 +294,7 @@ impl Host {
             };
             let dir = socket.parent().unwrap_or(Path::new(".")).to_path_buf();
             socket_dir.get_or_insert_with(|| dir.clone());
+            let started = std::time::Instant::now();
             let device = match inherited.remove(&spec.name) {
                 None => spec.build_with_swap(ram, swap_reserve.as_ref())?,
                 Some(files) => match files.and_then(|f| {
@@ -293,7 +302,7 @@ impl Host {
                         .map_err(|e| e.message().to_string())
                 }) {
                     Ok((device, report)) => {
-                        log_recovered(&spec.name, &report);
+                        log_recovered(&spec.name, &report, started.elapsed());
                         device
                     }
                     Err(e) => {
@@ -335,6 +344,7 @@ impl Host {
         // exists).
         let mut hot_added = Vec::new();
         for (name, files) in std::mem::take(&mut inherited) {
+            let started = std::time::Instant::now();
             let recovered = files.and_then(|f| {
                 // No configuration names it: its backing device, if it wrote back, is
                 // opened again by the name its header recorded.
@@ -348,7 +358,7 @@ impl Host {
             });
             match recovered {
                 Ok((device, report)) => {
-                    log_recovered(&name, &report);
+                    log_recovered(&name, &report, started.elapsed());
                     hot_added.push((name, Arc::new(device)));
                 }
                 Err(e) => refuse(&name, &e, &fd_store),
