@@ -92,6 +92,7 @@ fn snapshot(s: &Running) -> Snapshot {
         // The device's own columns; the server's swap reserve is counted apart.
         meta_bytes: meta[..5].iter().sum(),
         slot_table_bytes: meta[0],
+        handle_table_bytes: meta[1],
         anon_bytes: proc_bytes(s, "smaps_rollup", "Anonymous"),
         locked_bytes: proc_bytes(s, "smaps_rollup", "Locked"),
     }
@@ -103,6 +104,7 @@ struct Snapshot {
     mem_used_total_bytes: u64,
     meta_bytes: u64,
     slot_table_bytes: u64,
+    handle_table_bytes: u64,
     anon_bytes: u64,
     locked_bytes: u64,
 }
@@ -264,10 +266,11 @@ fn memory_follows_the_pool(swap: bool) {
     }
 
     // The targets; under --swap, plus what swap mode keeps faulted in on purpose
-    // (docs/ublk.md, "Swap on ublk"): the slot table whole, the zsmalloc frame reserve and
-    // malloc's heap reserve.
+    // (docs/ublk.md, "Swap on ublk"): the slot table whole, the handle table for a handle per
+    // page, the zsmalloc frame reserve and malloc's heap reserve.
     let swap_memory = if swap {
         full.slot_table_bytes
+            + full.handle_table_bytes
             + SWAP_RESERVE_BYTES
             + uzram_service::frontend::swap::HEAP_RESERVE_BYTES as u64
     } else {

@@ -113,6 +113,9 @@ const HEADER_NEXT_INDEX: usize = 0;
 pub(crate) struct HandleTable {
     map: ShmMap,
     file: ShmFile,
+    /// Bytes of the file faulted in ahead of need by [`populate`](HandleTable::populate)
+    /// (serving swap), counted by [`allocated_bytes`](HandleTable::allocated_bytes).
+    populated_bytes: AtomicU64,
 }
 
 impl HandleTable {
@@ -142,7 +145,11 @@ impl HandleTable {
 
     fn map(file: ShmFile) -> Result<HandleTable> {
         let map = file.map(0, Self::file_bytes() as usize)?;
-        Ok(HandleTable { map, file })
+        Ok(HandleTable {
+            map,
+            file,
+            populated_bytes: AtomicU64::new(0),
+        })
     }
 
     /// Faults in the header and the words of the first `indices` handle indices (call it on a
@@ -150,7 +157,10 @@ impl HandleTable {
     /// faults no page of the table).
     pub(crate) fn populate(&self, indices: u64) {
         let words = indices.min(MAX_HANDLES) as usize;
-        self.map.populate(HEADER_BYTES + words * 8);
+        let bytes = (HEADER_BYTES + words * 8).next_multiple_of(4096);
+        self.map.populate(bytes);
+        self.populated_bytes
+            .fetch_max(bytes as u64, Ordering::Relaxed);
     }
 
     /// The memfd holding the table.
@@ -185,12 +195,13 @@ impl HandleTable {
     }
 
     /// Bytes of the table holding words handed out so far, and the header page once one has
-    /// been (never shrinks).
+    /// been, or the bytes faulted in ahead of need if more (never shrinks).
     pub(crate) fn allocated_bytes(&self) -> usize {
-        match self.indices() {
+        let used = match self.indices() {
             0 => 0,
             n => HEADER_BYTES + (n as usize * 8).next_multiple_of(4096),
-        }
+        };
+        used.max(self.populated_bytes.load(Ordering::Relaxed) as usize)
     }
 
     /// A never-used index (its word is 0). Callers first try their class's free list.
@@ -245,6 +256,7 @@ mod tests {
         t.populate(1000);
         // The header page and 8000 bytes of words: two pages.
         assert_eq!(t.map.resident_pages(1 << 20), 3);
+        assert_eq!(t.allocated_bytes(), 3 * 4096, "counted in meta_stat");
         assert_eq!(t.indices(), 0, "populating hands nothing out");
     }
 
