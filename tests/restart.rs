@@ -722,6 +722,8 @@ struct Point {
     ops_acked: u64,
     /// Pages the recovered device had on the backing device (`bd_count`).
     written_back: u64,
+    /// Slots recovery repointed to finish a group's half-done publish or writeback.
+    repointed: u64,
 }
 
 /// One crash point: a child runs `cfg` with `seed` and is killed after `run`; the parent
@@ -849,9 +851,11 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
         Device::recover(files)
     };
     let mut written_back = 0;
+    let mut repointed = 0;
     let mismatches = match recovered {
         Err(e) => Err(format!("recovery refused: {e}")),
-        Ok((dev, _)) => check_pages(&dev, cfg.page_size, &want, &in_flight).map(|()| {
+        Ok((dev, report)) => check_pages(&dev, cfg.page_size, &want, &in_flight).map(|()| {
+            repointed = report.group_repointed;
             written_back = bd(&dev)[0];
             // The recovered allocator takes writes again.
             exercise(&dev, cfg.page_size, cfg.pages.min(64));
@@ -861,6 +865,7 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
         mismatches,
         ops_acked,
         written_back,
+        repointed,
     }
 }
 
@@ -880,6 +885,7 @@ fn crash_model(cfg: &Config) {
         .unwrap_or_else(|| rand::random::<u32>().into());
     let mut acked = 0;
     let mut with_wb = 0;
+    let mut repointed = 0;
     let mut runs = SmallRng::seed_from_u64(base);
     for n in 0..points() {
         let seed = base + n;
@@ -896,10 +902,12 @@ fn crash_model(cfg: &Config) {
         }
         acked += p.ops_acked;
         with_wb += u64::from(p.written_back > 0);
+        repointed += p.repointed;
     }
     eprintln!(
         "{}: {} crash points, 0 mismatches, {acked} operations acknowledged, {with_wb} \
-         recovered with written-back pages (seeds from {base})",
+         recovered with written-back pages, {repointed} slots of half-done group operations \
+         repointed (seeds from {base})",
         cfg.name,
         points()
     );

@@ -49,14 +49,16 @@ fn corrupt(msg: String) -> Error {
 const MULTI_REF: u64 = 1 << 63;
 
 impl Store {
-    /// Finishes a group publish a stopped process left half done. A group write or a group
-    /// recompression points the group's slots at its new object one by one in ascending order,
-    /// all under the group's locks, so a stop in the middle leaves two multi-page objects in
-    /// one group: the new one, named by the lowest slot of the two, and the old one, named by
-    /// slots above. The rest of the old one's slots are pointed at the new one (journaled),
-    /// which leaves every page of the group as the operation in flight would have, and the old
-    /// object to be freed as garbage. Three objects in a group are refused (only one operation
-    /// can be in flight in a group). Returns the slots repointed.
+    /// Finishes a group publish a stopped process left half done. A group write, a group
+    /// recompression or a group's writeback points the group's slots at its new object (in
+    /// memory, or its location on the backing device) one by one in ascending order, all under
+    /// the group's locks, so a stop in the middle leaves two multi-page objects in one group:
+    /// the new one, named by the lowest slot of the two, and the old one, named by slots
+    /// above. The rest of the old one's slots are pointed at the new one (journaled), which
+    /// leaves every page of the group as the operation in flight would have, and the old
+    /// object to be freed as garbage (or its backing blocks left unclaimed). Three objects in
+    /// a group are refused (only one operation can be in flight in a group). Returns the
+    /// slots repointed.
     fn finish_group_publish(slots: &SlotTable, nr_pages: u64, multi_pages: usize) -> Result<u64> {
         if multi_pages == 1 {
             return Ok(0);
@@ -67,10 +69,11 @@ impl Store {
             let mut objects: Vec<(u64, crate::slot::SlotState)> = Vec::new();
             for i in first..first + n {
                 let st = slots.entry(SlotIndex(i)).state_unlocked();
-                if st.has(SlotFlags::MULTI)
-                    && st.handle_raw().is_some()
-                    && !objects.iter().any(|o| o.1.value == st.value)
-                {
+                let held = st.handle_raw().is_some() || st.wb_location().is_some();
+                let same = |o: &(u64, crate::slot::SlotState)| {
+                    o.1.value == st.value && o.1.has(SlotFlags::WB) == st.has(SlotFlags::WB)
+                };
+                if st.has(SlotFlags::MULTI) && held && !objects.iter().any(same) {
                     objects.push((i, st));
                 }
             }
@@ -88,8 +91,15 @@ impl Store {
             for i in first..first + n {
                 let mut g = slots.lock(SlotIndex(i));
                 let st = g.state();
-                if st.has(SlotFlags::MULTI) && st.value == old.value {
-                    g.set_handle(new.value, new.size_bytes(), new.flags(), new.codec());
+                if st.has(SlotFlags::MULTI)
+                    && st.value == old.value
+                    && st.has(SlotFlags::WB) == old.has(SlotFlags::WB)
+                {
+                    if new.has(SlotFlags::WB) {
+                        g.set_wb(new.value, new.size_bytes(), new.flags(), new.codec());
+                    } else {
+                        g.set_handle(new.value, new.size_bytes(), new.flags(), new.codec());
+                    }
                     repointed += 1;
                 }
             }
