@@ -721,7 +721,9 @@ fn locked_kib(pid: u32) -> (u64, u64, u64) {
         };
         if let Some(first) = l.split_whitespace().next() {
             if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-                in_guest = l.contains("/memfd:");
+                // QEMU's guest memory is a memfd; the server's own device state is in
+                // memfds too, named `uzram-*` (docs/restart.md), and locked under --swap.
+                in_guest = l.contains("/memfd:") && !l.contains("/memfd:uzram-");
                 continue;
             }
         }
