@@ -38,6 +38,7 @@ pub mod error;
 pub mod memory;
 pub mod pp;
 pub mod recompress;
+pub mod scm;
 pub mod shm;
 pub mod slot;
 pub mod store;

@@ -29,6 +29,7 @@ use uzram::backing::{FileBacking, FileOptions};
 use uzram::device::restart::{DeviceFiles, Recover, DEVICE_FILES};
 use uzram::device::Device;
 use uzram::memory::SwapReserve;
+use uzram::scm;
 use uzram::shm::ShmFile;
 use uzram_testkit::device::{bd, real_tmpdir, writeback_all, DeviceBuilder};
 use uzram_testkit::pages::{fill_page, Kind};
@@ -654,65 +655,18 @@ fn log_bytes(cfg: &Config) -> usize {
     cfg.threads as usize * LOG_ENTRIES * 16
 }
 
-/// Sends `fds` and one byte over `sock` (`SCM_RIGHTS`).
+/// Sends the device's files to the parent (one message, `uzram::scm`).
 fn send_fds(sock: &OwnedFd, fds: &[OwnedFd; DEVICE_FILES]) {
-    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let mut byte = [1u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(&raw[..]) as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: `msg` has a control buffer of `space` bytes, room for one header and the fds.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(&raw[..]) as u32) as _;
-        std::ptr::copy_nonoverlapping(raw.as_ptr(), libc::CMSG_DATA(cmsg).cast(), raw.len());
-    }
-    // SAFETY: `msg` describes valid buffers; `sock` is an open socket.
-    let rc = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) };
-    assert_eq!(rc, 1, "sendmsg: {}", std::io::Error::last_os_error());
+    let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+    scm::send(sock.as_fd(), None, b"files", &borrowed).unwrap();
 }
 
 /// Receives what [`send_fds`] sent; `None` if the socket closed first.
 fn recv_fds(sock: &OwnedFd) -> Option<[OwnedFd; DEVICE_FILES]> {
-    let mut byte = [0u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space =
-        unsafe { libc::CMSG_SPACE((DEVICE_FILES * std::mem::size_of::<RawFd>()) as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: `msg` describes valid buffers; `sock` is an open socket.
-    let rc = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if rc != 1 {
-        return None;
-    }
-    // SAFETY: the kernel filled the control buffer; a SCM_RIGHTS header carries fds we now
-    // own.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        assert!(!cmsg.is_null() && (*cmsg).cmsg_type == libc::SCM_RIGHTS);
-        let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-        Some(std::array::from_fn(|i| OwnedFd::from_raw_fd(*data.add(i))))
+    let mut buf = [0u8; 16];
+    match scm::recv(sock.as_fd(), &mut buf) {
+        Ok((0, _)) | Err(_) => None,
+        Ok((_, fds)) => Some(fds.try_into().expect("a device's files")),
     }
 }
 
@@ -731,19 +685,7 @@ struct Point {
 fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
     let dir = real_tmpdir();
     let backing_path = cfg.writeback.then(|| dir.path().join("backing"));
-    let mut pair = [0 as RawFd; 2];
-    // SAFETY: `pair` has room for the two fds socketpair writes.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            pair.as_mut_ptr(),
-        )
-    };
-    assert_eq!(rc, 0);
-    // SAFETY: socketpair returned two fds we own.
-    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(pair[0]), OwnedFd::from_raw_fd(pair[1])) };
+    let (ours, theirs) = scm::seqpacket_pair().unwrap();
     let log = ShmFile::create("crash-log").unwrap();
     log.set_len(log_bytes(cfg) as u64).unwrap();
     let (their_sock, their_log) = (theirs.as_raw_fd(), log.as_fd().as_raw_fd());

@@ -28,5 +28,5 @@ pub mod generator_files;
 pub mod host;
 pub mod keeper;
 pub mod policy;
-pub mod scm;
+pub use uzram::scm;
 pub mod size_expr;

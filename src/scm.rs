@@ -1,6 +1,10 @@
 //! Descriptors passed over unix sockets (`SCM_RIGHTS`): a message of bytes with up to
 //! [`MAX_FDS`] descriptors, sent on a connected socket or to a datagram socket's address.
-//! Received descriptors are owned ([`OwnedFd`]) and close-on-exec.
+//! Received descriptors are owned ([`OwnedFd`]) and close-on-exec. How a device's state files
+//! (`crate::shm`) go from one process to another: the server to its keeper, a test's child to
+//! its parent.
+
+#![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -147,7 +151,7 @@ mod tests {
     #[test]
     fn descriptors_pass_with_their_message() {
         let (a, b) = seqpacket_pair().unwrap();
-        let f = uzram::shm::ShmFile::create("scm-test").unwrap();
+        let f = crate::shm::ShmFile::create("scm-test").unwrap();
         f.set_len(4096).unwrap();
         f.write_at(0, b"hello").unwrap();
         send(a.as_fd(), None, b"store x", &[f.as_fd(), f.as_fd()]).unwrap();
@@ -155,7 +159,7 @@ mod tests {
         let (n, fds) = recv(b.as_fd(), &mut buf).unwrap();
         assert_eq!(&buf[..n], b"store x");
         assert_eq!(fds.len(), 2);
-        let g = uzram::shm::ShmFile::from_fd(fds.into_iter().next().unwrap());
+        let g = crate::shm::ShmFile::from_fd(fds.into_iter().next().unwrap());
         assert_eq!(g.read_at(0, 5).unwrap(), b"hello");
         drop(a);
         assert_eq!(recv(b.as_fd(), &mut buf).unwrap().0, 0);
