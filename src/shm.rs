@@ -237,38 +237,35 @@ impl ShmMap {
         self.len_bytes
     }
 
-    /// Faults the first `len_bytes` in, writable (`MADV_POPULATE_WRITE`, Linux 5.14; older
-    /// kernels: each page's first byte read and written back, so call it only while nobody
-    /// else writes the range: a fresh table, or one being recovered). Contents never change.
+    /// Faults the first `len_bytes` in, writable. Contents never change, and others may use
+    /// the range meanwhile through atomics.
     pub fn populate(&self, len_bytes: usize) {
         self.populate_range(0, len_bytes);
     }
 
     /// As [`populate`](Self::populate), for `[offset, offset + len_bytes)` (clamped to the
-    /// mapping; `offset` rounded down to a page); the same condition on writers.
+    /// mapping; `offset` rounded down to a page).
+    ///
+    /// Each page is touched with an atomic add of zero to its first byte (a write fault that
+    /// changes nothing, whoever else writes the page), not with `MADV_POPULATE_WRITE`: that
+    /// holds the process's mmap lock while it waits for memory, and serving swap, the memory
+    /// may come only from swap-outs that this process serves (`docs/ublk.md`, "Swap on
+    /// ublk"). A page fault waits under the mapping's own (per-VMA) lock only.
     pub fn populate_range(&self, offset: usize, len_bytes: usize) {
         let start = (offset & !4095).min(self.len_bytes);
         let end = offset.saturating_add(len_bytes).min(self.len_bytes);
-        if start >= end {
-            return;
-        }
-        // SAFETY: `start < end <= len_bytes`: the range lies inside the mapping; populating
-        // never changes contents.
-        let rc = unsafe {
-            libc::madvise(
-                self.base.as_ptr().add(start).cast(),
-                end - start,
-                23, /* MADV_POPULATE_WRITE */
-            )
-        };
-        if rc != 0 {
-            for off in (start..end).step_by(4096) {
-                // SAFETY: `off < end`, inside the mapping; nobody else writes the range (the
-                // caller's condition), so writing back the byte just read changes nothing.
-                unsafe {
-                    let p = self.base.as_ptr().add(off);
-                    p.write_volatile(p.read_volatile());
-                }
+        for off in (start..end).step_by(4096) {
+            // SAFETY: `off < end <= len_bytes`, so the byte lies inside the mapping, which is
+            // writable and lives as long as `self`; every access to the shared state is
+            // atomic or through it, and an atomic add of zero leaves any value as it is.
+            unsafe {
+                std::sync::atomic::AtomicU8::from_ptr(self.base.as_ptr().add(off))
+                    // `black_box`: an add the compiler knows is of zero it turns into a load
+                    // (a read fault, or none at all).
+                    .fetch_add(
+                        std::hint::black_box(0),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
             }
         }
     }

@@ -237,12 +237,12 @@ struct FrameState {
     refiller_running: bool,
 }
 
-/// The hook of [`FrameAllocator::on_starved`].
-struct StarvedHook(Box<dyn Fn() + Send + Sync>);
+/// A hook: [`FrameAllocator::on_starved`]'s, and the tests' inside the making of a chunk.
+struct Hook(Box<dyn Fn() + Send + Sync>);
 
-impl std::fmt::Debug for StarvedHook {
+impl std::fmt::Debug for Hook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("StarvedHook")
+        f.write_str("Hook")
     }
 }
 
@@ -258,8 +258,15 @@ pub(crate) struct FrameAllocator {
     frame_bytes: usize,
     frames_per_chunk: usize,
     sys_page_bytes: usize,
-    /// Protects the chunk list, the free list and the carving cursor.
+    /// Protects the chunk list, the free list and the carving cursor. Nothing that may wait
+    /// for memory (a fault, a mapping) is done under it: writers serving swap take it.
     state: Mutex<FrameState>,
+    /// Held by the one thread making a new chunk (mapping it, faulting its records in),
+    /// outside `state`; chunks are added under it only.
+    grow: Mutex<()>,
+    /// Tests: called while a chunk is being made, after its mapping and before it is added.
+    #[cfg(test)]
+    grow_hook: Mutex<Option<Hook>>,
     /// Whether the kernel accepts `MADV_POPULATE_WRITE` (cleared on the first `EINVAL`).
     populate: AtomicBool,
     /// Serving swap: pages are faulted in by touching them, never by `MADV_POPULATE_WRITE`
@@ -282,7 +289,7 @@ pub(crate) struct FrameAllocator {
     reserve_cond: Condvar,
     /// Serving swap: called by a writer whose allocation failed when the reserve has gained no
     /// frame for [`SWAP_STARVED`] (at most once per that time).
-    starved: std::sync::OnceLock<StarvedHook>,
+    starved: std::sync::OnceLock<Hook>,
     /// The last refiller thread spawned, joined by `stop_refiller` (or by the next spawn).
     refiller: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The record tags of the pools sharing this allocator (`record`, "pool tag"), in use now.
@@ -572,6 +579,9 @@ impl FrameAllocator {
             }),
             populate: AtomicBool::new(true),
             touch_only: AtomicBool::new(false),
+            grow: Mutex::new(()),
+            #[cfg(test)]
+            grow_hook: Mutex::new(None),
             records: OnceLock::new(),
             cache_limit_pages: cache_bytes / page_size_bytes,
             drop_batch_pages: 1,
@@ -821,27 +831,36 @@ impl FrameAllocator {
     /// A frame whose pages read as zeroes or as leftovers of its previous zspage's unused
     /// tail (never touched, so zeroes too). `ENOMEM` if the kernel refuses a new chunk.
     pub(crate) fn alloc(&self) -> Result<Frame> {
-        let mut st = self.state.lock();
-        if let Some(frame) = st.free.pop() {
-            return Ok(frame);
-        }
-        if st.chunks.is_empty() || st.carved_in_last == self.frames_per_chunk {
+        loop {
+            if let Some(frame) = self.take_carved(&mut self.state.lock()) {
+                return Ok(frame);
+            }
+            // A new chunk, made without the state mutex: making it may wait for memory (the
+            // mapping, the records' pages), and writers serving swap take that mutex for the
+            // reserve, so holding it here would stop them behind the very reclaim that waits
+            // on them. `grow` lets one thread at a time make a chunk.
+            let _grow = self.grow.lock();
+            let (chunk, file) = {
+                let mut st = self.state.lock();
+                if let Some(frame) = self.take_carved(&mut st) {
+                    return Ok(frame);
+                }
+                (st.chunks.len(), st.file.clone())
+            };
             let len_bytes = self.frames_per_chunk * self.frame_bytes;
-            let chunk = st.chunks.len();
             if (chunk + 1) * self.frames_per_chunk > MAX_FRAMES {
                 return Err(Error::no_memory(format!(
                     "zsmalloc: {MAX_FRAMES} frames reserved for zspages already"
                 )));
             }
-            let file = match &st.file {
-                Some(file) => Arc::clone(file),
+            let file = match file {
+                Some(file) => file,
                 None => {
-                    // Made under the state mutex, so by one thread only.
                     if self.records.get().is_none() {
                         let _ = self.records.set(FrameRecords::new()?);
                     }
                     let file = Arc::new(ShmFile::create("frames")?);
-                    st.file = Some(Arc::clone(&file));
+                    self.state.lock().file = Some(Arc::clone(&file));
                     file
                 }
             };
@@ -853,25 +872,45 @@ impl FrameAllocator {
                     e.message()
                 ))
             })?;
-            st.chunks.push(Chunk { map });
-            st.carved_in_last = 0;
             // The new frames' records (a page per 256 frames), faulted in now, where the chunk
-            // is mapped (serving swap, by the refiller), not on a writer's path under the
-            // class lock, where a fault could wait for memory.
+            // is made (serving swap, by the refiller), not on a writer's path under the class
+            // lock, where a fault could wait for memory.
             let records = self.records.get().expect("made with the first chunk");
             records.populate(
                 chunk * self.frames_per_chunk,
                 (chunk + 1) * self.frames_per_chunk,
             );
+            #[cfg(test)]
+            if let Some(hook) = &*self.grow_hook.lock() {
+                (hook.0)();
+            }
+            let mut st = self.state.lock();
+            debug_assert_eq!(st.chunks.len(), chunk, "chunks are added under `grow` only");
+            st.chunks.push(Chunk { map });
+            st.carved_in_last = 0;
+            if let Some(frame) = self.take_carved(&mut st) {
+                return Ok(frame);
+            }
         }
-        let chunk_base = st.chunks.last().expect("a chunk was just ensured").base();
+    }
+
+    /// A frame of the free list, else the next uncarved frame of the last chunk; `None` when
+    /// a new chunk is needed.
+    fn take_carved(&self, st: &mut FrameState) -> Option<Frame> {
+        if let Some(frame) = st.free.pop() {
+            return Some(frame);
+        }
+        if st.chunks.is_empty() || st.carved_in_last == self.frames_per_chunk {
+            return None;
+        }
+        let chunk_base = st.chunks.last().expect("not empty").base();
         let offset = st.carved_in_last * self.frame_bytes;
         let index = ((st.chunks.len() - 1) * self.frames_per_chunk + st.carved_in_last) as u32;
         st.carved_in_last += 1;
         // SAFETY: `offset + frame_bytes <= frames_per_chunk * frame_bytes`, the chunk's length,
         // so the pointer stays inside the chunk's mapping.
         let base = unsafe { chunk_base.add(offset) };
-        Ok(Frame {
+        Some(Frame {
             base,
             len_bytes: self.frame_bytes,
             index,
@@ -1191,7 +1230,7 @@ impl FrameAllocator {
     /// per that time: memory has run out and the refiller cannot get any. Only the first hook
     /// set is kept.
     pub(crate) fn on_starved(&self, hook: Box<dyn Fn() + Send + Sync>) {
-        let _ = self.starved.set(StarvedHook(hook));
+        let _ = self.starved.set(Hook(hook));
     }
 
     /// What the swap reserve holds and has done.
@@ -1557,6 +1596,70 @@ mod tests {
         let addr = f.addr();
         a.release(f, 1);
         assert_eq!(a.alloc().unwrap().addr(), addr);
+    }
+
+    /// A thread making a new chunk (which may wait for memory) holds no lock that frees,
+    /// reuses or the reserve need: while one waits inside the making, another releases a
+    /// frame, gets it back and takes one from the reserve; and the chunk made is added whole.
+    #[test]
+    fn making_a_chunk_holds_up_no_free_or_reserve_path() {
+        let a = Arc::new(FrameAllocator::with_cache_bytes(4096, 0));
+        a.set_reserve(8, &[1]).unwrap();
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while a.state.lock().reserve[1].is_empty() {
+            assert!(
+                std::time::Instant::now() < end,
+                "the refiller filled nothing"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // The refiller left out: the one chunk made below is the grower's.
+        a.state.lock().refill_paused = true;
+        // Every frame of the chunks made so far carved: the next alloc makes a chunk.
+        let mut frames = Vec::new();
+        loop {
+            let mut st = a.state.lock();
+            if st.free.is_empty() && st.carved_in_last == a.frames_per_chunk {
+                break;
+            }
+            frames.push(a.take_carved(&mut st).unwrap());
+        }
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let go_rx = Mutex::new(go_rx);
+        *a.grow_hook.lock() = Some(Hook(Box::new(move || {
+            entered_tx.send(()).unwrap();
+            let _ = go_rx.lock().recv();
+        })));
+        let grower = {
+            let a = Arc::clone(&a);
+            std::thread::spawn(move || a.alloc().unwrap())
+        };
+        entered_rx.recv().unwrap();
+        // The grower waits inside the making of a chunk; these go on regardless.
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        {
+            let a = Arc::clone(&a);
+            let f = frames.pop().unwrap();
+            let addr = f.addr();
+            std::thread::spawn(move || {
+                a.release(f, 1);
+                let again = a.alloc().unwrap();
+                let reserved = a.alloc_populated(1).unwrap();
+                done_tx
+                    .send((again.addr() == addr, reserved.addr()))
+                    .unwrap();
+            });
+        }
+        let (reused, _) = done_rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("a free, a reuse and a reserve take waited for the thread making a chunk");
+        assert!(reused, "the released frame came back");
+        go_tx.send(()).unwrap();
+        let made = grower.join().unwrap();
+        let chunks = a.state.lock().chunks.len();
+        assert_eq!(made.index as usize, (chunks - 1) * a.frames_per_chunk);
+        a.stop_refiller();
     }
 
     /// Serving swap, a writer that finds the reserve empty waits for the refiller: served
