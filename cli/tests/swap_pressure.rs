@@ -110,6 +110,7 @@ fn swap_hog_child() {
     let random = random_eighths();
     let code = code_sample();
     let progress = counter_file("UZRAM_HOG_PROGRESS");
+    wait_for_go();
     let mut done = 0u64;
     let tick = |done: &mut u64| {
         *done += 1;
@@ -326,6 +327,8 @@ fn swap_watchdog_child() {
         .open("/proc/sysrq-trigger")
         .ok();
     let stuck_file = counter_file("UZRAM_WATCH_STUCK");
+    // Locked and with its files open: the hog may start (`u64::MAX` in the stuck counter).
+    stuck_file.write_all_at(&u64::MAX.to_le_bytes(), 0).unwrap();
     if let Ok(dir) = std::env::var("UZRAM_WATCH_CTL") {
         std::thread::spawn(move || {
             let t0 = Instant::now();
@@ -494,8 +497,11 @@ fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duratio
         random_eighths(),
         dev.display()
     );
-    let t = Instant::now();
     let exe = std::env::current_exe().unwrap();
+    // The hog starts paused (it waits for `go`), so the watchdog is locked in memory and
+    // watching before the first page of pressure: started later, it could itself wait for the
+    // memory it is there to watch.
+    let go = scratch("hog-go");
     let mut hog = Command::new(&exe)
         .args([
             "swap_hog_child",
@@ -505,6 +511,7 @@ fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duratio
         ])
         .env("UZRAM_HOG_PAGES", pages.to_string())
         .env("UZRAM_HOG_PROGRESS", &progress)
+        .env("UZRAM_HOG_GO", &go)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -528,6 +535,21 @@ fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duratio
         watch.env("UZRAM_WATCH_CTL", ctl);
     }
     let mut watch = watch.spawn().unwrap();
+    let ready = Instant::now();
+    while read_counter(&stuck) != u64::MAX {
+        assert!(
+            ready.elapsed() < Duration::from_secs(60),
+            "the watchdog did not start in 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let t = Instant::now();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&go)
+        .unwrap()
+        .write_all_at(&1u64.to_le_bytes(), 0)
+        .unwrap();
     let status = wait_timeout(&mut hog, limit);
     let wall_s = t.elapsed().as_secs_f64();
     let _ = watch.kill();
@@ -553,17 +575,16 @@ fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duratio
     for l in hog_out.lines().filter(|l| l.starts_with("hog:")) {
         eprintln!("{label}: {l}");
     }
-    let mut buf = [0u8; 8];
-    std::fs::File::open(&stuck)
-        .unwrap()
-        .read_exact_at(&mut buf, 0)
-        .unwrap();
+    let longest_stuck_s = match read_counter(&stuck) {
+        u64::MAX => 0,
+        s => s,
+    };
     let r = HogRun {
         outcome,
         wall_s,
         pswpout: vmstat("pswpout") - out0,
         pswpin: vmstat("pswpin") - in0,
-        longest_stuck_s: u64::from_le_bytes(buf),
+        longest_stuck_s,
     };
     eprintln!(
         "{label}: {:?} in {:.1} s, pswpout {} pswpin {}, longest without progress {} s",
@@ -639,7 +660,7 @@ fn serve(extra: &[&str]) -> Server {
 /// arguments (`--swap-reserve 16M`).
 #[test]
 fn swap_pressure_in_vm() {
-    let mut args: Vec<String> = ["--kernel", "6.12", "--no-zoned", "--timeout-s", "1800"]
+    let mut args: Vec<String> = ["--kernel", "6.12", "--no-zoned", "--timeout-s", "900"]
         .map(String::from)
         .to_vec();
     args.extend(["--mem-mb".into(), GUEST_RAM_MB.to_string()]);
@@ -663,6 +684,9 @@ fn swap_pressure_in_vm() {
         return;
     }
     let _ = std::fs::write("/proc/sys/kernel/hung_task_timeout_secs", "30");
+    // The kernel's own reports (hung tasks, with their stacks; the OOM killer) on the console,
+    // which the host prints when the VM is stopped: they get out when no process can.
+    let _ = std::fs::write("/proc/sys/kernel/printk", "7");
     let limit = Duration::from_secs(env_u64("UZRAM_HOG_LIMIT_S").unwrap_or(600));
     let control = std::env::var_os("UZRAM_SWAP_CONTROL").map(|_| {
         std::fs::write("/sys/block/zram0/comp_algorithm", "lz4").unwrap();
@@ -712,6 +736,25 @@ fn swap_pressure_in_vm() {
         "the hog made no progress for {} s (its stacks are above)",
         uzram.longest_stuck_s
     );
+}
+
+/// The first 8 bytes of file `path`, a little-endian counter.
+fn read_counter(path: &Path) -> u64 {
+    let mut buf = [0u8; 8];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut buf, 0)
+        .unwrap();
+    u64::from_le_bytes(buf)
+}
+
+/// In the hog: waits until the file `UZRAM_HOG_GO` holds a non-zero counter (the watchdog is
+/// ready).
+fn wait_for_go() {
+    let go = PathBuf::from(std::env::var_os("UZRAM_HOG_GO").unwrap());
+    while read_counter(&go) == 0 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// The file named by environment variable `var`, opened for writing without truncating it:
