@@ -228,7 +228,12 @@ pub fn guest(opts: &GuestBenchOptions) -> Result<()> {
     let dir = crate::nbd::tempfile_dir()?;
     let socket = dir.path.join("zram0.sock");
     let server = Server::start_unix(Export::new("zram0", Arc::clone(&device)), socket.clone())?;
-    let ublk = UblkExport::start("zram0", Arc::clone(&device), &UblkConfig::default())?;
+    let ublk = UblkExport::start(
+        "zram0",
+        Arc::clone(&device),
+        &UblkConfig::default(),
+        uzram_service::frontend::ublk::device_tag("zram0"),
+    )?;
     let nbd = NbdClient::connect(&socket)?;
     let disks: [PathBuf; 3] = [
         ublk.block_dev_path(),

@@ -332,7 +332,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR2])
         .context("installing signal handlers")?;
     let fd_store = std::sync::Arc::new(fd_store);
-    let restartable = fd_store.is_systemd();
+    // Under systemd's fd store or a keeper: SIGUSR2 stops for a restart (the keeper sends it
+    // for an upgrade), leaving the block devices to the next server.
+    let restartable = fd_store.keeps();
     let host = Host::start_keeping(
         &cfg,
         server_config,
@@ -397,15 +399,29 @@ pub fn run(args: ServeArgs) -> Result<()> {
          once)",
         signal_name(sig)
     );
-    for path in host.stop() {
-        eprintln!("uzram: removed {}", path.display());
-    }
     if sig == SIGUSR2 {
+        for (path, left) in host.stop_for_restart() {
+            if left {
+                eprintln!(
+                    "uzram: left {} to the next server (its requests wait until it serves)",
+                    path.display()
+                );
+            } else {
+                eprintln!("uzram: removed {}", path.display());
+            }
+        }
         eprintln!(
-            "uzram: stopped for a restart (exit status {RESTART_EXIT_STATUS}): systemd starts the \
-             binary now on disk with the devices' state"
+            "uzram: stopped for a restart (exit status {RESTART_EXIT_STATUS}): {}",
+            if started_by_keeper {
+                "the keeper starts the next server with the devices' state"
+            } else {
+                "systemd starts the binary now on disk with the devices' state"
+            }
         );
         std::process::exit(RESTART_EXIT_STATUS);
+    }
+    for path in host.stop() {
+        eprintln!("uzram: removed {}", path.display());
     }
     eprintln!("uzram: stopped");
     Ok(())

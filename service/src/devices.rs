@@ -17,7 +17,7 @@ use crate::fd_store::StateStore;
 use crate::frontend::control::{self, Attachments, ControlServer, HotPlug, RemoveTarget};
 use crate::frontend::metrics::{self, DeviceSamples};
 use crate::frontend::nbd::{Export, Server};
-use crate::frontend::ublk::{UblkConfig, UblkExport};
+use crate::frontend::ublk::{self, UblkConfig, UblkExport, UblkRecord};
 use crate::frontend::unix_socket::SocketId;
 use crate::frontend::vhost_user::{self, VhostUserConfig, VhostUserExport};
 use crate::policy::{DevicePolicy, PolicySet};
@@ -43,6 +43,12 @@ pub struct DeviceAttachments {
     device: Arc<Device>,
     /// Whether it gets a ublk block device, and how.
     ublk: Option<UblkConfig>,
+    /// Where the server records which ublk device it serves the device as (`NAME.ublk`
+    /// beside the control socket; [`UblkRecord`]), with user recovery on.
+    ublk_record: PathBuf,
+    /// The device was recovered from a previous process's state: the block device that
+    /// process left is taken over.
+    recovered: bool,
     /// Whether it gets a vhost-user socket, where, and how.
     vhost: Option<(PathBuf, VhostUserConfig)>,
     /// Where its state files go when it gets a size, and leave when it is reset.
@@ -67,6 +73,8 @@ impl DeviceAttachments {
     fn new(
         name: &str,
         device: Arc<Device>,
+        ctl: &Path,
+        recovered: bool,
         ublk: Option<UblkConfig>,
         vhost: Option<(PathBuf, VhostUserConfig)>,
         fd_store: Arc<StateStore>,
@@ -75,6 +83,8 @@ impl DeviceAttachments {
             name: name.to_string(),
             device,
             ublk,
+            ublk_record: ctl.with_extension("ublk"),
+            recovered,
             vhost,
             fd_store,
             state: Mutex::new(AttachState::default()),
@@ -88,14 +98,80 @@ impl DeviceAttachments {
             return Ok(());
         }
         if let (Some(cfg), None) = (&self.ublk, &st.ublk) {
-            let dev = Arc::clone(&self.device) as Arc<dyn BlockDevice>;
-            st.ublk = Some(UblkExport::start(&self.name, dev, cfg)?);
+            st.ublk = Some(self.start_ublk(cfg)?);
         }
         if let (Some((path, cfg)), None) = (&self.vhost, &st.vhost) {
             let dev = Arc::clone(&self.device) as Arc<dyn BlockDevice>;
             st.vhost = Some(VhostUserExport::start(&self.name, path, dev, cfg)?);
         }
         Ok(())
+    }
+
+    /// The device's ublk block device: with user recovery, the one a dead predecessor left
+    /// (its [`UblkRecord`]) taken over if the device was recovered, deleted if not (its data
+    /// is gone: the waiting requests fail); else, or if taking over fails, a new one. The
+    /// record then names this process.
+    fn start_ublk(&self, cfg: &UblkConfig) -> uzram::Result<UblkExport> {
+        let dev = Arc::clone(&self.device) as Arc<dyn BlockDevice>;
+        let tag = ublk::device_tag(&self.name);
+        let me = std::process::id() as i32;
+        let left = cfg
+            .user_recovery
+            .then(|| UblkRecord::read(&self.ublk_record))
+            .flatten()
+            .filter(|r| r.server_pid != me);
+        let mut export = None;
+        if let Some(r) = left {
+            if self.recovered {
+                match UblkExport::recover(
+                    &self.name,
+                    Arc::clone(&dev),
+                    cfg,
+                    r.dev_id,
+                    r.server_pid,
+                    tag,
+                ) {
+                    Ok(e) => {
+                        eprintln!(
+                            "uzram: {}: /dev/ublkb{} taken over from process {} (the requests it \
+                             left are issued again)",
+                            self.name, r.dev_id, r.server_pid
+                        );
+                        export = Some(e);
+                    }
+                    Err(e) => eprintln!(
+                        "uzram: {}: {}; a new block device instead",
+                        self.name,
+                        e.message()
+                    ),
+                }
+            }
+            if export.is_none() && ublk::delete_left_device(r.dev_id, r.server_pid, tag) {
+                eprintln!(
+                    "uzram: {}: deleted /dev/ublkb{}, left by process {} without its data",
+                    self.name, r.dev_id, r.server_pid
+                );
+            }
+        }
+        let export = match export {
+            Some(e) => e,
+            None => UblkExport::start(&self.name, dev, cfg, tag)?,
+        };
+        if cfg.user_recovery {
+            let record = UblkRecord {
+                dev_id: export.dev_id(),
+                server_pid: me,
+            };
+            if let Err(e) = record.write(&self.ublk_record) {
+                eprintln!(
+                    "uzram: {}: writing {}: {e} (a restart will not take /dev/ublkb{} over)",
+                    self.name,
+                    self.ublk_record.display(),
+                    record.dev_id
+                );
+            }
+        }
+        Ok(export)
     }
 
     /// The vhost-user socket, if it is listening.
@@ -115,17 +191,23 @@ impl DeviceAttachments {
             .map(|v| v.socket_file())
     }
 
-    /// Stops the frontends for good; the block device removed, if there was one.
-    fn stop(&self) -> Option<PathBuf> {
+    /// Stops the frontends for good; the block device removed, if there was one. With
+    /// `leave_block_device` (a stop for a restart) a block device with user recovery is left
+    /// to the next server instead ([`UblkExport::leave`]); `(path, left)`.
+    fn stop(&self, leave_block_device: bool) -> Option<(PathBuf, bool)> {
         let mut st = lock(&self.state);
         st.removed = true;
         if let Some(v) = st.vhost.take() {
             v.stop();
         }
         let u = st.ublk.take()?;
+        if leave_block_device && self.ublk.as_ref().is_some_and(|c| c.user_recovery) {
+            return Some((u.leave(), true));
+        }
         let path = u.block_dev_path();
         u.stop();
-        Some(path)
+        let _ = std::fs::remove_file(&self.ublk_record);
+        Some((path, false))
     }
 }
 
@@ -166,6 +248,15 @@ impl std::fmt::Debug for DeviceAttachments {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceAttachments")
             .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for ConfiguredDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConfiguredDevice")
+            .field("name", &self.name)
+            .field("recovered", &self.recovered)
             .finish_non_exhaustive()
     }
 }
@@ -221,6 +312,21 @@ pub struct ServerFrontends {
     pub fd_store: Arc<StateStore>,
 }
 
+/// A configured device, for [`Devices::add_configured`].
+pub struct ConfiguredDevice {
+    pub name: String,
+    pub device: Arc<Device>,
+    /// Its control socket.
+    pub ctl: PathBuf,
+    /// Recovered from a previous process's state (its block device is taken over).
+    pub recovered: bool,
+    /// Its ublk block device, if it gets one.
+    pub ublk: Option<UblkConfig>,
+    /// Its vhost-user socket and settings, if it gets one.
+    pub vhost: Option<(PathBuf, VhostUserConfig)>,
+    pub policy: Arc<DevicePolicy>,
+}
+
 /// The server's devices.
 pub struct Devices {
     server: Arc<Server>,
@@ -247,25 +353,19 @@ impl Devices {
 
     /// Adds a configured device, already an export of the server: starts its frontends that
     /// need a size and its control socket.
-    pub fn add_configured(
-        &self,
-        name: &str,
-        device: Arc<Device>,
-        ctl: &Path,
-        ublk: Option<UblkConfig>,
-        vhost: Option<(PathBuf, VhostUserConfig)>,
-        policy: Arc<DevicePolicy>,
-    ) -> anyhow::Result<Arc<Served>> {
+    pub fn add_configured(&self, c: ConfiguredDevice) -> anyhow::Result<Arc<Served>> {
         let attach = Arc::new(DeviceAttachments::new(
-            name,
-            Arc::clone(&device),
-            ublk,
-            vhost,
+            &c.name,
+            Arc::clone(&c.device),
+            &c.ctl,
+            c.recovered,
+            c.ublk,
+            c.vhost,
             Arc::clone(&self.frontends.fd_store),
         ));
         attach.start_missing()?;
         let mut list = lock(&self.list);
-        self.finish_add(&mut list, name, device, ctl, attach, policy)
+        self.finish_add(&mut list, &c.name, c.device, &c.ctl, attach, c.policy)
             .map_err(|e| anyhow::anyhow!("{}", e.message()))
     }
 
@@ -350,9 +450,12 @@ impl Devices {
         };
         let socket = dir.join(format!("{name}.sock"));
         self.server.add_export(export, Some(socket.clone()))?;
+        let ctl = control::socket_path(dir, &name);
         let attach = Arc::new(DeviceAttachments::new(
             &name,
             Arc::clone(&device),
+            &ctl,
+            how == "recovered",
             self.frontends.ublk.clone(),
             self.frontends
                 .vhost
@@ -361,7 +464,6 @@ impl Devices {
             Arc::clone(&self.frontends.fd_store),
         ));
         let policy = Arc::new(DevicePolicy::new(name.clone(), Arc::clone(&device)));
-        let ctl = control::socket_path(dir, &name);
         let started = Arc::clone(&attach);
         let served = match attach
             .start_missing()
@@ -369,7 +471,7 @@ impl Devices {
         {
             Ok(s) => s,
             Err(e) => {
-                started.stop();
+                started.stop(false);
                 let _ = self.server.remove_export(&name);
                 return Err(e);
             }
@@ -420,8 +522,10 @@ impl Devices {
     }
 
     /// Stops every device's control socket and frontends (not the NBD server); the block
-    /// devices removed. `hot_add` fails from then on.
-    pub fn stop(&self) -> Vec<PathBuf> {
+    /// devices, each with whether it was left to the next server (`leave_block_devices`: a
+    /// stop for a restart, user recovery on) rather than removed. `hot_add` fails from then
+    /// on.
+    pub fn stop(&self, leave_block_devices: bool) -> Vec<(PathBuf, bool)> {
         self.stopping.store(true, Ordering::SeqCst);
         let list: Vec<Arc<Served>> = lock(&self.list).drain(..).collect();
         for s in &list {
@@ -429,7 +533,9 @@ impl Devices {
                 c.stop();
             }
         }
-        list.iter().filter_map(|s| s.attach.stop()).collect()
+        list.iter()
+            .filter_map(|s| s.attach.stop(leave_block_devices))
+            .collect()
     }
 }
 
@@ -495,7 +601,7 @@ impl HotPlug for Devices {
         if let Some(c) = lock(&served.control).take() {
             c.stop();
         }
-        if let Some(path) = served.attach.stop() {
+        if let Some((path, _)) = served.attach.stop(false) {
             eprintln!("uzram: hot_remove: removed {}", path.display());
         }
         self.policies.remove(name);

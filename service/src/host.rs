@@ -16,7 +16,7 @@
 //! server, the devices.
 
 use crate::config::ServeConfig;
-use crate::devices::{Devices, Served, ServerFrontends};
+use crate::devices::{ConfiguredDevice, Devices, Served, ServerFrontends};
 use crate::fd_store::{Inherited, StateStore};
 use crate::frontend::control::{self, ControlServer, HotPlug};
 use crate::frontend::metrics::{
@@ -295,7 +295,9 @@ impl Host {
             let dir = socket.parent().unwrap_or(Path::new(".")).to_path_buf();
             socket_dir.get_or_insert_with(|| dir.clone());
             let started = std::time::Instant::now();
-            let device = match inherited.remove(&spec.name) {
+            let inherited_files = inherited.remove(&spec.name);
+            let recovered = inherited_files.is_some();
+            let device = match inherited_files {
                 None => spec.build_with_swap(ram, swap_reserve.as_ref())?,
                 Some(files) => match files.and_then(|f| {
                     spec.recover(f, ram, swap_reserve.as_ref())
@@ -335,7 +337,7 @@ impl Host {
                     .with_context(|| format!("device {}: policy", spec.name))?;
             }
             policies.push(Arc::clone(&policy));
-            devices.push((spec, device, dir, policy));
+            devices.push((spec, device, dir, policy, recovered));
         }
         if let Some(addr) = cfg.listen {
             listen.push(Listen::Tcp(addr));
@@ -384,7 +386,11 @@ impl Host {
             Server::start(exports, &listen, server_config).context("starting the NBD server")?,
         );
         // The frontends every device of the server gets (a device added by hot_add too).
-        let ublk_config = UblkConfig::new(cfg.swap);
+        let ublk_config = UblkConfig {
+            // A block device outlives a crash of the server only if its state does.
+            user_recovery: fd_store.keeps(),
+            ..UblkConfig::new(cfg.swap)
+        };
         let vhost_config = VhostUserConfig {
             swap: cfg.swap,
             ..VhostUserConfig::default()
@@ -412,21 +418,23 @@ impl Host {
         // Each device's block device and vhost-user socket: after the NBD server, before its
         // control socket (which names them).
         let mut served = Vec::new();
-        for (spec, device, dir, policy) in devices {
+        for (spec, device, dir, policy, recovered) in devices {
             let name = &spec.name;
             fd_store.store(name, &device);
             let ctl = control::socket_path(&dir, name);
             served.push(
                 registry
-                    .add_configured(
-                        name,
+                    .add_configured(ConfiguredDevice {
+                        name: name.clone(),
                         device,
-                        &ctl,
-                        spec.ublk.then(|| ublk_config.clone()),
-                        spec.vhost_user
+                        ctl,
+                        recovered,
+                        ublk: spec.ublk.then(|| ublk_config.clone()),
+                        vhost: spec
+                            .vhost_user
                             .then(|| (vhost_user::socket_path(&dir, name), vhost_config.clone())),
                         policy,
-                    )
+                    })
                     .with_context(|| format!("device {name}"))?,
             );
         }
@@ -532,14 +540,28 @@ impl Host {
 
     /// Stops everything (see the module's stop order). Returns the block devices removed.
     pub fn stop(self) -> Vec<PathBuf> {
+        self.stop_leaving(false)
+            .into_iter()
+            .map(|(path, _)| path)
+            .collect()
+    }
+
+    /// As [`stop`](Self::stop), for a restart: block devices with user recovery are left
+    /// to the next server (`UblkExport::leave`), their requests waiting from the exit on.
+    /// Returns each block device and whether it was left (else removed).
+    pub fn stop_for_restart(self) -> Vec<(PathBuf, bool)> {
+        self.stop_leaving(true)
+    }
+
+    fn stop_leaving(self, leave_block_devices: bool) -> Vec<(PathBuf, bool)> {
         self.runner.stop();
         if let Some(m) = self.metrics {
             m.stop();
         }
         self.class.stop();
         drop(self.served);
-        let removed = self.registry.stop();
+        let stopped = self.registry.stop(leave_block_devices);
         self.registry.server().shutdown();
-        removed
+        stopped
     }
 }

@@ -20,7 +20,8 @@
 //!   SIGKILL after [`STOP_TIMEOUT`] or at a second signal; then the keeper exits 0.
 //! - **Upgrade** (`uzram ctl upgrade` on the socket `DIR/uzram-keeper`, or SIGUSR2): the
 //!   binary now at the path the keeper was started from is checked (`--version`), the child
-//!   stopped (its requests in flight finish, its sockets go), and a child of the new binary
+//!   stopped for a restart (SIGUSR2: its requests in flight finish, its sockets go, its ublk
+//!   block devices are left for the next server to take over), and a child of the new binary
 //!   started with the files; once it serves, the new binary is the one restarts run. If it
 //!   does not serve within [`START_TIMEOUT`], it is killed and a child of the previous binary
 //!   started again; the upgrade's answer says so.
@@ -276,7 +277,7 @@ impl Keeper {
             }
             let ready = poll_in(&fds, timeout);
             if ready[0] && drain(&self.stop_pipe) {
-                self.stop_child("stop requested");
+                self.stop_child("stop requested", libc::SIGTERM);
                 log("stopped");
                 return 0;
             }
@@ -525,15 +526,17 @@ impl Keeper {
         }
     }
 
-    /// Stops the child: SIGTERM, SIGKILL after [`STOP_TIMEOUT`] or a second stop signal.
-    fn stop_child(&mut self, why: &str) {
+    /// Stops the child with `signal` (SIGTERM; SIGUSR2 for an upgrade: the server stops for a
+    /// restart, leaving its block devices to the next one); SIGKILL after [`STOP_TIMEOUT`] or
+    /// a second stop signal.
+    fn stop_child(&mut self, why: &str, signal: libc::c_int) {
         let Some(c) = &self.child else {
             return;
         };
         let pid = c.proc.id();
         log(format!("{why}: stopping the server (pid {pid})"));
         // SAFETY: kill on our own child's pid, not reaped yet (so not reused).
-        unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+        unsafe { libc::kill(pid as libc::pid_t, signal) };
         match self.wait_child(false, Instant::now() + STOP_TIMEOUT) {
             Waited::Exited(s) => log(format!("the server stopped ({})", describe(s))),
             _ => {
@@ -556,7 +559,7 @@ impl Keeper {
                 path.display()
             )
         })?;
-        self.stop_child(&format!("upgrading to {version}"));
+        self.stop_child(&format!("upgrading to {version}"), libc::SIGUSR2);
         self.restart_at = None;
         let failed = match self.spawn(&new) {
             Err(e) => format!("did not start ({e})"),
@@ -568,7 +571,7 @@ impl Keeper {
                     return Ok(format!("upgraded to {version}: the server is pid {pid}\n"));
                 }
                 Waited::Stop => {
-                    self.stop_child("stop requested");
+                    self.stop_child("stop requested", libc::SIGTERM);
                     return Err("the keeper is stopping".into());
                 }
                 Waited::Exited(s) => format!("exited before it served ({})", describe(s)),

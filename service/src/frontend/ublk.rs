@@ -82,6 +82,11 @@ pub struct UblkConfig {
     pub io_buf_bytes: u32,
     /// Serving swap: lock the request buffers in memory (they are always preallocated).
     pub swap: bool,
+    /// The devices' state outlives the server (a keeper or systemd's fd store holds it):
+    /// block devices are added with user recovery (`UBLK_F_USER_RECOVERY` with
+    /// `UBLK_F_USER_RECOVERY_REISSUE`), so that when the server dies `/dev/ublkbN` stays, its
+    /// I/O waits, and the next server takes it over ([`UblkExport::recover`]).
+    pub user_recovery: bool,
 }
 
 impl Default for UblkConfig {
@@ -92,6 +97,7 @@ impl Default for UblkConfig {
             queue_depth: DEFAULT_QUEUE_DEPTH,
             io_buf_bytes: IO_BUF_BYTES,
             swap: false,
+            user_recovery: false,
         }
     }
 }
@@ -224,6 +230,125 @@ impl std::fmt::Debug for UblkExport {
     }
 }
 
+/// How [`UblkExport::run`] adds or recovers a device.
+#[derive(Debug, Clone, Copy)]
+struct Setup {
+    /// The device number to add (-1: the kernel picks) or to recover.
+    id: i32,
+    nr_queues: u16,
+    depth: u16,
+    io_buf_bytes: u32,
+    /// `UBLK_F_*` flags for the driver.
+    ctrl_flags: u64,
+    /// [`device_tag`], in `ublksrv_flags`.
+    tag: u64,
+    /// libublk's: add or recover.
+    flags: UblkFlags,
+    swap: bool,
+}
+
+/// A device that can be a ublk device: initialised, its page size a power of two from 4 KiB.
+fn check_device(name: &str, device: &dyn BlockDevice) -> Result<()> {
+    let page = device.page_size_bytes() as u64;
+    if device.size_bytes() == 0 {
+        return Err(Error::invalid(format!(
+            "ublk: {name}: the device has no disksize"
+        )));
+    }
+    if !page.is_power_of_two() || page < 4096 {
+        return Err(Error::invalid(format!(
+            "ublk: {name}: page size {page} is not a power of two of at least 4096"
+        )));
+    }
+    Ok(())
+}
+
+/// What uzram writes into a ublk device's `ublksrv_flags` (the server's own word, kept by the
+/// kernel for the device's life) for the device named `name`: `uzrm` in the high 32 bits, a
+/// hash of the name (FNV-1a) in the low ones. [`UblkExport::recover`] takes over only a
+/// device with the tag of the one it serves.
+pub fn device_tag(name: &str) -> u64 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in name.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    (u64::from(u32::from_be_bytes(*b"uzrm")) << 32) | u64::from(h)
+}
+
+/// Which ublk device a server process serves a device as, kept in a file beside the device's
+/// control socket (`NAME.ublk`) while user recovery is on, so that the next process finds the
+/// block device to take over ([`UblkExport::recover`]): `ublk_dev_id N` and `server_pid P`
+/// lines. Written whole to a temporary file and renamed, so a crash leaves the old record or
+/// the new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UblkRecord {
+    /// `/dev/ublkbN`'s N.
+    pub dev_id: u32,
+    /// The process that served it.
+    pub server_pid: i32,
+}
+
+impl UblkRecord {
+    /// The record at `path`; `None` if there is none or it does not parse.
+    pub fn read(path: &Path) -> Option<UblkRecord> {
+        fn field<T: std::str::FromStr>(text: &str, key: &str) -> Option<T> {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+        }
+        let text = std::fs::read_to_string(path).ok()?;
+        Some(UblkRecord {
+            dev_id: field(&text, "ublk_dev_id")?,
+            server_pid: field(&text, "server_pid")?,
+        })
+    }
+
+    /// Writes the record to `path` (a temporary file beside it, renamed over it).
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let tmp = path.with_extension("ublk.tmp");
+        std::fs::write(
+            &tmp,
+            format!(
+                "ublk_dev_id {}\nserver_pid {}\n",
+                self.dev_id, self.server_pid
+            ),
+        )?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
+/// Deletes ublk device `dev_id` if it is one a dead server left for user recovery under
+/// `tag`, served by `server_pid` (its requests waiting for a server that will not come: they
+/// fail now); anything else is left alone. Whether it deleted it.
+pub fn delete_left_device(dev_id: u32, server_pid: i32, tag: u64) -> bool {
+    if check_driver().is_err() {
+        return false;
+    }
+    ensure_ctrl_ring();
+    let Ok(id) = i32::try_from(dev_id) else {
+        return false;
+    };
+    let Ok(ctrl) = UblkCtrl::new_simple(id) else {
+        return false;
+    };
+    let info = ctrl.dev_info();
+    if info.ublksrv_flags != tag || info.ublksrv_pid != server_pid || process_alive(server_pid) {
+        return false;
+    }
+    let _ = ctrl.kill_dev();
+    ctrl.del_dev().is_ok()
+}
+
+/// Whether process `pid` exists (signal 0 reaches it, or it is another user's).
+fn process_alive(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
 /// log2 of a power of two.
 fn shift(n: u64) -> u8 {
     debug_assert!(n.is_power_of_two());
@@ -233,31 +358,129 @@ fn shift(n: u64) -> u8 {
 impl UblkExport {
     /// Adds a ublk device serving `device` and starts it; returns once `/dev/ublkbN` exists.
     /// The device must be initialised (a nonzero `disksize`): a ublk device's size is fixed
-    /// while it runs.
-    pub fn start(name: &str, device: Arc<dyn BlockDevice>, cfg: &UblkConfig) -> Result<UblkExport> {
+    /// while it runs. `tag` ([`device_tag`]) is written into the device's `ublksrv_flags`,
+    /// where [`recover`](Self::recover) checks it.
+    pub fn start(
+        name: &str,
+        device: Arc<dyn BlockDevice>,
+        cfg: &UblkConfig,
+        tag: u64,
+    ) -> Result<UblkExport> {
         check_driver()?;
-        let size = device.size_bytes();
-        let page = device.page_size_bytes() as u64;
-        if size == 0 {
-            return Err(Error::invalid(format!(
-                "ublk: {name}: the device has no disksize"
-            )));
-        }
-        if !page.is_power_of_two() || page < 4096 {
-            return Err(Error::invalid(format!(
-                "ublk: {name}: page size {page} is not a power of two of at least 4096"
-            )));
-        }
+        check_device(name, &*device)?;
         if cfg.nr_queues == 0 || cfg.queue_depth == 0 {
             return Err(Error::invalid(format!(
                 "ublk: {name}: queues and queue depth must be positive"
             )));
         }
-        let mut flags = UblkFlags::UBLK_DEV_F_ADD_DEV;
-        if cfg.swap {
+        let ctrl_flags = if cfg.user_recovery {
+            u64::from(sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE)
+        } else {
+            0
+        };
+        let setup = Setup {
+            id: -1,
+            nr_queues: cfg.nr_queues,
+            depth: cfg.queue_depth,
+            io_buf_bytes: cfg.io_buf_bytes,
+            ctrl_flags,
+            tag,
+            flags: UblkFlags::UBLK_DEV_F_ADD_DEV,
+            swap: cfg.swap,
+        };
+        Self::run(name, device, setup, "adding the device")
+    }
+
+    /// Takes over ublk device `dev_id`, which a server of this device left when it died
+    /// (`/dev/ublkbN` stayed, its I/O waiting): checks that it is that server's (its process
+    /// `server_pid`, [`device_tag`] `tag`, user recovery, `device`'s size), then
+    /// `START_USER_RECOVERY`, new queue threads with the device's own queue count and depth,
+    /// `END_USER_RECOVERY`: the requests the dead server had not completed are issued again
+    /// (`UBLK_F_USER_RECOVERY_REISSUE`), then the waiting ones. Returns once it serves.
+    pub fn recover(
+        name: &str,
+        device: Arc<dyn BlockDevice>,
+        cfg: &UblkConfig,
+        dev_id: u32,
+        server_pid: i32,
+        tag: u64,
+    ) -> Result<UblkExport> {
+        check_driver()?;
+        check_device(name, &*device)?;
+        ensure_ctrl_ring();
+        let what = format!("{name}: taking over /dev/ublkb{dev_id}");
+        let id = i32::try_from(dev_id).map_err(|_| Error::invalid("ublk: no such device"))?;
+        let old = UblkCtrl::new_simple(id).map_err(|e| ublk_error(&what, e))?;
+        let info = old.dev_info();
+        let mut params = sys::ublk_params::default();
+        old.get_params(&mut params)
+            .map_err(|e| ublk_error(&what, e))?;
+        let size = params.basic.dev_sectors << 9;
+        let recovery = u64::from(sys::UBLK_F_USER_RECOVERY);
+        let wrong = if process_alive(server_pid) {
+            Some(format!(
+                "its server, process {server_pid}, is still running"
+            ))
+        } else if info.ublksrv_flags != tag {
+            Some("it is not this device's (another tag)".to_string())
+        } else if info.ublksrv_pid != server_pid {
+            Some(format!(
+                "it was served by process {}, not {server_pid}",
+                info.ublksrv_pid
+            ))
+        } else if info.flags & recovery == 0 {
+            Some("it was added without user recovery".to_string())
+        } else if size != device.size_bytes() {
+            Some(format!(
+                "its size is {size} bytes, the device's {}",
+                device.size_bytes()
+            ))
+        } else if u32::from(info.state) == sys::UBLK_S_DEV_DEAD {
+            Some("it is stopped".to_string())
+        } else {
+            None
+        };
+        if let Some(why) = wrong {
+            return Err(Error::invalid(format!("ublk: {what}: {why}")));
+        }
+        // Waits (EBUSY, up to 30 s) until the kernel has let the dead server's queues go.
+        let rc = old
+            .start_user_recover()
+            .map_err(|e| ublk_error(&format!("{what}: START_USER_RECOVERY"), e))?;
+        if rc < 0 {
+            return Err(ublk_error(
+                &format!("{what}: START_USER_RECOVERY"),
+                UblkError::OtherError(rc),
+            ));
+        }
+        let setup = Setup {
+            id,
+            nr_queues: info.nr_hw_queues,
+            depth: info.queue_depth,
+            io_buf_bytes: info.max_io_buf_bytes,
+            ctrl_flags: info.flags
+                & u64::from(sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE),
+            tag,
+            flags: UblkFlags::UBLK_DEV_F_RECOVER_DEV,
+            swap: cfg.swap,
+        };
+        Self::run(name, device, setup, "recovering the device")
+    }
+
+    /// Adds or recovers a device as `setup` says and runs its queues on a thread of its own;
+    /// returns once it serves.
+    fn run(
+        name: &str,
+        device: Arc<dyn BlockDevice>,
+        setup: Setup,
+        doing: &'static str,
+    ) -> Result<UblkExport> {
+        let size = device.size_bytes();
+        let page = device.page_size_bytes() as u64;
+        let mut flags = setup.flags;
+        if setup.swap {
             flags |= UblkFlags::UBLK_DEV_F_MLOCK_IO_BUFFER;
         }
-        let (nr_queues, depth, io_buf_bytes) = (cfg.nr_queues, cfg.queue_depth, cfg.io_buf_bytes);
         let counters = Arc::new(QueueCounters::default());
         let queue_counters = Arc::clone(&counters);
         let (tx, rx) = mpsc::channel::<Result<Arc<UblkCtrl>>>();
@@ -269,15 +492,18 @@ impl UblkExport {
             .spawn(move || {
                 let ctrl = match UblkCtrlBuilder::default()
                     .name("uzram")
-                    .nr_queues(nr_queues)
-                    .depth(depth)
-                    .io_buf_bytes(io_buf_bytes)
+                    .id(setup.id)
+                    .nr_queues(setup.nr_queues)
+                    .depth(setup.depth)
+                    .io_buf_bytes(setup.io_buf_bytes)
+                    .ctrl_flags(setup.ctrl_flags)
+                    .ctrl_target_flags(setup.tag)
                     .dev_flags(flags)
                     .build()
                 {
                     Ok(c) => Arc::new(c),
                     Err(e) => {
-                        let _ = tx.send(Err(ublk_error(&format!("{name2}: adding the device"), e)));
+                        let _ = tx.send(Err(ublk_error(&format!("{name2}: {doing}"), e)));
                         return;
                     }
                 };
@@ -316,7 +542,7 @@ impl UblkExport {
         match rx.recv_timeout(START_TIMEOUT) {
             Ok(Ok(ctrl)) => {
                 let dev_id = ctrl.dev_info().dev_id;
-                if cfg.swap {
+                if setup.swap {
                     no_writeback_throttling(dev_id);
                 }
                 Ok(UblkExport {
@@ -355,6 +581,19 @@ impl UblkExport {
     /// `/dev/ublkbN`.
     pub fn block_dev_path(&self) -> PathBuf {
         PathBuf::from(self.ctrl.get_bdev_path())
+    }
+
+    /// Leaves the device to the next server of this device (a stop for a restart, with user
+    /// recovery on): nothing is stopped or deleted; the queue threads serve on until the
+    /// process exits, when the kernel quiesces the device (`/dev/ublkbN` stays, its requests
+    /// wait) for the next server to take over ([`recover`](Self::recover)). Returns
+    /// `/dev/ublkbN`.
+    pub fn leave(mut self) -> PathBuf {
+        self.ctrl.disown();
+        let path = self.block_dev_path();
+        // Detached: the thread runs until the process ends.
+        self.thread.take();
+        path
     }
 
     /// Stops the device (after the requests in flight complete), ends its queue threads and
@@ -462,5 +701,41 @@ mod tests {
         assert!(!text.contains('\n'), "{text}");
         assert!(text.contains("modprobe ublk_drv"), "{text}");
         check_control(Path::new("/dev/null")).unwrap();
+    }
+
+    #[test]
+    fn the_record_reads_back_and_a_broken_one_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("zram0.ublk");
+        assert_eq!(UblkRecord::read(&path), None);
+        let r = UblkRecord {
+            dev_id: 7,
+            server_pid: 4242,
+        };
+        r.write(&path).unwrap();
+        assert_eq!(UblkRecord::read(&path), Some(r));
+        assert!(!path.with_extension("ublk.tmp").exists());
+        std::fs::write(&path, "ublk_dev_id 7\n").unwrap();
+        assert_eq!(UblkRecord::read(&path), None, "no server_pid");
+        std::fs::write(&path, "ublk_dev_id x\nserver_pid 1\n").unwrap();
+        assert_eq!(UblkRecord::read(&path), None, "not a number");
+    }
+
+    #[test]
+    fn tags_carry_uzrm_and_tell_names_apart() {
+        let t = device_tag("zram0");
+        assert_eq!(t >> 32, u64::from(u32::from_be_bytes(*b"uzrm")));
+        assert_ne!(t, device_tag("zram1"));
+        assert_eq!(t, device_tag("zram0"));
+    }
+
+    #[test]
+    fn a_live_process_is_alive_and_a_reaped_one_is_not() {
+        assert!(process_alive(std::process::id() as i32));
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id() as i32;
+        c.wait().unwrap();
+        assert!(!process_alive(pid));
+        assert!(!process_alive(0));
     }
 }
