@@ -548,3 +548,211 @@ fn ublk_fio_and_kill_in_vm() {
     let s2 = serve(&["--disksize", "64M"]);
     stop(s2);
 }
+
+/// The kernel log's lines (since boot) containing any of `keys`.
+fn kernel_log_lines(keys: &[&str]) -> Vec<String> {
+    use std::io::Read;
+    let Ok(mut f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/dev/kmsg")
+    else {
+        return Vec::new();
+    };
+    let mut buf = vec![0u8; 8192];
+    let mut lines = Vec::new();
+    // Each read is one record, "level,seq,time,flags;text\n"; EAGAIN at the end.
+    while let Ok(n) = f.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        let rec = String::from_utf8_lossy(&buf[..n]);
+        let text = rec.split_once(';').map_or(&*rec, |(_, t)| t).trim_end();
+        if keys.iter().any(|k| text.contains(k)) {
+            lines.push(text.to_string());
+        }
+    }
+    lines
+}
+
+/// A server kept by `uzram serve --keeper`, killed (`kill -9`) ten times and upgraded once
+/// (`uzram ctl upgrade`) while fio's verifying writers, then an ext4 file system, use
+/// `/dev/ublkb0`: the block device stays, each new server takes it over (ublk user recovery:
+/// the requests in flight at the kill are issued again, the later ones waited), and no user of
+/// the device sees an error: every fio round verifies every block it wrote, the files (real
+/// pages) read back, `e2fsck -fn` is clean, and the kernel logs no I/O error.
+#[test]
+fn ublk_keeper_kill_in_vm() {
+    if !uzram_testkit::vm::in_vm_or_boot("ublk_keeper_kill_in_vm", &vm_args(1024)) {
+        return;
+    }
+    let r = Serve::args(&[
+        "--ublk",
+        "--keeper",
+        "--socket",
+        "{dir}/zram0.sock",
+        "--disksize",
+        "1G",
+    ])
+    .start();
+    let dev = r
+        .banner()
+        .iter()
+        .flat_map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+        .find(|w| w.starts_with("/dev/ublkb"))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("no /dev/ublkbN: {:?} {}", r.lines(), r.log()));
+    let keeper = r.pid();
+    let child = || -> u32 {
+        let c: Vec<u32> = std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(|p| p.parse().unwrap())
+            .collect();
+        assert_eq!(c.len(), 1, "the keeper's children {c:?}: {}", r.log());
+        c[0]
+    };
+    let servings = || {
+        r.lines()
+            .iter()
+            .filter(|l| l.starts_with("serving"))
+            .count()
+    };
+    let kills = std::sync::atomic::AtomicUsize::new(0);
+    // kill -9 the serving child once it has served 10 s (the keeper restarts such a child at
+    // once; one that dies sooner, later and later), and wait until the next one serves.
+    let kill_child = || {
+        std::thread::sleep(Duration::from_secs(11));
+        let before = servings();
+        let old = child();
+        // SAFETY: kill has no memory preconditions.
+        unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
+        uzram_testkit::process::wait_for("a new server", Duration::from_secs(90), || {
+            servings() > before
+        });
+        assert_ne!(child(), old);
+        assert!(dev.exists(), "{} went away with its server", dev.display());
+        kills.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    };
+
+    // fio rounds, each writing and verifying (crc32c) its blocks, one after another while the
+    // server is killed seven times.
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let rounds = std::thread::scope(|s| {
+        let fio = s.spawn(|| {
+            let mut rounds = 0;
+            while rounds == 0 || !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let out = run(Command::new("fio")
+                    .args([
+                        "--name=verify",
+                        "--ioengine=io_uring",
+                        "--direct=1",
+                        "--rw=randwrite",
+                        "--bs=4k",
+                        "--iodepth=16",
+                        "--numjobs=2",
+                        "--size=16M",
+                        "--offset_increment=256M",
+                        "--verify=crc32c",
+                        "--verify_fatal=1",
+                        "--do_verify=1",
+                        "--buffer_compress_percentage=50",
+                        "--refill_buffers",
+                        "--group_reporting",
+                    ])
+                    .arg(format!("--randseed={rounds}"))
+                    .arg(format!("--filename={}", dev.display())));
+                assert!(out.contains("err= 0"), "fio round {rounds}: {out}");
+                rounds += 1;
+            }
+            rounds
+        });
+        for _ in 0..7 {
+            kill_child();
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        fio.join().unwrap()
+    });
+    println!("fio: {rounds} rounds verified across 7 kills");
+
+    // ext4 with files of real pages, written and read back across three more kills.
+    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&dev));
+    let mnt = r.dir().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    run(Command::new("mount")
+        .args(["-t", "ext4"])
+        .arg(&dev)
+        .arg(&mnt));
+    let files = real_files(child());
+    let (first, rest) = files.split_at(files.len() / 2);
+    std::thread::scope(|s| {
+        let w = s.spawn(|| {
+            for (name, data) in first {
+                std::fs::write(mnt.join(name), data).unwrap();
+            }
+            // SAFETY: sync takes no arguments.
+            unsafe { libc::sync() };
+        });
+        kill_child();
+        w.join().unwrap();
+    });
+    for (name, data) in rest {
+        std::fs::write(mnt.join(name), data).unwrap();
+    }
+    // SAFETY: sync takes no arguments.
+    unsafe { libc::sync() };
+    kill_child();
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    for (name, data) in &files {
+        let back = std::fs::read(mnt.join(name)).unwrap();
+        assert!(back == *data, "{name} differs after the kills");
+    }
+    // An upgrade (to the binary now at the keeper's path: this one) while files are written:
+    // the old server leaves the block device to the new one, which takes it over.
+    let more = real_files(child());
+    std::thread::scope(|s| {
+        let w = s.spawn(|| {
+            for (name, data) in &more {
+                std::fs::write(mnt.join(format!("more-{name}")), data).unwrap();
+            }
+            // SAFETY: sync takes no arguments.
+            unsafe { libc::sync() };
+        });
+        let old = child();
+        let o = r.ctl(&["upgrade"]);
+        let said = String::from_utf8_lossy(&o.stdout).to_string();
+        assert!(
+            o.status.success() && said.starts_with("upgraded to uzram "),
+            "{said}: {}",
+            r.log()
+        );
+        assert_ne!(child(), old);
+        assert!(dev.exists(), "{} went away in the upgrade", dev.display());
+        w.join().unwrap();
+    });
+    assert!(r.log().contains("left /dev/ublkb"), "{}", r.log());
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    for (name, data) in &more {
+        let back = std::fs::read(mnt.join(format!("more-{name}"))).unwrap();
+        assert!(back == *data, "more-{name} differs after the upgrade");
+    }
+    run(Command::new("umount").arg(&mnt));
+    kill_child();
+    run(Command::new("e2fsck").args(["-f", "-n"]).arg(&dev));
+    assert_eq!(kills.load(std::sync::atomic::Ordering::Relaxed), 10);
+    let taken = r.log().matches("taken over from process").count();
+    assert_eq!(taken, 11, "ten kills and an upgrade: {}", r.log());
+    let errors = kernel_log_lines(&["I/O error", "EXT4-fs error", "Buffer I/O"]);
+    assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");
+
+    // SIGTERM to the keeper: its server stops and removes the block device.
+    let mut r = r;
+    r.signal("-TERM");
+    let st = r.wait_exit(Duration::from_secs(30));
+    assert!(st.success(), "{st}: {}", r.log());
+    assert!(
+        !dev.exists(),
+        "{} outlived the keeper's stop",
+        dev.display()
+    );
+}
