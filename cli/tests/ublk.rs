@@ -575,6 +575,94 @@ fn kernel_log_lines(keys: &[&str]) -> Vec<String> {
     lines
 }
 
+/// `uzram serve --keeper --ublk` (and `extra` arguments) with its block device, for the tests
+/// that kill its server.
+struct Kept {
+    r: Running,
+    dev: PathBuf,
+    kills: std::sync::atomic::AtomicUsize,
+}
+
+impl Kept {
+    fn start(extra: &[&str]) -> Kept {
+        let r = Serve::args(&["--ublk", "--keeper", "--socket", "{dir}/zram0.sock"])
+            .arg(extra)
+            .start();
+        let dev = r
+            .banner()
+            .iter()
+            .flat_map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+            .find(|w| w.starts_with("/dev/ublkb"))
+            .map(PathBuf::from)
+            .unwrap_or_else(|| panic!("no /dev/ublkbN: {:?} {}", r.lines(), r.log()));
+        Kept {
+            r,
+            dev,
+            kills: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    /// The keeper's serving child.
+    fn child(&self) -> u32 {
+        let keeper = self.r.pid();
+        let c: Vec<u32> = std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(|p| p.parse().unwrap())
+            .collect();
+        assert_eq!(c.len(), 1, "the keeper's children {c:?}: {}", self.r.log());
+        c[0]
+    }
+
+    /// How many times a server printed `serving`.
+    fn servings(&self) -> usize {
+        self.r
+            .lines()
+            .iter()
+            .filter(|l| l.starts_with("serving"))
+            .count()
+    }
+
+    /// `kill -9` the serving child once it has served 10 s (the keeper restarts such a child
+    /// at once; one that dies sooner, later and later), and waits until the next one serves,
+    /// the block device still there.
+    fn kill_child(&self) {
+        std::thread::sleep(Duration::from_secs(11));
+        let before = self.servings();
+        let old = self.child();
+        // SAFETY: kill has no memory preconditions.
+        unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
+        uzram_testkit::process::wait_for("a new server", Duration::from_secs(90), || {
+            self.servings() > before
+        });
+        assert_ne!(self.child(), old);
+        assert!(
+            self.dev.exists(),
+            "{} went away with its server",
+            self.dev.display()
+        );
+        self.kills
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The kills so far.
+    fn kills(&self) -> usize {
+        self.kills.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// SIGTERM to the keeper: its server stops and removes the block device.
+    fn stop(mut self) {
+        self.r.signal("-TERM");
+        let st = self.r.wait_exit(Duration::from_secs(30));
+        assert!(st.success(), "{st}: {}", self.r.log());
+        assert!(
+            !self.dev.exists(),
+            "{} outlived the keeper's stop",
+            self.dev.display()
+        );
+    }
+}
+
 /// A server kept by `uzram serve --keeper`, killed (`kill -9`) ten times and upgraded once
 /// (`uzram ctl upgrade`) while fio's verifying writers, then an ext4 file system, use
 /// `/dev/ublkb0`: the block device stays, each new server takes it over (ublk user recovery:
@@ -586,54 +674,10 @@ fn ublk_keeper_kill_in_vm() {
     if !uzram_testkit::vm::in_vm_or_boot("ublk_keeper_kill_in_vm", &vm_args(1024)) {
         return;
     }
-    let r = Serve::args(&[
-        "--ublk",
-        "--keeper",
-        "--socket",
-        "{dir}/zram0.sock",
-        "--disksize",
-        "1G",
-    ])
-    .start();
-    let dev = r
-        .banner()
-        .iter()
-        .flat_map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
-        .find(|w| w.starts_with("/dev/ublkb"))
-        .map(PathBuf::from)
-        .unwrap_or_else(|| panic!("no /dev/ublkbN: {:?} {}", r.lines(), r.log()));
-    let keeper = r.pid();
-    let child = || -> u32 {
-        let c: Vec<u32> = std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
-            .unwrap_or_default()
-            .split_whitespace()
-            .map(|p| p.parse().unwrap())
-            .collect();
-        assert_eq!(c.len(), 1, "the keeper's children {c:?}: {}", r.log());
-        c[0]
-    };
-    let servings = || {
-        r.lines()
-            .iter()
-            .filter(|l| l.starts_with("serving"))
-            .count()
-    };
-    let kills = std::sync::atomic::AtomicUsize::new(0);
-    // kill -9 the serving child once it has served 10 s (the keeper restarts such a child at
-    // once; one that dies sooner, later and later), and wait until the next one serves.
-    let kill_child = || {
-        std::thread::sleep(Duration::from_secs(11));
-        let before = servings();
-        let old = child();
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
-        uzram_testkit::process::wait_for("a new server", Duration::from_secs(90), || {
-            servings() > before
-        });
-        assert_ne!(child(), old);
-        assert!(dev.exists(), "{} went away with its server", dev.display());
-        kills.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    };
+    let k = Kept::start(&["--disksize", "1G"]);
+    let (r, dev) = (&k.r, &k.dev);
+    let child = || k.child();
+    let kill_child = || k.kill_child();
 
     // fio rounds, each writing and verifying (crc32c) its blocks, one after another while the
     // server is killed seven times.
@@ -739,20 +783,70 @@ fn ublk_keeper_kill_in_vm() {
     run(Command::new("umount").arg(&mnt));
     kill_child();
     run(Command::new("e2fsck").args(["-f", "-n"]).arg(&dev));
-    assert_eq!(kills.load(std::sync::atomic::Ordering::Relaxed), 10);
+    assert_eq!(k.kills(), 10);
     let taken = r.log().matches("taken over from process").count();
     assert_eq!(taken, 11, "ten kills and an upgrade: {}", r.log());
     let errors = kernel_log_lines(&["I/O error", "EXT4-fs error", "Buffer I/O"]);
     assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");
 
-    // SIGTERM to the keeper: its server stops and removes the block device.
-    let mut r = r;
-    r.signal("-TERM");
-    let st = r.wait_exit(Duration::from_secs(30));
-    assert!(st.success(), "{st}: {}", r.log());
-    assert!(
-        !dev.exists(),
-        "{} outlived the keeper's stop",
-        dev.display()
+    k.stop();
+}
+
+/// Swap on `/dev/ublkb0` of a kept server (`--keeper --swap`), killed (`kill -9`) ten times
+/// while a hog twice its memory cgroup's `memory.max` fills its pages and checks every one,
+/// round after round: each new server takes the block device over, the swap-outs and
+/// swap-ins in flight at a kill are issued again and the others wait, and not one page is
+/// wrong, nor a swap I/O error logged. (The hog's cgroup keeps the pressure to the hog, as on
+/// a host whose workloads run in cgroups: a new server starts with the memory it needs.)
+#[test]
+fn ublk_keeper_swap_kill_in_vm() {
+    if !uzram_testkit::vm::in_vm_or_boot("ublk_keeper_swap_kill_in_vm", &vm_args(1024)) {
+        return;
+    }
+    let k = Kept::start(&["--disksize", "1G", "--swap"]);
+    run(Command::new("mkswap").arg(&k.dev));
+    run(Command::new("swapon").arg("-d").arg(&k.dev));
+    let out0 = uzram_testkit::vm::vmstat("pswpout");
+    let in0 = uzram_testkit::vm::vmstat("pswpin");
+    let cgroup = HogCgroup::new(96 << 20);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let rounds = std::thread::scope(|s| {
+        let hog = s.spawn(|| {
+            let mut hog = uzram_testkit::vm::Hog::new((192 << 20) / PAGE);
+            let mut v = 0;
+            while v == 0 || !done.load(std::sync::atomic::Ordering::Relaxed) {
+                v += 1;
+                hog.fill(v);
+                let bad = hog.bad_pages(v);
+                assert_eq!(bad, 0, "round {v}: {bad} pages wrong");
+            }
+            v
+        });
+        for _ in 0..10 {
+            k.kill_child();
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        hog.join().unwrap()
+    });
+    let events = std::fs::read_to_string(cgroup.path.join("memory.events")).unwrap_or_default();
+    drop(cgroup);
+    let (out, inn) = (
+        uzram_testkit::vm::vmstat("pswpout") - out0,
+        uzram_testkit::vm::vmstat("pswpin") - in0,
     );
+    println!(
+        "swap: {rounds} hog rounds verified across 10 kills; pswpout {out} pswpin {inn}; hog \
+         cgroup {}",
+        events.replace('\n', ", ")
+    );
+    assert!(
+        out > 20_000 && inn > 10_000,
+        "pswpout {out} pswpin {inn}: too little swap"
+    );
+    run(Command::new("swapoff").arg(&k.dev));
+    let taken = k.r.log().matches("taken over from process").count();
+    assert_eq!(taken, 10, "{}", k.r.log());
+    let errors = kernel_log_lines(&["I/O error", "error on swap-device"]);
+    assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");
+    k.stop();
 }
