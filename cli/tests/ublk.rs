@@ -720,12 +720,12 @@ fn ublk_keeper_kill_in_vm() {
     println!("fio: {rounds} rounds verified across 7 kills");
 
     // ext4 with files of real pages, written and read back across three more kills.
-    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&dev));
+    run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(dev));
     let mnt = r.dir().join("mnt");
     std::fs::create_dir(&mnt).unwrap();
     run(Command::new("mount")
         .args(["-t", "ext4"])
-        .arg(&dev)
+        .arg(dev)
         .arg(&mnt));
     let files = real_files(child());
     let (first, rest) = files.split_at(files.len() / 2);
@@ -782,7 +782,7 @@ fn ublk_keeper_kill_in_vm() {
     }
     run(Command::new("umount").arg(&mnt));
     kill_child();
-    run(Command::new("e2fsck").args(["-f", "-n"]).arg(&dev));
+    run(Command::new("e2fsck").args(["-f", "-n"]).arg(dev));
     assert_eq!(k.kills(), 10);
     let taken = r.log().matches("taken over from process").count();
     assert_eq!(taken, 11, "ten kills and an upgrade: {}", r.log());
