@@ -2,9 +2,10 @@
 //! settings header written at `disksize`, and recovery.
 //!
 //! The header is a memfd of its own holding the settings the store was built with, as text:
-//! a magic line with the format's version, then `key value` lines. Recovery reads it, refuses
-//! settings whose state it cannot rebuild yet (a backing device, recompression codecs, a
-//! dictionary), rebuilds the codecs and then the store from its files,
+//! a magic line with the format's version, then `key value` lines (a last `recomp` line,
+//! which headers of earlier binaries lack, read as none). Recovery reads it, refuses settings
+//! whose state it cannot rebuild yet (the zoned layout, a dictionary), rebuilds the codecs
+//! (the primary and the recompression ones) and then the store from its files,
 //! checking everything (`store::restore`, `zsmalloc::restore`).
 
 use std::os::fd::OwnedFd;
@@ -13,7 +14,7 @@ use std::sync::Arc;
 use super::{Device, Settings, MULTI_PAGE_SIZES_BYTES};
 use crate::backing::Backing;
 use crate::clock::SystemClock;
-use crate::compress::CodecParams;
+use crate::compress::{CodecParams, MAX_COMPS};
 use crate::error::{Error, Result};
 use crate::memory::SwapReserve;
 use crate::shm::ShmFile;
@@ -100,13 +101,15 @@ struct Header {
     /// The backing device written back to (`Backing::describe`), its size, and
     /// `compressed_writeback`; `None` without one.
     backing: Option<(String, u64, bool)>,
+    /// The recompression codecs: priority (1 and up), algorithm, level.
+    recomp: Vec<(usize, String, Option<i32>)>,
 }
 
 impl Header {
     fn encode(&self) -> String {
         format!(
             "{MAGIC}\npage_size {}\npages {}\nmulti_page_size {}\ncomp_algorithm {}\nlevel {}\n\
-             unsupported {}\nswap_pool {}\nbacking {}\n",
+             unsupported {}\nswap_pool {}\nbacking {}\nrecomp {}\n",
             self.page_size_bytes,
             self.pages,
             self.multi_page_size_bytes,
@@ -126,6 +129,20 @@ impl Header {
                         name.replace('\n', " ")
                     )
                 }),
+            if self.recomp.is_empty() {
+                "none".to_string()
+            } else {
+                self.recomp
+                    .iter()
+                    .map(|(prio, alg, level)| {
+                        format!(
+                            "{prio}:{alg}:{}",
+                            level.map_or("none".to_string(), |l| l.to_string())
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(",")
+            },
         )
     }
 
@@ -184,6 +201,38 @@ impl Header {
                 }
             }
         };
+        // Written by this binary and later ones; a header without it has none.
+        let recomp = match lines.next() {
+            None => Vec::new(),
+            Some(line) => {
+                let v = line
+                    .strip_prefix("recomp ")
+                    .ok_or_else(|| bad(&format!("has {line:?} where recomp belongs")))?;
+                if v == "none" {
+                    Vec::new()
+                } else {
+                    v.split(',')
+                        .map(|e| {
+                            let mut parts = e.split(':');
+                            let prio = parts
+                                .next()
+                                .and_then(|p| p.parse::<usize>().ok())
+                                .filter(|p| (1..MAX_COMPS).contains(p));
+                            let alg = parts.next().filter(|a| !a.is_empty());
+                            let level = match parts.next() {
+                                Some("none") => Some(None),
+                                Some(l) => l.parse().ok().map(Some),
+                                None => None,
+                            };
+                            match (prio, alg, level, parts.next()) {
+                                (Some(p), Some(a), Some(l), None) => Ok((p, a.to_string(), l)),
+                                _ => Err(bad(&format!("has recomp {v:?}"))),
+                            }
+                        })
+                        .collect::<Result<Vec<_>>>()?
+                }
+            }
+        };
         Ok(Header {
             page_size_bytes,
             pages,
@@ -193,6 +242,7 @@ impl Header {
             unsupported,
             swap_pool,
             backing,
+            recomp,
         })
     }
 }
@@ -203,10 +253,9 @@ fn unsupported(settings: &Settings) -> Option<String> {
     if settings.backing.is_some() && settings.backing_layout == BackingLayout::Zoned {
         what.push("a backing device in the zoned layout");
     }
-    if settings.recomp_algorithms.iter().any(Option::is_some) {
-        what.push("recompression codecs");
-    }
-    if settings.comp_params.dict.is_some() {
+    if settings.comp_params.dict.is_some()
+        || settings.recomp_params.iter().any(|p| p.dict.is_some())
+    {
         what.push("a dictionary");
     }
     (!what.is_empty()).then(|| what.join(", "))
@@ -233,6 +282,14 @@ impl Device {
                 .backing
                 .as_ref()
                 .map(|b| (b.describe(), b.size_bytes(), settings.compressed_writeback)),
+            recomp: settings
+                .recomp_algorithms
+                .iter()
+                .enumerate()
+                .filter_map(|(prio, alg)| {
+                    Some((prio, alg.clone()?, settings.recomp_params[prio].level))
+                })
+                .collect(),
         };
         let file = ShmFile::create("device")?;
         let text = header.encode();
@@ -349,7 +406,7 @@ impl Device {
                 "recovery: the device header has multi_page_size {mps}"
             )));
         }
-        let settings = Settings {
+        let mut settings = Settings {
             comp_algorithm: header.comp_algorithm.clone(),
             comp_params: CodecParams::with_level(header.level),
             multi_page_size_bytes: mps,
@@ -358,6 +415,10 @@ impl Device {
             backing_layout: BackingLayout::Bitmap,
             ..Settings::default()
         };
+        for (prio, alg, level) in &header.recomp {
+            settings.recomp_algorithms[*prio] = Some(alg.clone());
+            settings.recomp_params[*prio] = CodecParams::with_level(*level);
+        }
         let target = match backing {
             Some(b) => Some(WbTarget::new(
                 b,
@@ -426,16 +487,30 @@ mod tests {
             unsupported: None,
             swap_pool: None,
             backing: None,
+            recomp: Vec::new(),
         };
         assert_eq!(Header::decode(h.encode().as_bytes()).unwrap(), h);
+        // A header of an earlier binary: no recomp line, no recompression.
+        let old = h.encode().replace("recomp none\n", "");
+        assert_eq!(Header::decode(old.as_bytes()).unwrap(), h);
         let h2 = Header {
             level: None,
             unsupported: Some("a backing device".into()),
             swap_pool: Some(3),
             backing: Some(("/var/tmp/wb file".into(), 1 << 30, true)),
+            recomp: vec![(1, "zstd".into(), Some(19)), (3, "lz4hc".into(), None)],
             ..h.clone()
         };
         assert_eq!(Header::decode(h2.encode().as_bytes()).unwrap(), h2);
+        for junk in [
+            "recomp 0:zstd:1",
+            "recomp 1:zstd",
+            "recomp 1::3",
+            "recomp 9:zstd:1",
+        ] {
+            let text = h.encode().replace("recomp none", junk);
+            assert!(Header::decode(text.as_bytes()).is_err(), "{junk}");
+        }
         assert!(Header::decode(b"uzram-device-state 2\n").is_err());
         assert!(Header::decode(&[0u8; 64]).is_err());
         let text = h.encode().replace("pages 12345", "pages x");

@@ -235,6 +235,8 @@ impl Store {
                 codecs
                     .get(st.codec())
                     .map_err(|e| corrupt(format!("slot {i}: {}", e.message())))?;
+                // The slot names its codec: counted, as when it was published.
+                codecs.acquire(st.codec());
                 if !st.has(SlotFlags::MULTI) {
                     target
                         .claim(location, 1)
@@ -283,6 +285,7 @@ impl Store {
             codecs
                 .get(st.codec())
                 .map_err(|e| corrupt(format!("slot {i}: {}", e.message())))?;
+            codecs.acquire(st.codec());
             if st.has(SlotFlags::HUGE) {
                 StoreStats::add(&stats.huge_pages, 1);
                 StoreStats::add(&stats.huge_pages_since, 1);
