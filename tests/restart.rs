@@ -145,6 +145,84 @@ fn recovers_multi_page_objects_and_large_pages() {
     }
 }
 
+/// Recompression codecs come back: pages recompressed with two secondary codecs (single pages
+/// and 64 KiB groups) read back after recovery, the codecs are the ones set before
+/// `disksize`, releasing and recompressing recovered pages works (the per-codec counts were
+/// rebuilt), and a device whose pages name a trained dictionary's generation is refused
+/// naming the slot.
+#[test]
+fn recovers_recompressed_pages_and_refuses_a_trained_dictionary() {
+    let page = 4096usize;
+    for mps in ["4096", "64K"] {
+        let n = 512u64;
+        let dev = DeviceBuilder::pages(n)
+            .attr("comp_algorithm", "lz4")
+            .attr("recomp_algorithm", "algo=zstd priority=1")
+            .attr("recomp_algorithm", "algo=deflate priority=2")
+            .attr("algorithm_params", "priority=1 level=9")
+            .attr("multi_page_size", mps)
+            .build();
+        let mut buf = vec![0u8; page];
+        let mut want = vec![0u64; n as usize];
+        for i in 0..n {
+            fill(i, 1, &mut buf);
+            dev.write_at(&buf, i * page as u64).unwrap();
+            want[i as usize] = 1;
+        }
+        dev.attr_store("recompress", "type=huge_idle priority=1")
+            .ok();
+        dev.attr_store("idle", "all").unwrap();
+        dev.attr_store("recompress", "type=idle priority=1")
+            .unwrap();
+        let recompressed = |d: &Device| {
+            (0..n)
+                .filter(|&i| d.debug_slot_priority(i).unwrap_or(0) > 0)
+                .count()
+        };
+        let before = recompressed(&dev);
+        assert!(before > 0, "{mps}: nothing was recompressed");
+        let recomp_alg = dev.attr_show("recomp_algorithm").unwrap();
+        let rec = recover_as_it_was(dev, &format!("recompressed, multi_page_size {mps}"));
+        assert_eq!(recompressed(&rec), before, "{mps}");
+        assert_eq!(rec.attr_show("recomp_algorithm").unwrap(), recomp_alg);
+        check_pages(&rec, page, &want, &[]).unwrap();
+        // Released (overwritten, discarded) and recompressed again, on the recovered device.
+        for i in (0..n).step_by(3) {
+            fill(i, 2, &mut buf);
+            rec.write_at(&buf, i * page as u64).unwrap();
+            want[i as usize] = 2;
+        }
+        for i in (1..n).step_by(5) {
+            rec.discard(i * page as u64, page as u64).unwrap();
+            want[i as usize] = 0;
+        }
+        rec.attr_store("idle", "all").unwrap();
+        rec.attr_store("recompress", "type=idle priority=2")
+            .unwrap();
+        check_pages(&rec, page, &want, &[]).unwrap();
+        exercise(&rec, page, n);
+    }
+
+    // A dictionary trained after disksize names a generation the header does not hold.
+    let n = 256u64;
+    let dev = DeviceBuilder::pages(n)
+        .attr("recomp_algorithm", "algo=zstd")
+        .build();
+    let mut buf = vec![0u8; page];
+    for i in 0..n {
+        fill(i, 1, &mut buf);
+        dev.write_at(&buf, i * page as u64).unwrap();
+    }
+    dev.attr_store("train_dict", "dict_size=4K samples=64")
+        .unwrap();
+    dev.attr_store("idle", "all").unwrap();
+    dev.attr_store("recompress", "type=idle").unwrap();
+    dev.flush_deferred();
+    let files = dev.state_files().unwrap();
+    let e = Device::recover(files).unwrap_err();
+    assert!(e.message().contains("generation 1"), "{}", e.message());
+}
+
 #[test]
 fn refuses_a_slot_naming_a_free_handle_and_a_foreign_header() {
     let page = 4096usize;
@@ -423,6 +501,10 @@ struct Config {
     /// Writing back: the device has a backing file, and a thread writes every page back
     /// again and again (bitmap layout).
     writeback: bool,
+    /// Recompressing: the device has two recompression codecs (zstd at priority 1, deflate
+    /// at 2), and a thread marks every page idle and recompresses the idle ones with one or
+    /// the other, again and again.
+    recompress: bool,
 }
 
 /// The swap configuration's reserve.
@@ -438,6 +520,7 @@ const CONFIGS: [Config; 5] = [
         threads: 3,
         swap: false,
         writeback: false,
+        recompress: true,
     },
     Config {
         name: "4k-multi",
@@ -448,6 +531,7 @@ const CONFIGS: [Config; 5] = [
         threads: 3,
         swap: false,
         writeback: false,
+        recompress: true,
     },
     Config {
         name: "16k",
@@ -458,6 +542,7 @@ const CONFIGS: [Config; 5] = [
         threads: 2,
         swap: false,
         writeback: false,
+        recompress: false,
     },
     Config {
         name: "4k-swap",
@@ -468,6 +553,7 @@ const CONFIGS: [Config; 5] = [
         threads: 2,
         swap: true,
         writeback: false,
+        recompress: false,
     },
     Config {
         name: "4k-multi-writeback",
@@ -478,6 +564,7 @@ const CONFIGS: [Config; 5] = [
         threads: 2,
         swap: false,
         writeback: true,
+        recompress: false,
     },
 ];
 
@@ -523,6 +610,11 @@ fn crash_model_child() {
             .page_size(cfg.page_size)
             .with(move |d| d.set_swap_reserve(r).unwrap())
             .attr("multi_page_size", &cfg.multi_page_size.to_string());
+        if cfg.recompress {
+            b = b
+                .attr("recomp_algorithm", "algo=zstd priority=1")
+                .attr("recomp_algorithm", "algo=deflate priority=2");
+        }
         if let Some(path) = &backing_path {
             let size = 2 * cfg.pages * cfg.page_size as u64;
             b = b.backing(Arc::new(
@@ -565,6 +657,19 @@ fn crash_model_child() {
         let dev = Arc::clone(&dev);
         threads.push(std::thread::spawn(move || loop {
             writeback_all(&dev, cfg.pages);
+        }));
+    }
+    if cfg.recompress {
+        let dev = Arc::clone(&dev);
+        threads.push(std::thread::spawn(move || {
+            let mut rng = SmallRng::seed_from_u64(seed ^ 0x7e);
+            loop {
+                std::thread::sleep(Duration::from_micros(rng.gen_range(100..2000)));
+                dev.attr_store("idle", "all").unwrap();
+                let prio = rng.gen_range(1..=2);
+                dev.attr_store("recompress", &format!("type=idle priority={prio}"))
+                    .unwrap();
+            }
         }));
     }
     if let Some(nb) = neighbour {
@@ -678,6 +783,8 @@ struct Point {
     written_back: u64,
     /// Slots recovery repointed to finish a group's half-done publish or writeback.
     repointed: u64,
+    /// Pages the recovered device held recompressed (a secondary codec's).
+    recompressed: u64,
 }
 
 /// One crash point: a child runs `cfg` with `seed` and is killed after `run`; the parent
@@ -794,11 +901,15 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
     };
     let mut written_back = 0;
     let mut repointed = 0;
+    let mut recompressed = 0;
     let mismatches = match recovered {
         Err(e) => Err(format!("recovery refused: {e}")),
         Ok((dev, report)) => check_pages(&dev, cfg.page_size, &want, &in_flight).map(|()| {
             repointed = report.group_repointed;
             written_back = bd(&dev)[0];
+            recompressed = (0..cfg.pages)
+                .filter(|&i| dev.debug_slot_priority(i).unwrap_or(0) > 0)
+                .count() as u64;
             // The recovered allocator takes writes again.
             exercise(&dev, cfg.page_size, cfg.pages.min(64));
         }),
@@ -808,6 +919,7 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
         ops_acked,
         written_back,
         repointed,
+        recompressed,
     }
 }
 
@@ -827,6 +939,7 @@ fn crash_model(cfg: &Config) {
         .unwrap_or_else(|| rand::random::<u32>().into());
     let mut acked = 0;
     let mut with_wb = 0;
+    let mut with_recomp = 0;
     let mut repointed = 0;
     let mut runs = SmallRng::seed_from_u64(base);
     for n in 0..points() {
@@ -844,12 +957,13 @@ fn crash_model(cfg: &Config) {
         }
         acked += p.ops_acked;
         with_wb += u64::from(p.written_back > 0);
+        with_recomp += u64::from(p.recompressed > 0);
         repointed += p.repointed;
     }
     eprintln!(
         "{}: {} crash points, 0 mismatches, {acked} operations acknowledged, {with_wb} \
-         recovered with written-back pages, {repointed} slots of half-done group operations \
-         repointed (seeds from {base})",
+         recovered with written-back pages, {with_recomp} with recompressed pages, {repointed} \
+         slots of half-done group operations repointed (seeds from {base})",
         cfg.name,
         points()
     );
@@ -857,6 +971,10 @@ fn crash_model(cfg: &Config) {
     assert!(
         !cfg.writeback || with_wb > 0,
         "no crash point recovered a page written back"
+    );
+    assert!(
+        !cfg.recompress || with_recomp > 0,
+        "no crash point recovered a recompressed page"
     );
 }
 

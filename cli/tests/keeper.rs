@@ -12,10 +12,12 @@ use uzram_testkit::pages::{program_pages, Program};
 use uzram_testkit::process::{require, run, wait_for, wait_timeout};
 use uzram_testkit::serve::{uzram_bin, Running, Serve};
 
-/// Two devices of different sizes, their sockets in the test's directory.
+/// Two devices of different sizes, their sockets in the test's directory; the second with a
+/// recompression codec.
 const TWO_DEVICES: &str = "[[device]]\nname = \"zram0\"\ndisksize = \"64M\"\n\
                            socket = \"{dir}/zram0.sock\"\n\
                            [[device]]\nname = \"zram1\"\ndisksize = \"32M\"\n\
+                           recomp_algorithm = \"algo=zstd\"\n\
                            socket = \"{dir}/zram1.sock\"\n";
 
 /// A running keeper; its serving child (and any other) killed when dropped.
@@ -147,6 +149,16 @@ fn kill_9_loses_nothing() {
     let b = pages_file(dir, "b", 2048, 2);
     write_file(&k.r, "zram0", &a);
     write_file(&k.r, "zram1", &b);
+    // zram1's pages recompressed with zstd: smaller, and so they stay.
+    let before = k.r.columns("zram1", "mm_stat");
+    assert!(k.r.ctl(&["--dev", "zram1", "idle", "all"]).status.success());
+    let o = k.r.ctl(&["--dev", "zram1", "recompress", "type=idle"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let recompressed = k.r.columns("zram1", "mm_stat");
+    assert!(
+        recompressed[1] < before[1],
+        "{before:?} -> {recompressed:?}"
+    );
     let stored = k.r.columns("zram0", "mm_stat");
     for round in 0..3 {
         k.kill_child();
@@ -155,6 +167,12 @@ fn kill_9_loses_nothing() {
         // The recovered device holds what it held: same data bytes, same compressed bytes.
         let now = k.r.columns("zram0", "mm_stat");
         assert_eq!(now[..2], stored[..2], "round {round}: mm_stat {now:?}");
+        let now = k.r.columns("zram1", "mm_stat");
+        assert_eq!(
+            now[..2],
+            recompressed[..2],
+            "round {round}: zram1 mm_stat {now:?}"
+        );
     }
     let log = k.r.log();
     assert!(log.contains("zram0: recovered: 4096 pages stored"), "{log}");
