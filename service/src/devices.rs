@@ -134,8 +134,11 @@ impl DeviceAttachments {
                     Ok(e) => {
                         eprintln!(
                             "uzram: {}: /dev/ublkb{} taken over from process {} (the requests it \
-                             left are issued again)",
-                            self.name, r.dev_id, r.server_pid
+                             left are issued again; the kernel let its queues go after {:.2} s)",
+                            self.name,
+                            r.dev_id,
+                            r.server_pid,
+                            e.takeover_wait().unwrap_or_default().as_secs_f64()
                         );
                         export = Some(e);
                     }

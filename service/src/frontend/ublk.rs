@@ -220,6 +220,8 @@ pub struct UblkExport {
     counters: Arc<QueueCounters>,
     /// Runs libublk's `run_target`: it started the queue threads and returns once they end.
     thread: Option<JoinHandle<()>>,
+    /// Taken over from a dead server: how long the kernel took to let its queues go.
+    takeover_wait: Option<Duration>,
 }
 
 impl std::fmt::Debug for UblkExport {
@@ -444,6 +446,7 @@ impl UblkExport {
             return Err(Error::invalid(format!("ublk: {what}: {why}")));
         }
         // Waits (EBUSY, up to 30 s) until the kernel has let the dead server's queues go.
+        let waited = Instant::now();
         let rc = old
             .start_user_recover()
             .map_err(|e| ublk_error(&format!("{what}: START_USER_RECOVERY"), e))?;
@@ -464,7 +467,16 @@ impl UblkExport {
             flags: UblkFlags::UBLK_DEV_F_RECOVER_DEV,
             swap: cfg.swap,
         };
-        Self::run(name, device, setup, "recovering the device")
+        let waited = waited.elapsed();
+        let mut export = Self::run(name, device, setup, "recovering the device")?;
+        export.takeover_wait = Some(waited);
+        Ok(export)
+    }
+
+    /// For a device taken over ([`recover`](Self::recover)): how long `START_USER_RECOVERY`
+    /// waited for the kernel to let the dead server's queues go.
+    pub fn takeover_wait(&self) -> Option<Duration> {
+        self.takeover_wait
     }
 
     /// Adds or recovers a device as `setup` says and runs its queues on a thread of its own;
@@ -550,6 +562,7 @@ impl UblkExport {
                     ctrl,
                     counters,
                     thread: Some(thread),
+                    takeover_wait: None,
                 })
             }
             Ok(Err(e)) => {
