@@ -631,9 +631,36 @@ impl Kept {
         let before = self.servings();
         let old = self.child();
         let killed = Instant::now();
+        let mut seen = self.r.log().len();
+        let mut probed = 0;
         // SAFETY: kill has no memory preconditions.
         unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
+        // A slow restart says where it is: the server's new log lines and the keeper's
+        // children's states (every 5 s from 3 s on).
         uzram_testkit::process::wait_for("a new server", Duration::from_secs(90), || {
+            let t = killed.elapsed().as_secs();
+            if t >= 3 + 5 * probed {
+                probed += 1;
+                let log = self.r.log();
+                for l in log.get(seen..).unwrap_or("").lines() {
+                    println!("  [{t} s after kill {}] {l}", self.kills() + 1);
+                }
+                seen = log.len();
+                let keeper = self.r.pid();
+                let kids =
+                    std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
+                        .unwrap_or_default();
+                for c in kids.split_whitespace() {
+                    let read = |f: &str| std::fs::read_to_string(format!("/proc/{c}/{f}"));
+                    let stat = read("stat").unwrap_or_default();
+                    let state = stat.rsplit_once(") ").map_or("?", |(_, r)| &r[..1]);
+                    println!(
+                        "  [{t} s] child {c} state {state} wchan {}; stack: {}",
+                        read("wchan").unwrap_or_default(),
+                        read("stack").unwrap_or_default().replace('\n', " | ")
+                    );
+                }
+            }
             self.servings() > before
         });
         // Under emulation (TCG): comparable only with other times of the same run.
@@ -856,7 +883,13 @@ fn ublk_keeper_swap_kill_in_vm() {
         .lines()
         .filter(|l| l.contains("taken over from process"))
         .collect();
-    println!("{}", taken.join("\n"));
+    // The keeper's and the recoveries' lines: where a slow restart spent its time.
+    for l in log
+        .lines()
+        .filter(|l| l.contains("keeper") || l.contains("recovered") || l.contains("taken over"))
+    {
+        println!("{l}");
+    }
     assert_eq!(taken.len(), 10, "{log}");
     let errors = kernel_log_lines(&["I/O error", "error on swap-device"]);
     assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");

@@ -65,6 +65,19 @@ fn no_writeback_throttling(dev_id: u32) {
     let _ = std::fs::write(attr, "0");
 }
 
+/// With user recovery: the block layer's request timeout for `/dev/ublkbN`
+/// (`queue/io_timeout`), in milliseconds. While the server lives, ublk's timeout handler only
+/// restarts the timer; once it has died with every tag of a queue dispatched to it (swap
+/// under pressure keeps them all busy), that handler is what notices and lets the queue be
+/// quiesced, so the next server can take the device over after this long rather than the
+/// kernel's default 30 s (seen: one takeover in ten took 31 s).
+const RECOVERY_IO_TIMEOUT_MS: u32 = 1000;
+
+fn short_io_timeout(dev_id: u32) {
+    let attr = format!("/sys/block/ublkb{dev_id}/queue/io_timeout");
+    let _ = std::fs::write(attr, RECOVERY_IO_TIMEOUT_MS.to_string());
+}
+
 /// The most queues by default (one per CPU up to this).
 pub const MAX_DEFAULT_QUEUES: u16 = 16;
 
@@ -410,6 +423,9 @@ impl UblkExport {
         check_driver()?;
         check_device(name, &*device)?;
         ensure_ctrl_ring();
+        // From here to START_USER_RECOVERY's success: the kernel letting the dead server's
+        // queues go (control commands wait for it too).
+        let waited = Instant::now();
         let what = format!("{name}: taking over /dev/ublkb{dev_id}");
         let id = i32::try_from(dev_id).map_err(|_| Error::invalid("ublk: no such device"))?;
         let old = UblkCtrl::new_simple(id).map_err(|e| ublk_error(&what, e))?;
@@ -446,7 +462,6 @@ impl UblkExport {
             return Err(Error::invalid(format!("ublk: {what}: {why}")));
         }
         // Waits (EBUSY, up to 30 s) until the kernel has let the dead server's queues go.
-        let waited = Instant::now();
         let rc = old
             .start_user_recover()
             .map_err(|e| ublk_error(&format!("{what}: START_USER_RECOVERY"), e))?;
@@ -556,6 +571,9 @@ impl UblkExport {
                 let dev_id = ctrl.dev_info().dev_id;
                 if setup.swap {
                     no_writeback_throttling(dev_id);
+                }
+                if setup.ctrl_flags & u64::from(sys::UBLK_F_USER_RECOVERY) != 0 {
+                    short_io_timeout(dev_id);
                 }
                 Ok(UblkExport {
                     dev_id,
