@@ -699,7 +699,8 @@ impl Kept {
 
 /// A server kept by `uzram serve --keeper`, killed (`kill -9`) ten times and upgraded once
 /// (`uzram ctl upgrade`) while fio's verifying writers, then an ext4 file system, use
-/// `/dev/ublkb0`: the block device stays, each new server takes it over (ublk user recovery:
+/// `/dev/ublkb0` (and raw pages a second device added by `hot_add`, from the eighth kill on):
+/// the block devices stay, each new server takes them over (ublk user recovery:
 /// the requests in flight at the kill are issued again, the later ones waited), and no user of
 /// the device sees an error: every fio round verifies every block it wrote, the files (real
 /// pages) read back, `e2fsck -fn` is clean, and the kernel logs no I/O error.
@@ -752,6 +753,25 @@ fn ublk_keeper_kill_in_vm() {
         fio.join().unwrap()
     });
     println!("fio: {rounds} rounds verified across 7 kills");
+
+    // A device added by hot_add gets its own block device, written raw with real pages: it is
+    // taken over at every later kill and the upgrade too.
+    let dir = r.dir().to_path_buf();
+    let (code, id, err) = ctl(&dir, &["hot_add"]);
+    assert_eq!((code, id.as_str()), (Some(0), "1\n"), "{err}");
+    let (code, _, err) = ctl(&dir, &["--dev", "zram1", "disksize", "64M"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, path, err) = ctl(&dir, &["--dev", "zram1", "block_dev"]);
+    assert_eq!(code, Some(0), "{err}");
+    let dev1 = PathBuf::from(path.trim());
+    let (_, memory) = real_files(child()).swap_remove(0);
+    let raw = &memory[..memory.len().min(32 << 20) / PAGE * PAGE];
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(&dev1).unwrap();
+        f.write_all(raw).unwrap();
+        f.sync_all().unwrap();
+    }
 
     // ext4 with files of real pages, written and read back across three more kills.
     run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(dev));
@@ -817,9 +837,26 @@ fn ublk_keeper_kill_in_vm() {
     run(Command::new("umount").arg(&mnt));
     kill_child();
     run(Command::new("e2fsck").args(["-f", "-n"]).arg(dev));
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    let back = std::fs::read(&dev1).unwrap();
+    assert!(
+        back[..raw.len()] == *raw,
+        "{} (hot_add) does not read back",
+        dev1.display()
+    );
     assert_eq!(k.kills(), 10);
-    let taken = r.log().matches("taken over from process").count();
-    assert_eq!(taken, 11, "ten kills and an upgrade: {}", r.log());
+    let log = r.log();
+    let taken = |name: &str| {
+        log.lines()
+            .filter(|l| l.contains(&format!("{name}: /dev/ublkb")) && l.contains("taken over"))
+            .count()
+    };
+    assert_eq!(taken("zram0"), 11, "ten kills and an upgrade: {log}");
+    assert_eq!(
+        taken("zram1"),
+        4,
+        "three kills and an upgrade after hot_add: {log}"
+    );
     let errors = kernel_log_lines(&["I/O error", "EXT4-fs error", "Buffer I/O"]);
     assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");
 
