@@ -310,6 +310,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             exe,
             args: std::env::args_os().skip(1).collect(),
             socket_dir: uzram_service::host::socket_dir(&cfg)?,
+            lock_memory: cfg.swap,
         })?;
         std::process::exit(code);
     }

@@ -660,6 +660,14 @@ fn a_swap_server_keeps_its_devices() {
     require("qemu-img");
     let k = Kept::start(Serve::config(TWO_DEVICES).arg(&["--swap", "--swap-reserve", "16M"]));
     let dir = k.r.dir().to_path_buf();
+    // The keeper's own memory is locked: a restart never waits for a page of it swapped out.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", k.r.pid())).unwrap();
+    let locked_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmLck:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    assert!(locked_kib > 0, "the keeper locked nothing: {status}");
     let a = pages_file(&dir, "a", 4096, 1);
     let b = pages_file(&dir, "b", 2048, 2);
     write_file(&k.r, "zram0", &a);

@@ -78,6 +78,9 @@ pub struct KeeperConfig {
     pub args: Vec<OsString>,
     /// The server's socket directory (the keeper's socket goes there).
     pub socket_dir: PathBuf,
+    /// Serving swap: the keeper locks its memory, so that restarting the server never waits
+    /// for a page of the keeper swapped out to the very device the server serves.
+    pub lock_memory: bool,
 }
 
 /// A running child.
@@ -134,6 +137,19 @@ fn describe(status: ExitStatus) -> String {
 /// Runs the keeper until it is stopped; the exit status for the process.
 pub fn run(cfg: KeeperConfig) -> Result<i32> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR2};
+    if cfg.lock_memory {
+        // SAFETY: mlockall takes flags only. Not inherited by the children (a fork's memory
+        // locks are not, and exec clears MCL_FUTURE): the server locks its own.
+        if unsafe { libc::mlockall(libc::MCL_CURRENT | libc::MCL_FUTURE) } == 0 {
+            log("--swap: memory locked (restarting the server never waits for a swap-in)");
+        } else {
+            log(format!(
+                "--swap: cannot lock memory ({}): a restart under memory pressure may wait for a \
+                 swap-in from the device it restarts",
+                io::Error::last_os_error()
+            ));
+        }
+    }
     let (stop_pipe, stop_w) = UnixStream::pair().context("a signal pipe")?;
     let (upgrade_pipe, upgrade_w) = UnixStream::pair().context("a signal pipe")?;
     stop_pipe.set_nonblocking(true)?;
