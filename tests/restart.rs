@@ -223,6 +223,91 @@ fn recovers_recompressed_pages_and_refuses_a_trained_dictionary() {
     assert!(e.message().contains("generation 1"), "{}", e.message());
 }
 
+/// `zone_stat` as numbers (`empty open full live_bytes writeback_bytes gc_runs ...`).
+fn zone_stat(dev: &Device) -> Vec<u64> {
+    dev.attr_show("zone_stat")
+        .unwrap()
+        .split_whitespace()
+        .take(8)
+        .map(|v| v.parse().unwrap())
+        .collect()
+}
+
+/// The zoned layout over a file: pages written back (single pages and 64 KiB groups), some
+/// overwritten and written back again, GC run; then recovered from the files and the backing
+/// file opened again: every page reads back, the zones hold the same live bytes, and the
+/// recovered device writes back, runs GC and reads back again. A zoned block device is
+/// refused (not recoverable yet).
+#[test]
+fn recovers_pages_written_back_in_the_zoned_layout() {
+    let page = 4096usize;
+    for mps in ["4096", "64K"] {
+        let n = 2048u64;
+        let dir = real_tmpdir();
+        let path = dir.path().join("zones");
+        let backing = FileBacking::create(&path, 8 << 20, &FileOptions::default()).unwrap();
+        let dev = DeviceBuilder::pages(n)
+            .backing(Arc::new(backing))
+            .zoned("1M")
+            .attr("multi_page_size", mps)
+            .build();
+        let mut buf = vec![0u8; page];
+        let mut want = vec![0u64; n as usize];
+        for i in 0..n {
+            fill(i, 1, &mut buf);
+            dev.write_at(&buf, i * page as u64).unwrap();
+            want[i as usize] = 1;
+        }
+        writeback_all(&dev, n);
+        // Half overwritten and written back again: the first records die, GC has work.
+        for i in (0..n).step_by(2) {
+            fill(i, 2, &mut buf);
+            dev.write_at(&buf, i * page as u64).unwrap();
+            want[i as usize] = 2;
+        }
+        writeback_all(&dev, n);
+        dev.attr_store("gc", "1").unwrap();
+        for i in (0..n).step_by(7) {
+            dev.discard(i * page as u64, page as u64).unwrap();
+            want[i as usize] = 0;
+        }
+        dev.flush_deferred();
+        let zones = zone_stat(&dev);
+        let bd_before = bd(&dev)[0];
+        assert!(bd_before > 0 && zones[5] > 0, "{mps}: zone_stat {zones:?}");
+        let files = dev.state_files().unwrap();
+        drop(dev);
+        let reopened = FileBacking::open(&path, &FileOptions::default()).unwrap();
+        let (rec, _) = Device::recover_with(
+            files,
+            Recover {
+                backing: Some(Arc::new(reopened)),
+                ..Recover::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{mps}: {e}"));
+        check_pages(&rec, page, &want, &[]).unwrap();
+        assert_eq!(bd(&rec)[0], bd_before, "{mps}: bd_count");
+        let now = zone_stat(&rec);
+        assert_eq!(now[3], zones[3], "{mps}: live bytes {zones:?} -> {now:?}");
+        let layout = rec.attr_show("backing_layout").unwrap();
+        assert!(
+            layout.contains("[zoned]") || layout.trim() == "zoned",
+            "{layout}"
+        );
+        // The recovered device goes on: overwrites, writeback, GC, everything reads back.
+        for i in (1..n).step_by(3) {
+            fill(i, 3, &mut buf);
+            rec.write_at(&buf, i * page as u64).unwrap();
+            want[i as usize] = 3;
+        }
+        writeback_all(&rec, n);
+        rec.attr_store("gc", "1").unwrap();
+        check_pages(&rec, page, &want, &[]).unwrap();
+        exercise(&rec, page, n);
+    }
+}
+
 #[test]
 fn refuses_a_slot_naming_a_free_handle_and_a_foreign_header() {
     let page = 4096usize;
@@ -505,12 +590,15 @@ struct Config {
     /// at 2), and a thread marks every page idle and recompresses the idle ones with one or
     /// the other, again and again.
     recompress: bool,
+    /// With `writeback`: the zoned layout (zones of 1 MiB over the file), GC run after each
+    /// writeback pass.
+    zoned: bool,
 }
 
 /// The swap configuration's reserve.
 const SWAP_RESERVE_BYTES: usize = 8 << 20;
 
-const CONFIGS: [Config; 5] = [
+const CONFIGS: [Config; 6] = [
     Config {
         name: "4k",
         page_size: 4096,
@@ -521,6 +609,7 @@ const CONFIGS: [Config; 5] = [
         swap: false,
         writeback: false,
         recompress: true,
+        zoned: false,
     },
     Config {
         name: "4k-multi",
@@ -532,6 +621,7 @@ const CONFIGS: [Config; 5] = [
         swap: false,
         writeback: false,
         recompress: true,
+        zoned: false,
     },
     Config {
         name: "16k",
@@ -543,6 +633,7 @@ const CONFIGS: [Config; 5] = [
         swap: false,
         writeback: false,
         recompress: false,
+        zoned: false,
     },
     Config {
         name: "4k-swap",
@@ -554,6 +645,7 @@ const CONFIGS: [Config; 5] = [
         swap: true,
         writeback: false,
         recompress: false,
+        zoned: false,
     },
     Config {
         name: "4k-multi-writeback",
@@ -565,6 +657,19 @@ const CONFIGS: [Config; 5] = [
         swap: false,
         writeback: true,
         recompress: false,
+        zoned: false,
+    },
+    Config {
+        name: "4k-multi-zoned",
+        page_size: 4096,
+        pages: 1024,
+        multi_page_size: 65536,
+        group_pages: 16,
+        threads: 2,
+        swap: false,
+        writeback: true,
+        recompress: false,
+        zoned: true,
     },
 ];
 
@@ -616,10 +721,14 @@ fn crash_model_child() {
                 .attr("recomp_algorithm", "algo=deflate priority=2");
         }
         if let Some(path) = &backing_path {
-            let size = 2 * cfg.pages * cfg.page_size as u64;
+            // Zoned: room for GC to keep up with writeback passes of every page.
+            let size = if cfg.zoned { 4 } else { 2 } * cfg.pages * cfg.page_size as u64;
             b = b.backing(Arc::new(
                 FileBacking::create(path, size, &FileOptions::default()).unwrap(),
             ));
+            if cfg.zoned {
+                b = b.zoned("1M");
+            }
         }
         b.build()
     };
@@ -653,10 +762,21 @@ fn crash_model_child() {
             writer(&dev, &cfg, t, seed, entries);
         }));
     }
-    if cfg.writeback {
+    if cfg.writeback && !cfg.zoned {
         let dev = Arc::clone(&dev);
         threads.push(std::thread::spawn(move || loop {
             writeback_all(&dev, cfg.pages);
+        }));
+    }
+    if cfg.zoned {
+        // Writeback passes and GC; a pass may find the zones full until GC ran (ENOSPC).
+        let dev = Arc::clone(&dev);
+        threads.push(std::thread::spawn(move || loop {
+            let spec = uzram::writeback::WritebackSpec::pages(0, cfg.pages - 1);
+            if let Err(e) = dev.writeback_with_progress(&spec, &mut |_| {}) {
+                assert_eq!(e.errno(), libc::ENOSPC, "writeback: {e}");
+            }
+            dev.attr_store("gc", "1").unwrap();
         }));
     }
     if cfg.recompress {
@@ -1001,6 +1121,11 @@ fn crash_model_4k_swap() {
 #[test]
 fn crash_model_4k_multi_page_writeback() {
     crash_model(&CONFIGS[4]);
+}
+
+#[test]
+fn crash_model_4k_multi_page_zoned_writeback() {
+    crash_model(&CONFIGS[5]);
 }
 
 /// The harness can fail: with slots published before their objects' bytes are copied, some

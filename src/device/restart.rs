@@ -103,13 +103,15 @@ struct Header {
     backing: Option<(String, u64, bool)>,
     /// The recompression codecs: priority (1 and up), algorithm, level.
     recomp: Vec<(usize, String, Option<i32>)>,
+    /// Writing back in the zoned layout: its zone size (`None`: the bitmap layout).
+    zoned: Option<u64>,
 }
 
 impl Header {
     fn encode(&self) -> String {
         format!(
             "{MAGIC}\npage_size {}\npages {}\nmulti_page_size {}\ncomp_algorithm {}\nlevel {}\n\
-             unsupported {}\nswap_pool {}\nbacking {}\nrecomp {}\n",
+             unsupported {}\nswap_pool {}\nbacking {}\nrecomp {}\nzoned {}\n",
             self.page_size_bytes,
             self.pages,
             self.multi_page_size_bytes,
@@ -143,6 +145,7 @@ impl Header {
                     .collect::<Vec<_>>()
                     .join(",")
             },
+            self.zoned.map_or("none".to_string(), |z| z.to_string()),
         )
     }
 
@@ -233,6 +236,21 @@ impl Header {
                 }
             }
         };
+        // Written by this binary and later ones; a header without it wrote back (if at all)
+        // in the bitmap layout, as earlier binaries recovered only that one.
+        let zoned = match lines.next() {
+            None => None,
+            Some(line) => match line.strip_prefix("zoned ") {
+                Some("none") => None,
+                Some(v) => Some(
+                    v.parse::<u64>()
+                        .ok()
+                        .filter(|&z| crate::zoned::is_valid_zone_size(z))
+                        .ok_or_else(|| bad(&format!("has zoned {v:?}")))?,
+                ),
+                None => return Err(bad(&format!("has {line:?} where zoned belongs"))),
+            },
+        };
         Ok(Header {
             page_size_bytes,
             pages,
@@ -243,6 +261,7 @@ impl Header {
             swap_pool,
             backing,
             recomp,
+            zoned,
         })
     }
 }
@@ -250,8 +269,13 @@ impl Header {
 /// What a device's settings hold that recovery cannot rebuild yet.
 fn unsupported(settings: &Settings) -> Option<String> {
     let mut what = Vec::new();
-    if settings.backing.is_some() && settings.backing_layout == BackingLayout::Zoned {
-        what.push("a backing device in the zoned layout");
+    if settings.backing_layout == BackingLayout::Zoned
+        && settings
+            .backing
+            .as_ref()
+            .is_some_and(|b| b.zone_geometry().is_some())
+    {
+        what.push("a zoned block device as its backing device");
     }
     if settings.comp_params.dict.is_some()
         || settings.recomp_params.iter().any(|p| p.dict.is_some())
@@ -282,6 +306,8 @@ impl Device {
                 .backing
                 .as_ref()
                 .map(|b| (b.describe(), b.size_bytes(), settings.compressed_writeback)),
+            zoned: (settings.backing.is_some() && settings.backing_layout == BackingLayout::Zoned)
+                .then_some(settings.zone_size_bytes),
             recomp: settings
                 .recomp_algorithms
                 .iter()
@@ -406,23 +432,31 @@ impl Device {
                 "recovery: the device header has multi_page_size {mps}"
             )));
         }
+        let layout = if header.zoned.is_some() {
+            BackingLayout::Zoned
+        } else {
+            BackingLayout::Bitmap
+        };
         let mut settings = Settings {
             comp_algorithm: header.comp_algorithm.clone(),
             comp_params: CodecParams::with_level(header.level),
             multi_page_size_bytes: mps,
             backing: backing.clone(),
             compressed_writeback,
-            backing_layout: BackingLayout::Bitmap,
+            backing_layout: layout,
             ..Settings::default()
         };
+        if let Some(z) = header.zoned {
+            settings.zone_size_bytes = z;
+        }
         for (prio, alg, level) in &header.recomp {
             settings.recomp_algorithms[*prio] = Some(alg.clone());
             settings.recomp_params[*prio] = CodecParams::with_level(*level);
         }
         let target = match backing {
-            Some(b) => Some(WbTarget::new(
+            Some(b) => Some(WbTarget::recovering(
                 b,
-                BackingLayout::Bitmap,
+                layout,
                 compressed_writeback,
                 header.page_size_bytes,
                 settings.zone_size_bytes,
@@ -488,17 +522,22 @@ mod tests {
             swap_pool: None,
             backing: None,
             recomp: Vec::new(),
+            zoned: None,
         };
         assert_eq!(Header::decode(h.encode().as_bytes()).unwrap(), h);
-        // A header of an earlier binary: no recomp line, no recompression.
-        let old = h.encode().replace("recomp none\n", "");
+        // Headers of earlier binaries: no zoned line (the bitmap layout), then no recomp line
+        // either (no recompression).
+        let old = h.encode().replace("zoned none\n", "");
         assert_eq!(Header::decode(old.as_bytes()).unwrap(), h);
+        let older = old.replace("recomp none\n", "");
+        assert_eq!(Header::decode(older.as_bytes()).unwrap(), h);
         let h2 = Header {
             level: None,
             unsupported: Some("a backing device".into()),
             swap_pool: Some(3),
             backing: Some(("/var/tmp/wb file".into(), 1 << 30, true)),
             recomp: vec![(1, "zstd".into(), Some(19)), (3, "lz4hc".into(), None)],
+            zoned: Some(16 << 20),
             ..h.clone()
         };
         assert_eq!(Header::decode(h2.encode().as_bytes()).unwrap(), h2);

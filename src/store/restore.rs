@@ -239,7 +239,7 @@ impl Store {
                 codecs.acquire(st.codec());
                 if !st.has(SlotFlags::MULTI) {
                     target
-                        .claim(location, 1)
+                        .claim(location, 1, i)
                         .map_err(|e| corrupt(format!("slot {i}: {e}")))?;
                     continue;
                 }
@@ -251,7 +251,7 @@ impl Store {
                 match group_wb[group] {
                     None => {
                         target
-                            .claim(location, blocks)
+                            .claim(location, blocks, group as u64 * multi_pages as u64)
                             .map_err(|e| corrupt(format!("slot {i}: {e}")))?;
                         group_wb[group] = Some(location);
                         StoreStats::add(&stats.multi_wb_objects, 1);
@@ -325,6 +325,9 @@ impl Store {
             return Err(corrupt(format!(
                 "group {g} holds a multi-page object both in memory and written back"
             )));
+        }
+        if let Some(t) = &target {
+            t.finish_recovery().map_err(corrupt)?;
         }
         let total_pages = pool.total_pages();
         stats.update_max_used(total_pages);

@@ -220,11 +220,55 @@ impl WbTarget {
         }
     }
 
-    /// Recovery: the location a WB slot (or a written-back multi-page object's group) points
-    /// at, `blocks` long, is in use: marked in the bitmap. `Err` naming what is wrong if it is
-    /// out of range or already claimed (two slots on one block). The zoned layout is not
-    /// recovered (its zones' state is not rebuilt yet): `Err`.
-    pub(crate) fn claim(&self, location: u64, blocks: u64) -> std::result::Result<(), String> {
+    /// The target a previous process left on `backing` (`docs/restart.md`), for recovery:
+    /// as [`new`](Self::new), its allocation rebuilt by [`claim`](Self::claim) and
+    /// [`finish_recovery`](Self::finish_recovery) (`EOPNOTSUPP` for a zoned block device).
+    pub(crate) fn recovering(
+        backing: Arc<dyn Backing>,
+        layout: BackingLayout,
+        compressed: bool,
+        page_size_bytes: usize,
+        zone_size_bytes: u64,
+    ) -> Result<WbTarget> {
+        if layout == BackingLayout::Zoned {
+            let config = ZoneConfig {
+                zone_size_bytes,
+                ..ZoneConfig::default()
+            };
+            return Ok(WbTarget::Zoned(ZonedTarget {
+                store: Arc::new(ZoneStore::recovering(backing, config)?),
+                pages: AtomicU64::new(0),
+            }));
+        }
+        WbTarget::new(
+            backing,
+            layout,
+            compressed,
+            page_size_bytes,
+            zone_size_bytes,
+        )
+    }
+
+    /// Recovery: every location claimed; `Err` naming what is wrong (two zoned records
+    /// overlapping).
+    pub(crate) fn finish_recovery(&self) -> std::result::Result<(), String> {
+        match self {
+            WbTarget::Bitmap(_) => Ok(()),
+            WbTarget::Zoned(t) => t.store.finish_recovery(),
+        }
+    }
+
+    /// Recovery: the location a WB slot `slot` (or a written-back multi-page object's group,
+    /// `slot` its first) points at, `blocks` long, is in use: marked in the bitmap, or a live
+    /// record of its zone. `Err` naming what is wrong if it is out of range or already claimed
+    /// (two slots on one block; overlapping records show at
+    /// [`finish_recovery`](Self::finish_recovery)).
+    pub(crate) fn claim(
+        &self,
+        location: u64,
+        blocks: u64,
+        slot: u64,
+    ) -> std::result::Result<(), String> {
         match self {
             WbTarget::Bitmap(t) => {
                 let block = BlockLoc::from_raw(location).block;
@@ -239,7 +283,11 @@ impl WbTarget {
                     ))
                 }
             }
-            WbTarget::Zoned(_) => Err("the zoned layout is not recoverable yet".into()),
+            WbTarget::Zoned(t) => {
+                t.store.claim(ZoneLoc::from_raw(location), slot)?;
+                t.pages.fetch_add(blocks, Ordering::Relaxed);
+                Ok(())
+            }
         }
     }
 

@@ -448,6 +448,75 @@ impl ZoneStore {
         })
     }
 
+    /// The store a previous process left on `backing` (`docs/restart.md`), its zones to be
+    /// rebuilt from the slots: [`claim`](Self::claim) each live record, then
+    /// [`finish_recovery`](Self::finish_recovery). Emulated zones only: a zoned block device's
+    /// zones (their write pointers, to keep rather than reset) are not recovered yet
+    /// (`EOPNOTSUPP`).
+    pub fn recovering(backing: Arc<dyn Backing>, config: ZoneConfig) -> Result<ZoneStore> {
+        if backing.zone_geometry().is_some() {
+            return Err(Error::new(
+                crate::error::ErrorKind::Unsupported,
+                format!(
+                    "{} is a zoned block device, whose zones are not recoverable yet",
+                    backing.describe()
+                ),
+            ));
+        }
+        ZoneStore::new(backing, config)
+    }
+
+    /// Recovery: slot `slot` (a multi-page object's: its group's first) points at the record
+    /// at `loc`: it is live. `Err` naming what is wrong if it lies outside the zones.
+    pub fn claim(&self, loc: ZoneLoc, slot: u64) -> std::result::Result<(), String> {
+        let mut z = self.zones.lock();
+        let nr = z.zones.len();
+        let Some(zone) = z.zones.get_mut(loc.zone as usize) else {
+            return Err(format!("record {loc:?} is in zone {} of {nr}", loc.zone));
+        };
+        if loc.span_bytes == 0 || loc.offset_bytes + u64::from(loc.span_bytes) > self.capacity_bytes
+        {
+            return Err(format!(
+                "record {loc:?} does not fit a zone of {} bytes",
+                self.capacity_bytes
+            ));
+        }
+        zone.records.push(Rec {
+            offset_bytes: loc.offset_bytes,
+            span_bytes: loc.span_bytes,
+            slot,
+            state: RecState::Live,
+        });
+        zone.live_bytes += u64::from(loc.span_bytes);
+        Ok(())
+    }
+
+    /// Recovery: every live record claimed. A zone holding any is *full* (nothing is appended
+    /// to it; GC reclaims it as any other), every other zone *empty* (what a dead process left
+    /// there is garbage: records no slot named). `Err` if two claimed records overlap.
+    pub fn finish_recovery(&self) -> std::result::Result<(), String> {
+        let mut z = self.zones.lock();
+        for (i, zone) in z.zones.iter_mut().enumerate() {
+            zone.records.sort_unstable_by_key(|r| r.offset_bytes);
+            for w in zone.records.windows(2) {
+                if w[0].offset_bytes + u64::from(w[0].span_bytes) > w[1].offset_bytes {
+                    return Err(format!(
+                        "zone {i}: the records of slots {} and {} overlap at byte {}",
+                        w[0].slot, w[1].slot, w[1].offset_bytes
+                    ));
+                }
+            }
+            if zone.records.is_empty() {
+                zone.cond = ZoneCondition::Empty;
+                zone.wp_bytes = 0;
+            } else {
+                zone.cond = ZoneCondition::Full;
+                zone.wp_bytes = self.capacity_bytes;
+            }
+        }
+        Ok(())
+    }
+
     /// The settings.
     pub fn config(&self) -> &ZoneConfig {
         &self.config
