@@ -692,7 +692,8 @@ fn a_swap_server_keeps_its_devices() {
 
 /// A device that wrote pages back to a backing file keeps them across kills: the file is
 /// opened again from the configuration's `backing_dev` and the bitmap of its blocks rebuilt
-/// from the slots; pages written back after a recovery are kept by the next one.
+/// from the slots; pages written back after a recovery are kept by the next one. A device
+/// added by `hot_add` writing back in the zoned layout keeps them too, GC included.
 #[test]
 fn written_back_pages_come_back_after_a_kill() {
     require("qemu-img");
@@ -736,6 +737,9 @@ fn written_back_pages_come_back_after_a_kill() {
     assert!(o.status.success(), "{o:?}");
     let added = format!("zram{}", String::from_utf8_lossy(&o.stdout).trim());
     k.r.set(&added, "backing_dev", backing1.to_str().unwrap());
+    // In the zoned layout: its zones rebuilt from the slots at each recovery.
+    k.r.set(&added, "backing_layout", "zoned");
+    k.r.set(&added, "zone_size", "1M");
     k.r.set(&added, "disksize", "16M");
     let c = pages_file(&dir, "c", 2048, 3);
     write_file(&k.r, &added, &c);
@@ -747,6 +751,19 @@ fn written_back_pages_come_back_after_a_kill() {
     check_file(&k.r, &added, &c);
     check_file(&k.r, "zram0", &both);
     assert_eq!(k.r.columns(&added, "bd_stat")[0], bd1[0], "bd_count");
+    // Overwritten, written back again and collected by GC on the recovered zones; kept by the
+    // next recovery too.
+    let d = pages_file(&dir, "d", 1024, 4);
+    write_file(&k.r, &added, &d);
+    k.r.set(&added, "idle", "all");
+    k.r.set(&added, "writeback", "idle");
+    k.r.set(&added, "gc", "1");
+    k.kill_child();
+    let mut want = std::fs::read(&d).unwrap();
+    want.extend_from_slice(&std::fs::read(&c).unwrap()[want.len()..]);
+    let cd = dir.join("cd");
+    std::fs::write(&cd, want).unwrap();
+    check_file(&k.r, &added, &cd);
     let log = k.r.log();
     assert!(!log.contains("refused"), "{log}");
 }
