@@ -3,8 +3,9 @@
 //! follow from the device, zones left dirty by an earlier user are reset at setup, writes
 //! reach each zone in write-pointer order (the device refuses anything else), GC resets the
 //! zones it empties and finishes the ones it stops writing, and every page reads back
-//! identical through writeback, overwrite, discard, GC with readers running, and reset. After
-//! each phase the store's idea of every zone is checked against the device's zone report.
+//! identical through writeback, overwrite, discard, GC with readers running, a restart
+//! (recovery from the state files, the device's zones kept) and reset. After each phase the
+//! store's idea of every zone is checked against the device's zone report.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -161,6 +162,42 @@ fn exercise(path: &Path) {
     dev.debug_check_zones();
     for i in n / 2..n {
         check(&dev, i, expected(i, rounds));
+    }
+
+    // A restart: a new device recovered from the state files over the same zoned device
+    // (`docs/restart.md`). The zones come back from the slots, the device's zones holding
+    // records finished, the others reset; every page reads back, and writeback and GC go on.
+    dev.flush_deferred();
+    let files = dev.state_files().unwrap();
+    let (zones_before, bd_before) = (zone_stat(&dev), dev.attr_show("bd_stat").unwrap());
+    drop(dev);
+    let (dev, _) = Device::recover_with(
+        files,
+        uzram::device::restart::Recover {
+            backing: Some(backing.clone()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    dev.debug_check_zones();
+    assert_eq!(zone_stat(&dev)[3], zones_before[3], "live bytes");
+    assert_eq!(
+        dev.attr_show("bd_stat").unwrap().split_whitespace().next(),
+        bd_before.split_whitespace().next(),
+        "bd_count"
+    );
+    for i in n / 2..n {
+        check(&dev, i, expected(i, rounds));
+    }
+    for i in (n / 2..n).filter(|i| i % 3 != 0) {
+        dev.write_at(&page(i, 50), i * PAGE as u64).unwrap();
+    }
+    let r = dev.writeback(&WritebackSpec::pages(0, n - 1)).unwrap();
+    assert_eq!(r.error, None, "after recovery: {r:?}");
+    dev.attr_store("gc", "1").unwrap();
+    dev.debug_check_zones();
+    for i in n / 2..n {
+        check(&dev, i, if i % 3 == 0 { 1 } else { 50 });
     }
 
     // Reset and set up again: every sequential zone is empty on the device.

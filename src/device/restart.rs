@@ -269,14 +269,6 @@ impl Header {
 /// What a device's settings hold that recovery cannot rebuild yet.
 fn unsupported(settings: &Settings) -> Option<String> {
     let mut what = Vec::new();
-    if settings.backing_layout == BackingLayout::Zoned
-        && settings
-            .backing
-            .as_ref()
-            .is_some_and(|b| b.zone_geometry().is_some())
-    {
-        what.push("a zoned block device as its backing device");
-    }
     if settings.comp_params.dict.is_some()
         || settings.recomp_params.iter().any(|p| p.dict.is_some())
     {

@@ -349,6 +349,12 @@ impl ZoneStore {
     /// sequential zones are reset (whatever they held is discarded, as zram discards what a
     /// backing device held before).
     pub fn new(backing: Arc<dyn Backing>, config: ZoneConfig) -> Result<ZoneStore> {
+        ZoneStore::open(backing, config, true)
+    }
+
+    /// [`new`](Self::new), resetting the zoned device's non-empty zones when `reset` (a new
+    /// store), leaving them for [`finish_recovery`](Self::finish_recovery) when not.
+    fn open(backing: Arc<dyn Backing>, config: ZoneConfig, reset: bool) -> Result<ZoneStore> {
         let zs = config.zone_size_bytes;
         if !is_valid_zone_size(zs) {
             return Err(Error::invalid(format!(
@@ -416,7 +422,7 @@ impl ZoneStore {
                         ));
                     }
                     let has_wp = info.kind != crate::backing::ZoneKind::Conventional;
-                    if has_wp && !info.empty {
+                    if reset && has_wp && !info.empty {
                         backing.reset_zone(info.start_bytes, info.len_bytes)?;
                     }
                     seq.push(has_wp);
@@ -450,20 +456,10 @@ impl ZoneStore {
 
     /// The store a previous process left on `backing` (`docs/restart.md`), its zones to be
     /// rebuilt from the slots: [`claim`](Self::claim) each live record, then
-    /// [`finish_recovery`](Self::finish_recovery). Emulated zones only: a zoned block device's
-    /// zones (their write pointers, to keep rather than reset) are not recovered yet
-    /// (`EOPNOTSUPP`).
+    /// [`finish_recovery`](Self::finish_recovery). A zoned device's zones are left as they are
+    /// until then (not reset: they hold the records).
     pub fn recovering(backing: Arc<dyn Backing>, config: ZoneConfig) -> Result<ZoneStore> {
-        if backing.zone_geometry().is_some() {
-            return Err(Error::new(
-                crate::error::ErrorKind::Unsupported,
-                format!(
-                    "{} is a zoned block device, whose zones are not recoverable yet",
-                    backing.describe()
-                ),
-            ));
-        }
-        ZoneStore::new(backing, config)
+        ZoneStore::open(backing, config, false)
     }
 
     /// Recovery: slot `slot` (a multi-page object's: its group's first) points at the record
@@ -493,7 +489,9 @@ impl ZoneStore {
 
     /// Recovery: every live record claimed. A zone holding any is *full* (nothing is appended
     /// to it; GC reclaims it as any other), every other zone *empty* (what a dead process left
-    /// there is garbage: records no slot named). `Err` if two claimed records overlap.
+    /// there is garbage: records no slot named). On a zoned device the first are finished
+    /// (their write pointers moved to the end, so they count against no open or active limit)
+    /// and the others reset. `Err` if two claimed records overlap, or the device refuses.
     pub fn finish_recovery(&self) -> std::result::Result<(), String> {
         let mut z = self.zones.lock();
         for (i, zone) in z.zones.iter_mut().enumerate() {
@@ -506,12 +504,24 @@ impl ZoneStore {
                     ));
                 }
             }
-            if zone.records.is_empty() {
-                zone.cond = ZoneCondition::Empty;
-                zone.wp_bytes = 0;
-            } else {
+        }
+        for (i, zone) in z.zones.iter_mut().enumerate() {
+            let live = !zone.records.is_empty();
+            if self.device_seq.as_ref().is_some_and(|seq| seq[i]) {
+                let (base, len) = (self.zone_base(i as u32), self.config.zone_size_bytes);
+                let r = if live {
+                    self.backing.finish_zone(base, len)
+                } else {
+                    self.backing.reset_zone(base, len)
+                };
+                r.map_err(|e| format!("zone {i}: {}", e.message()))?;
+            }
+            if live {
                 zone.cond = ZoneCondition::Full;
                 zone.wp_bytes = self.capacity_bytes;
+            } else {
+                zone.cond = ZoneCondition::Empty;
+                zone.wp_bytes = 0;
             }
         }
         Ok(())
