@@ -55,6 +55,23 @@ fn fill(i: u64, v: u64, out: &mut [u8]) {
     }
 }
 
+/// Writes version `v` of each page of `pages` to `dev` (pages of `page` bytes) and records it
+/// in `want`.
+fn write_version(
+    dev: &Device,
+    page: usize,
+    pages: impl IntoIterator<Item = u64>,
+    v: u64,
+    want: &mut [u64],
+) {
+    let mut buf = vec![0u8; page];
+    for i in pages {
+        fill(i, v, &mut buf);
+        dev.write_at(&buf, i * page as u64).unwrap();
+        want[i as usize] = v;
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 // In-process recovery.
 
@@ -162,13 +179,8 @@ fn recovers_recompressed_pages_and_refuses_a_trained_dictionary() {
             .attr("algorithm_params", "priority=1 level=9")
             .attr("multi_page_size", mps)
             .build();
-        let mut buf = vec![0u8; page];
         let mut want = vec![0u64; n as usize];
-        for i in 0..n {
-            fill(i, 1, &mut buf);
-            dev.write_at(&buf, i * page as u64).unwrap();
-            want[i as usize] = 1;
-        }
+        write_version(&dev, page, 0..n, 1, &mut want);
         dev.attr_store("recompress", "type=huge_idle priority=1")
             .ok();
         dev.attr_store("idle", "all").unwrap();
@@ -187,11 +199,7 @@ fn recovers_recompressed_pages_and_refuses_a_trained_dictionary() {
         assert_eq!(rec.attr_show("recomp_algorithm").unwrap(), recomp_alg);
         check_pages(&rec, page, &want, &[]).unwrap();
         // Released (overwritten, discarded) and recompressed again, on the recovered device.
-        for i in (0..n).step_by(3) {
-            fill(i, 2, &mut buf);
-            rec.write_at(&buf, i * page as u64).unwrap();
-            want[i as usize] = 2;
-        }
+        write_version(&rec, page, (0..n).step_by(3), 2, &mut want);
         for i in (1..n).step_by(5) {
             rec.discard(i * page as u64, page as u64).unwrap();
             want[i as usize] = 0;
@@ -208,11 +216,7 @@ fn recovers_recompressed_pages_and_refuses_a_trained_dictionary() {
     let dev = DeviceBuilder::pages(n)
         .attr("recomp_algorithm", "algo=zstd")
         .build();
-    let mut buf = vec![0u8; page];
-    for i in 0..n {
-        fill(i, 1, &mut buf);
-        dev.write_at(&buf, i * page as u64).unwrap();
-    }
+    write_version(&dev, page, 0..n, 1, &mut vec![0; n as usize]);
     dev.attr_store("train_dict", "dict_size=4K samples=64")
         .unwrap();
     dev.attr_store("idle", "all").unwrap();
@@ -251,20 +255,11 @@ fn recovers_pages_written_back_in_the_zoned_layout() {
             .zoned("1M")
             .attr("multi_page_size", mps)
             .build();
-        let mut buf = vec![0u8; page];
         let mut want = vec![0u64; n as usize];
-        for i in 0..n {
-            fill(i, 1, &mut buf);
-            dev.write_at(&buf, i * page as u64).unwrap();
-            want[i as usize] = 1;
-        }
+        write_version(&dev, page, 0..n, 1, &mut want);
         writeback_all(&dev, n);
         // Half overwritten and written back again: the first records die, GC has work.
-        for i in (0..n).step_by(2) {
-            fill(i, 2, &mut buf);
-            dev.write_at(&buf, i * page as u64).unwrap();
-            want[i as usize] = 2;
-        }
+        write_version(&dev, page, (0..n).step_by(2), 2, &mut want);
         writeback_all(&dev, n);
         dev.attr_store("gc", "1").unwrap();
         for i in (0..n).step_by(7) {
@@ -296,11 +291,7 @@ fn recovers_pages_written_back_in_the_zoned_layout() {
             "{layout}"
         );
         // The recovered device goes on: overwrites, writeback, GC, everything reads back.
-        for i in (1..n).step_by(3) {
-            fill(i, 3, &mut buf);
-            rec.write_at(&buf, i * page as u64).unwrap();
-            want[i as usize] = 3;
-        }
+        write_version(&rec, page, (1..n).step_by(3), 3, &mut want);
         writeback_all(&rec, n);
         rec.attr_store("gc", "1").unwrap();
         check_pages(&rec, page, &want, &[]).unwrap();

@@ -38,12 +38,7 @@ impl Kept {
 
     /// The keeper's children now.
     fn children(&self) -> Vec<u32> {
-        let pid = self.r.pid();
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-            .unwrap_or_default()
-            .split_whitespace()
-            .map(|p| p.parse().unwrap())
-            .collect()
+        uzram_testkit::process::children(self.r.pid())
     }
 
     /// The serving child.

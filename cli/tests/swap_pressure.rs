@@ -11,7 +11,7 @@
 //! taking the test.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -444,33 +444,6 @@ struct HogRun {
     longest_stuck_s: u64,
 }
 
-/// The kernel log's lines (since boot, at most the last 40) containing any of `keys`.
-fn kernel_log_lines(keys: &[&str]) -> Vec<String> {
-    let Ok(f) = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open("/dev/kmsg")
-    else {
-        return Vec::new();
-    };
-    let mut f = f;
-    let mut buf = vec![0u8; 8192];
-    let mut lines = Vec::new();
-    // Each read is one record, "level,seq,time,flags;text\n"; EAGAIN at the end.
-    while let Ok(n) = f.read(&mut buf) {
-        if n == 0 {
-            break;
-        }
-        let rec = String::from_utf8_lossy(&buf[..n]);
-        let text = rec.split_once(';').map_or(&*rec, |(_, t)| t).trim_end();
-        if keys.iter().any(|k| text.contains(k)) {
-            lines.push(text.to_string());
-        }
-    }
-    let skip = lines.len().saturating_sub(40);
-    lines.split_off(skip)
-}
-
 /// A file in the guest's /tmp, fresh.
 fn scratch(name: &str) -> PathBuf {
     let p = Path::new("/tmp").join(name);
@@ -590,12 +563,14 @@ fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duratio
         "{label}: {:?} in {:.1} s, pswpout {} pswpin {}, longest without progress {} s",
         r.outcome, r.wall_s, r.pswpout, r.pswpin, r.longest_stuck_s
     );
-    for l in kernel_log_lines(&[
+    let lines = uzram_testkit::vm::kernel_log_lines(&[
         "Out of memory",
         "Killed process",
         "oom-kill",
         "error on swap",
-    ]) {
+    ]);
+    // The last 40 at most.
+    for l in &lines[lines.len().saturating_sub(40)..] {
         eprintln!("{label}: kernel: {l}");
     }
     let sw = Instant::now();

@@ -549,32 +549,6 @@ fn ublk_fio_and_kill_in_vm() {
     stop(s2);
 }
 
-/// The kernel log's lines (since boot) containing any of `keys`.
-fn kernel_log_lines(keys: &[&str]) -> Vec<String> {
-    use std::io::Read;
-    let Ok(mut f) = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open("/dev/kmsg")
-    else {
-        return Vec::new();
-    };
-    let mut buf = vec![0u8; 8192];
-    let mut lines = Vec::new();
-    // Each read is one record, "level,seq,time,flags;text\n"; EAGAIN at the end.
-    while let Ok(n) = f.read(&mut buf) {
-        if n == 0 {
-            break;
-        }
-        let rec = String::from_utf8_lossy(&buf[..n]);
-        let text = rec.split_once(';').map_or(&*rec, |(_, t)| t).trim_end();
-        if keys.iter().any(|k| text.contains(k)) {
-            lines.push(text.to_string());
-        }
-    }
-    lines
-}
-
 /// `uzram serve --keeper --ublk` (and `extra` arguments) with its block device, for the tests
 /// that kill its server.
 struct Kept {
@@ -604,12 +578,7 @@ impl Kept {
 
     /// The keeper's serving child.
     fn child(&self) -> u32 {
-        let keeper = self.r.pid();
-        let c: Vec<u32> = std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
-            .unwrap_or_default()
-            .split_whitespace()
-            .map(|p| p.parse().unwrap())
-            .collect();
+        let c = uzram_testkit::process::children(self.r.pid());
         assert_eq!(c.len(), 1, "the keeper's children {c:?}: {}", self.r.log());
         c[0]
     }
@@ -646,11 +615,7 @@ impl Kept {
                     println!("  [{t} s after kill {}] {l}", self.kills() + 1);
                 }
                 seen = log.len();
-                let keeper = self.r.pid();
-                let kids =
-                    std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
-                        .unwrap_or_default();
-                for c in kids.split_whitespace() {
+                for c in uzram_testkit::process::children(self.r.pid()) {
                     let read = |f: &str| std::fs::read_to_string(format!("/proc/{c}/{f}"));
                     let stat = read("stat").unwrap_or_default();
                     let state = stat.rsplit_once(") ").map_or("?", |(_, r)| &r[..1]);
@@ -857,7 +822,7 @@ fn ublk_keeper_kill_in_vm() {
         4,
         "three kills and an upgrade after hot_add: {log}"
     );
-    let errors = kernel_log_lines(&["I/O error", "EXT4-fs error", "Buffer I/O"]);
+    let errors = uzram_testkit::vm::kernel_log_lines(&["I/O error", "EXT4-fs error", "Buffer I/O"]);
     assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");
 
     k.stop();
@@ -928,7 +893,7 @@ fn ublk_keeper_swap_kill_in_vm() {
         println!("{l}");
     }
     assert_eq!(taken.len(), 10, "{log}");
-    let errors = kernel_log_lines(&["I/O error", "error on swap-device"]);
+    let errors = uzram_testkit::vm::kernel_log_lines(&["I/O error", "error on swap-device"]);
     assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");
     k.stop();
 }

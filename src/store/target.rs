@@ -142,6 +142,25 @@ impl WbTarget {
         page_size_bytes: usize,
         zone_size_bytes: u64,
     ) -> Result<WbTarget> {
+        WbTarget::open(
+            backing,
+            layout,
+            compressed,
+            page_size_bytes,
+            zone_size_bytes,
+            false,
+        )
+    }
+
+    /// [`new`](Self::new), or with `recovering` [`recovering`](Self::recovering).
+    fn open(
+        backing: Arc<dyn Backing>,
+        layout: BackingLayout,
+        compressed: bool,
+        page_size_bytes: usize,
+        zone_size_bytes: u64,
+        recovering: bool,
+    ) -> Result<WbTarget> {
         Ok(match layout {
             BackingLayout::Bitmap => WbTarget::Bitmap(BitmapTarget {
                 bitmap: BlockBitmap::new(
@@ -158,8 +177,13 @@ impl WbTarget {
                     zone_size_bytes,
                     ..ZoneConfig::default()
                 };
+                let store = if recovering {
+                    ZoneStore::recovering(backing, config)?
+                } else {
+                    ZoneStore::new(backing, config)?
+                };
                 WbTarget::Zoned(ZonedTarget {
-                    store: Arc::new(ZoneStore::new(backing, config)?),
+                    store: Arc::new(store),
                     pages: AtomicU64::new(0),
                 })
             }
@@ -221,8 +245,8 @@ impl WbTarget {
     }
 
     /// The target a previous process left on `backing` (`docs/restart.md`), for recovery:
-    /// as [`new`](Self::new), its allocation rebuilt by [`claim`](Self::claim) and
-    /// [`finish_recovery`](Self::finish_recovery) (`EOPNOTSUPP` for a zoned block device).
+    /// as [`new`](Self::new), nothing on the backing device reset, its allocation rebuilt by
+    /// [`claim`](Self::claim) and [`finish_recovery`](Self::finish_recovery).
     pub(crate) fn recovering(
         backing: Arc<dyn Backing>,
         layout: BackingLayout,
@@ -230,22 +254,13 @@ impl WbTarget {
         page_size_bytes: usize,
         zone_size_bytes: u64,
     ) -> Result<WbTarget> {
-        if layout == BackingLayout::Zoned {
-            let config = ZoneConfig {
-                zone_size_bytes,
-                ..ZoneConfig::default()
-            };
-            return Ok(WbTarget::Zoned(ZonedTarget {
-                store: Arc::new(ZoneStore::recovering(backing, config)?),
-                pages: AtomicU64::new(0),
-            }));
-        }
-        WbTarget::new(
+        WbTarget::open(
             backing,
             layout,
             compressed,
             page_size_bytes,
             zone_size_bytes,
+            true,
         )
     }
 

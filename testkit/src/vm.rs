@@ -115,6 +115,34 @@ fn test_command<S: AsRef<OsStr>>(name: &str, vm_args: &[S], env: &[(&str, &str)]
 // ---------------------------------------------------------------------------------------------
 // Inside the VM: the swap kit.
 
+/// The kernel log's lines since boot (`/dev/kmsg`, read without blocking) containing any of
+/// `keys`, oldest first.
+pub fn kernel_log_lines(keys: &[&str]) -> Vec<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(mut f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/dev/kmsg")
+    else {
+        return Vec::new();
+    };
+    let mut buf = vec![0u8; 8192];
+    let mut lines = Vec::new();
+    // Each read is one record, "level,seq,time,flags;text\n"; EAGAIN at the end.
+    while let Ok(n) = f.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        let rec = String::from_utf8_lossy(&buf[..n]);
+        let text = rec.split_once(';').map_or(&*rec, |(_, t)| t).trim_end();
+        if keys.iter().any(|k| text.contains(k)) {
+            lines.push(text.to_string());
+        }
+    }
+    lines
+}
+
 /// A counter of `/proc/vmstat` (`pswpout`, `pswpin`...).
 pub fn vmstat(name: &str) -> u64 {
     let v = std::fs::read_to_string("/proc/vmstat").unwrap();
