@@ -802,8 +802,7 @@ fn bad_requests_get_errors() {
     other.check();
 }
 
-/// Counts the heap allocations made on the server's queue threads (named `vring_worker` by
-/// `vhost-user-backend`), for `requests_allocate_nothing`; every other thread's allocations
+/// Counts the heap allocations made on the server's queue threads (named `uzram-vqN`), for `requests_allocate_nothing`; every other thread's allocations
 /// pass through uncounted.
 struct QueueThreadAllocs;
 
@@ -816,7 +815,7 @@ fn on_queue_thread() -> bool {
     let rc = unsafe {
         libc::pthread_getname_np(libc::pthread_self(), name.as_mut_ptr().cast(), name.len())
     };
-    rc == 0 && name.starts_with(b"vring_worker")
+    rc == 0 && name.starts_with(b"uzram-vq")
 }
 
 // SAFETY: forwards every call to `System` unchanged; the count is an atomic, and finding the

@@ -69,6 +69,7 @@ fn connect(socket: &std::path::Path) -> (VhostUserBlk, Vec<Virtqueue>) {
         queue_size: 64,
         data_bytes: DATA_BYTES,
         event_idx: true,
+        inflight: false,
     };
     let (blk, queues) = VhostUserBlk::connect(socket, &cfg).unwrap();
     assert_eq!(blk.capacity_sectors, SECTORS);

@@ -39,7 +39,8 @@ use std::sync::atomic::{fence, AtomicU16, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vhost::vhost_user::message::{
-    VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+    VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserInflight, VhostUserProtocolFeatures,
+    VhostUserVirtioFeatures,
 };
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
@@ -99,6 +100,10 @@ pub struct DriverConfig {
     pub data_bytes: u32,
     /// Negotiate `VIRTIO_RING_F_EVENT_IDX` when the device offers it.
     pub event_idx: bool,
+    /// Ask for an inflight region (`GET_INFLIGHT_FD`, then `SET_INFLIGHT_FD`, as QEMU does
+    /// before the rings) when the device offers `INFLIGHT_SHMFD`, and keep it for
+    /// [`VhostUserBlk::reconnect`].
+    pub inflight: bool,
 }
 
 impl Default for DriverConfig {
@@ -109,6 +114,7 @@ impl Default for DriverConfig {
             queue_size: 128,
             data_bytes: 4096,
             event_idx: true,
+            inflight: false,
         }
     }
 }
@@ -635,6 +641,11 @@ impl Virtqueue {
 pub struct VhostUserBlk {
     fe: Frontend,
     ram: Arc<GuestRam>,
+    /// The protocol features acked.
+    proto: VhostUserProtocolFeatures,
+    /// The inflight region the device handed over, if asked for and offered: what
+    /// `GET_INFLIGHT_FD` answered, and the file.
+    inflight: Option<(VhostUserInflight, File)>,
     /// The virtio features acked (`F_*` bits, and vhost-user's PROTOCOL_FEATURES bit).
     pub features: u64,
     /// The device's capacity in 512-byte sectors (its config space).
@@ -692,10 +703,13 @@ impl VhostUserBlk {
         let proto_offered = fe
             .get_protocol_features()
             .map_err(|e| vhost_err("GET_PROTOCOL_FEATURES", e))?;
-        let proto = proto_offered
-            & (VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::REPLY_ACK
-                | VhostUserProtocolFeatures::CONFIG);
+        let mut proto_wanted = VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIG;
+        if cfg.inflight {
+            proto_wanted |= VhostUserProtocolFeatures::INFLIGHT_SHMFD;
+        }
+        let proto = proto_offered & proto_wanted;
         fe.set_protocol_features(proto)
             .map_err(|e| vhost_err("SET_PROTOCOL_FEATURES", e))?;
         if proto.contains(VhostUserProtocolFeatures::REPLY_ACK) {
@@ -725,6 +739,16 @@ impl VhostUserBlk {
                 .get_config(0, 8, VhostUserConfigFlags::empty(), &[0u8; 8])
                 .map_err(|e| vhost_err("GET_CONFIG", e))?;
             capacity_sectors = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
+        }
+        let mut inflight = None;
+        if proto.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD) {
+            let ask = VhostUserInflight::new(0, 0, cfg.queues, cfg.queue_size);
+            let (info, file) = fe
+                .get_inflight_fd(&ask)
+                .map_err(|e| vhost_err("GET_INFLIGHT_FD", e))?;
+            fe.set_inflight_fd(&info, file.as_raw_fd())
+                .map_err(|e| vhost_err("SET_INFLIGHT_FD", e))?;
+            inflight = Some((info, file));
         }
 
         // The layout of each queue: its rings (each ring page-aligned), then its slots.
@@ -807,11 +831,101 @@ impl VhostUserBlk {
             VhostUserBlk {
                 fe,
                 ram,
+                proto,
+                inflight,
                 features,
                 capacity_sectors,
             },
             queues,
         ))
+    }
+
+    /// Connects to `socket` again, as QEMU does after its back end died (`reconnect-ms`): a
+    /// new connection negotiates the same features, hands the device the inflight region
+    /// kept from the first (`SET_INFLIGHT_FD`) and the same memory, and starts `queues` (the
+    /// ones `connect` gave, with their requests still in flight) on the same rings with new
+    /// eventfds; each queue's base is its used index, which is all QEMU knows of a back end
+    /// that did not answer `GET_VRING_BASE` (the device finds the rest in the region).
+    pub fn reconnect(&mut self, socket: &Path, queues: &mut [Virtqueue]) -> io::Result<()> {
+        let mut fe = Frontend::connect(socket, queues.len().max(1) as u64)
+            .map_err(|e| vhost_err("connect", e))?;
+        fe.set_owner().map_err(|e| vhost_err("SET_OWNER", e))?;
+        let offered = fe
+            .get_features()
+            .map_err(|e| vhost_err("GET_FEATURES", e))?;
+        if offered & self.features != self.features {
+            return Err(io::Error::other(format!(
+                "the device no longer offers {:#x}",
+                self.features & !offered
+            )));
+        }
+        let proto_offered = fe
+            .get_protocol_features()
+            .map_err(|e| vhost_err("GET_PROTOCOL_FEATURES", e))?;
+        if !proto_offered.contains(self.proto) {
+            return Err(io::Error::other(
+                "the device no longer offers the protocol features",
+            ));
+        }
+        fe.set_protocol_features(self.proto)
+            .map_err(|e| vhost_err("SET_PROTOCOL_FEATURES", e))?;
+        if self.proto.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+            fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+        }
+        if self.proto.contains(VhostUserProtocolFeatures::MQ) {
+            fe.get_queue_num()
+                .map_err(|e| vhost_err("GET_QUEUE_NUM", e))?;
+        }
+        fe.set_features(self.features)
+            .map_err(|e| vhost_err("SET_FEATURES", e))?;
+        if let Some((info, file)) = &self.inflight {
+            fe.set_inflight_fd(info, file.as_raw_fd())
+                .map_err(|e| vhost_err("SET_INFLIGHT_FD", e))?;
+        }
+        let region = VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: self.ram.len() as u64,
+            userspace_addr: self.ram.host_addr(0),
+            mmap_offset: 0,
+            mmap_handle: self.ram.file.as_raw_fd(),
+        };
+        fe.set_mem_table(&[region])
+            .map_err(|e| vhost_err("SET_MEM_TABLE", e))?;
+        for vq in queues.iter_mut() {
+            let q = vq.index;
+            fe.set_vring_num(q, vq.size)
+                .map_err(|e| vhost_err("SET_VRING_NUM", e))?;
+            fe.set_vring_base(q, vq.used_idx())
+                .map_err(|e| vhost_err("SET_VRING_BASE", e))?;
+            fe.set_vring_addr(
+                q,
+                &VringConfigData {
+                    queue_max_size: vq.size,
+                    queue_size: vq.size,
+                    flags: 0,
+                    desc_table_addr: self.ram.host_addr(vq.desc),
+                    used_ring_addr: self.ram.host_addr(vq.used),
+                    avail_ring_addr: self.ram.host_addr(vq.avail),
+                    log_addr: None,
+                },
+            )
+            .map_err(|e| vhost_err("SET_VRING_ADDR", e))?;
+            vq.kick = EventFd::new(EFD_NONBLOCK)?;
+            vq.call = EventFd::new(EFD_NONBLOCK)?;
+            fe.set_vring_call(q, &vq.call)
+                .map_err(|e| vhost_err("SET_VRING_CALL", e))?;
+            fe.set_vring_kick(q, &vq.kick)
+                .map_err(|e| vhost_err("SET_VRING_KICK", e))?;
+            fe.set_vring_enable(q, true)
+                .map_err(|e| vhost_err("SET_VRING_ENABLE", e))?;
+        }
+        self.fe = fe;
+        Ok(())
+    }
+
+    /// The inflight region's file, if the device gave one.
+    pub fn inflight_file(&self) -> Option<&File> {
+        self.inflight.as_ref().map(|(_, f)| f)
     }
 
     /// Whether feature bit `bit` (`F_*`) was negotiated.

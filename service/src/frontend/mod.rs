@@ -27,6 +27,8 @@ pub mod swap;
 pub mod ublk;
 pub mod unix_socket;
 #[cfg(feature = "vhost-user")]
+pub mod vhost_inflight;
+#[cfg(feature = "vhost-user")]
 pub mod vhost_user;
 #[cfg(feature = "vhost-user")]
 pub mod virtio_blk;
