@@ -772,6 +772,14 @@ impl Conn {
                     vring.set_queue_next_avail(next_avail);
                     vring.set_queue_next_used(used_idx);
                     st.counter = next_counter;
+                    if !st.resubmit.is_empty() {
+                        eprintln!(
+                            "uzram: vhost-user {}: queue {q}: resubmitting {} request(s) a \
+                             previous server took and did not complete",
+                            self.backend.name,
+                            st.resubmit.len()
+                        );
+                    }
                 }
                 Err(e) => {
                     eprintln!(
