@@ -552,108 +552,62 @@ fn ublk_fio_and_kill_in_vm() {
 /// `uzram serve --keeper --ublk` (and `extra` arguments) with its block device, for the tests
 /// that kill its server.
 struct Kept {
-    r: Running,
+    k: uzram_testkit::serve::Kept,
     dev: PathBuf,
-    kills: std::sync::atomic::AtomicUsize,
 }
 
 impl Kept {
     fn start(extra: &[&str]) -> Kept {
-        let r = Serve::args(&["--ublk", "--keeper", "--socket", "{dir}/zram0.sock"])
-            .arg(extra)
-            .start();
-        let dev = r
-            .banner()
-            .iter()
-            .flat_map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
-            .find(|w| w.starts_with("/dev/ublkb"))
-            .map(PathBuf::from)
-            .unwrap_or_else(|| panic!("no /dev/ublkbN: {:?} {}", r.lines(), r.log()));
-        Kept {
-            r,
-            dev,
-            kills: std::sync::atomic::AtomicUsize::new(0),
-        }
+        let k = uzram_testkit::serve::Kept::start(
+            Serve::args(&["--ublk", "--socket", "{dir}/zram0.sock"]).arg(extra),
+        );
+        let dev =
+            k.r.banner()
+                .iter()
+                .flat_map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+                .find(|w| w.starts_with("/dev/ublkb"))
+                .map(PathBuf::from)
+                .unwrap_or_else(|| panic!("no /dev/ublkbN: {:?} {}", k.r.lines(), k.r.log()));
+        Kept { k, dev }
     }
 
     /// The keeper's serving child.
     fn child(&self) -> u32 {
-        let c = uzram_testkit::process::children(self.r.pid());
-        assert_eq!(c.len(), 1, "the keeper's children {c:?}: {}", self.r.log());
-        c[0]
+        self.k.child()
     }
 
-    /// How many times a server printed `serving`.
-    fn servings(&self) -> usize {
-        self.r
-            .lines()
-            .iter()
-            .filter(|l| l.starts_with("serving"))
-            .count()
-    }
-
-    /// `kill -9` the serving child once it has served 10 s (the keeper restarts such a child
-    /// at once; one that dies sooner, later and later), and waits until the next one serves,
-    /// the block device still there.
+    /// `kill -9` the serving child once it has served 10 s, and waits until the next one
+    /// serves, the block device still there.
     fn kill_child(&self) {
-        std::thread::sleep(Duration::from_secs(11));
-        let before = self.servings();
-        let old = self.child();
-        let killed = Instant::now();
-        let mut seen = self.r.log().len();
-        let mut probed = 0;
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
-        // A slow restart says where it is: the server's new log lines and the keeper's
-        // children's states (every 5 s from 3 s on).
-        uzram_testkit::process::wait_for("a new server", Duration::from_secs(90), || {
-            let t = killed.elapsed().as_secs();
-            if t >= 3 + 5 * probed {
-                probed += 1;
-                let log = self.r.log();
-                for l in log.get(seen..).unwrap_or("").lines() {
-                    println!("  [{t} s after kill {}] {l}", self.kills() + 1);
-                }
-                seen = log.len();
-                for c in uzram_testkit::process::children(self.r.pid()) {
-                    let read = |f: &str| std::fs::read_to_string(format!("/proc/{c}/{f}"));
-                    let stat = read("stat").unwrap_or_default();
-                    let state = stat.rsplit_once(") ").map_or("?", |(_, r)| &r[..1]);
-                    println!(
-                        "  [{t} s] child {c} state {state} wchan {}; stack: {}",
-                        read("wchan").unwrap_or_default(),
-                        read("stack").unwrap_or_default().replace('\n', " | ")
-                    );
-                }
-            }
-            self.servings() > before
-        });
+        let took = self.k.kill_child();
         // Under emulation (TCG): comparable only with other times of the same run.
         println!(
             "kill {}: the next server serves /dev/ublkb0 {:.2} s after the kill",
-            self.kills() + 1,
-            killed.elapsed().as_secs_f64()
+            self.kills(),
+            took.as_secs_f64()
         );
-        assert_ne!(self.child(), old);
         assert!(
             self.dev.exists(),
             "{} went away with its server",
             self.dev.display()
         );
-        self.kills
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The kills so far.
     fn kills(&self) -> usize {
-        self.kills.load(std::sync::atomic::Ordering::Relaxed)
+        self.k.kills()
+    }
+
+    /// The keeper.
+    fn r(&self) -> &Running {
+        &self.k.r
     }
 
     /// SIGTERM to the keeper: its server stops and removes the block device.
     fn stop(mut self) {
-        self.r.signal("-TERM");
-        let st = self.r.wait_exit(Duration::from_secs(30));
-        assert!(st.success(), "{st}: {}", self.r.log());
+        self.k.r.signal("-TERM");
+        let st = self.k.r.wait_exit(Duration::from_secs(30));
+        assert!(st.success(), "{st}: {}", self.k.r.log());
         assert!(
             !self.dev.exists(),
             "{} outlived the keeper's stop",
@@ -675,7 +629,7 @@ fn ublk_keeper_kill_in_vm() {
         return;
     }
     let k = Kept::start(&["--disksize", "1G"]);
-    let (r, dev) = (&k.r, &k.dev);
+    let (r, dev) = (k.r(), &k.dev);
     let child = || k.child();
     let kill_child = || k.kill_child();
 
@@ -880,7 +834,7 @@ fn ublk_keeper_swap_kill_in_vm() {
         "pswpout {out} pswpin {inn}: too little swap"
     );
     run(Command::new("swapoff").arg(&k.dev));
-    let log = k.r.log();
+    let log = k.r().log();
     let taken: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("taken over from process"))

@@ -437,3 +437,93 @@ impl Drop for Running {
         kill(&mut self.child);
     }
 }
+
+/// A `uzram serve --keeper` (the keeper holding the devices' files, its child serving), for
+/// the tests that kill its server (`kill -9`) again and again.
+#[derive(Debug)]
+pub struct Kept {
+    /// The keeper (its standard output and error are its children's too).
+    pub r: Running,
+    kills: std::sync::atomic::AtomicUsize,
+}
+
+impl Kept {
+    /// Starts `serve` with `--keeper`.
+    pub fn start(serve: Serve) -> Kept {
+        Kept {
+            r: serve.arg(&["--keeper"]).start(),
+            kills: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    /// The keeper's serving child.
+    pub fn child(&self) -> u32 {
+        let c = crate::process::children(self.r.pid());
+        assert_eq!(c.len(), 1, "the keeper's children {c:?}: {}", self.r.log());
+        c[0]
+    }
+
+    /// How many times a server printed `serving`.
+    pub fn servings(&self) -> usize {
+        self.r
+            .lines()
+            .iter()
+            .filter(|l| l.starts_with("serving"))
+            .count()
+    }
+
+    /// `kill -9` the serving child once it has served 10 s (the keeper restarts such a child
+    /// at once; one that dies sooner, later and later), and waits until the next one serves;
+    /// returns the time from the kill to its `serving`. A slow restart says where it is: the
+    /// server's new log lines and the keeper's children's states, every 5 s from 3 s on.
+    pub fn kill_child(&self) -> Duration {
+        self.kill_child_when(|_| true)
+    }
+
+    /// [`Kept::kill_child`], the kill sent as soon as `now(child's pid)` holds (polled without
+    /// a pause, for at most 5 s; then it is sent anyway): e.g. while one of its threads runs.
+    pub fn kill_child_when(&self, mut now: impl FnMut(u32) -> bool) -> Duration {
+        std::thread::sleep(Duration::from_secs(11));
+        let before = self.servings();
+        let old = self.child();
+        let picking = std::time::Instant::now();
+        while !now(old) && picking.elapsed() < Duration::from_secs(5) {}
+        let killed = std::time::Instant::now();
+        let mut seen = self.r.log().len();
+        let mut probed = 0;
+        // SAFETY: kill has no memory preconditions.
+        unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
+        crate::process::wait_for("a new server", Duration::from_secs(90), || {
+            let t = killed.elapsed().as_secs();
+            if t >= 3 + 5 * probed {
+                probed += 1;
+                let log = self.r.log();
+                for l in log.get(seen..).unwrap_or("").lines() {
+                    println!("  [{t} s after kill {}] {l}", self.kills() + 1);
+                }
+                seen = log.len();
+                for c in crate::process::children(self.r.pid()) {
+                    let read = |f: &str| std::fs::read_to_string(format!("/proc/{c}/{f}"));
+                    let stat = read("stat").unwrap_or_default();
+                    let state = stat.rsplit_once(") ").map_or("?", |(_, r)| &r[..1]);
+                    println!(
+                        "  [{t} s] child {c} state {state} wchan {}; stack: {}",
+                        read("wchan").unwrap_or_default(),
+                        read("stack").unwrap_or_default().replace('\n', " | ")
+                    );
+                }
+            }
+            self.servings() > before
+        });
+        let took = killed.elapsed();
+        assert_ne!(self.child(), old);
+        self.kills
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        took
+    }
+
+    /// The kills so far.
+    pub fn kills(&self) -> usize {
+        self.kills.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
