@@ -10,6 +10,10 @@
 //! larger than its RAM; the second is killed (-9) with fio writing to zram1; the
 //! third (a new QEMU, new connections) finds the filesystem, is served on zram1, and stays
 //! connected while the server is stopped (in seconds).
+//!
+//! `vhost_user_keeper_kills`: a kept server (`--keeper`) killed twenty times and upgraded once
+//! under a guest's fio rounds, then its swap, QEMU reconnecting each time (docs/vhost-user.md,
+//! "Across a restart").
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -609,6 +613,18 @@ impl Guest {
     /// what the server's and QEMU's threads are doing is printed (the test fails; then the
     /// VM's console tail comes from `scripts/zoned-vm` as the guest is stopped).
     fn wait_for(&mut self, mark: &str, server: &mut Server, sockets: &[&Path]) {
+        let pid = server.child.id();
+        self.wait_for_mark(mark, pid, &mut || server.stderr_text(), sockets);
+    }
+
+    /// [`Guest::wait_for`] for a server known by its pid and its log.
+    fn wait_for_mark(
+        &mut self,
+        mark: &str,
+        server_pid: u32,
+        server_log: &mut dyn FnMut() -> String,
+        sockets: &[&Path],
+    ) {
         let start = Instant::now();
         let end = start + Duration::from_secs(GUEST_MARK_SECS);
         let mut last_line = start;
@@ -624,7 +640,7 @@ impl Guest {
                         start.elapsed().as_secs(),
                         (last_line - start).as_secs()
                     );
-                    print_threads("the server", server.child.id());
+                    print_threads("the server", server_pid);
                     for sock in sockets {
                         if let Some(pid) = find_qemu(sock) {
                             print_threads(&format!("QEMU on {}", sock.display()), pid);
@@ -635,7 +651,7 @@ impl Guest {
                          guest's output, the server's (server: ...) and its threads are above, \
                          the VM's console follows on stderr; the server's stderr:\n{}",
                         start.elapsed().as_secs(),
-                        server.stderr_text()
+                        server_log()
                     );
                 }
             }
@@ -833,4 +849,283 @@ fn vhost_user_guests() {
     for sock in [&disk, &swap] {
         assert!(!sock.exists(), "{} is left", sock.display());
     }
+}
+
+const KEPT_MARK: &str = "UZRAM-VHOST: fio rounds running";
+const KEPT_SWAP_MARK: &str = "UZRAM-VHOST: hog rounds running";
+const KEPT_DONE: &str = "UZRAM-VHOST: kept rounds verified: ";
+/// The kept server's disk (zram0) and swap disk (zram1), and where on the disk (its last page)
+/// the host raises the flags that end the guest's fio rounds and then its hog rounds (through
+/// the device's NBD socket: the host cannot reach into the guest).
+const KEPT_DISK_BYTES: u64 = 512 << 20;
+const KEPT_SWAP_BYTES: u64 = 1 << 30;
+const FLAG_OFFSET: u64 = KEPT_DISK_BYTES - 4096;
+const FLAG_FIO_DONE: u8 = 0x5a;
+const FLAG_HOG_DONE: u8 = 0xa5;
+
+/// The largest completion latency fio reports (`clat (UNIT): min=..., max=N`) in `out`, in
+/// milliseconds.
+fn fio_max_clat_ms(out: &str) -> f64 {
+    out.lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let rest = l.strip_prefix("clat (")?;
+            let (unit, rest) = rest.split_once("):")?;
+            let max = rest.split("max=").nth(1)?.split(',').next()?.trim();
+            let v: f64 = max.parse().ok()?;
+            let scale = match unit {
+                "nsec" => 1e-6,
+                "usec" => 1e-3,
+                "msec" => 1.0,
+                _ => return None,
+            };
+            Some(v * scale)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Inside the guest, on a kept server's disks: fio rounds on zram0 with a checksum in every
+/// block (each writing and then verifying its blocks, another seed each round) until the host
+/// raises its first flag on the disk's last page; then swap on zram1 under a memory hog 1.25
+/// times the guest's RAM, every page verified, round after round until the second flag; then
+/// no I/O error may be in the kernel's log.
+fn guest_kept() {
+    let dev = disk_with_serial("zram0");
+    let swap = disk_with_serial("zram1");
+    let bytes: u64 = sysfs(&dev, "size").parse::<u64>().unwrap() << 9;
+    assert_eq!(bytes, KEPT_DISK_BYTES);
+    let started = Instant::now();
+    println!("{KEPT_MARK}");
+    let mut rounds = 0u64;
+    let mut max_clat_ms = 0f64;
+    loop {
+        let t = Instant::now();
+        let out = run(Command::new("fio")
+            .args([
+                "--name=kept",
+                "--thread",
+                "--direct=1",
+                "--ioengine=libaio",
+                "--iodepth=16",
+                "--numjobs=2",
+                "--rw=randwrite",
+                "--bssplit=4k/50:16k/20:64k/20:256k/10",
+                "--size=24M",
+                "--offset_increment=64M",
+                "--verify=crc32c",
+                "--do_verify=1",
+                "--verify_fatal=1",
+                "--buffer_compress_percentage=50",
+                "--refill_buffers",
+                "--group_reporting",
+            ])
+            .arg(format!("--randseed={}", rounds + 1))
+            .arg(format!("--filename={}", dev.display())));
+        assert!(out.contains("err= 0"), "fio round {rounds}: {out}");
+        rounds += 1;
+        let clat = fio_max_clat_ms(&out);
+        max_clat_ms = max_clat_ms.max(clat);
+        println!(
+            "UZRAM-VHOST: fio round {rounds} verified in {:.1} s, longest request {clat:.0} ms",
+            t.elapsed().as_secs_f64()
+        );
+        if flag(&dev) == FLAG_FIO_DONE {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1200),
+            "no flag from the host after {rounds} fio rounds"
+        );
+    }
+    println!("UZRAM-VHOST: {rounds} fio rounds, the longest request {max_clat_ms:.0} ms");
+
+    run(Command::new("mkswap").arg(&swap));
+    run(Command::new("swapon").arg(&swap));
+    let (out0, in0) = (
+        uzram_testkit::vm::vmstat("pswpout"),
+        uzram_testkit::vm::vmstat("pswpin"),
+    );
+    let mut hog = uzram_testkit::vm::Hog::new((mem_total_bytes() * 5 / 4) as usize / PAGE);
+    println!("{KEPT_SWAP_MARK}");
+    let mut v = 0;
+    loop {
+        v += 1;
+        let t = Instant::now();
+        hog.fill(v);
+        let bad = hog.bad_pages(v);
+        assert_eq!(bad, 0, "hog round {v}: {bad} pages wrong");
+        println!(
+            "UZRAM-VHOST: hog round {v}: {} pages verified in {:.1} s",
+            hog.pages(),
+            t.elapsed().as_secs_f64()
+        );
+        if flag(&dev) == FLAG_HOG_DONE {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2400),
+            "no second flag from the host after {v} hog rounds"
+        );
+    }
+    drop(hog);
+    let (out, inn) = (
+        uzram_testkit::vm::vmstat("pswpout") - out0,
+        uzram_testkit::vm::vmstat("pswpin") - in0,
+    );
+    println!("UZRAM-VHOST: {v} hog rounds, pswpout {out} pswpin {inn}");
+    assert!(
+        out > 50_000 && inn > 20_000,
+        "too little swap: {out} out, {inn} in"
+    );
+    run(Command::new("swapoff").arg(&swap));
+    let errors = uzram_testkit::vm::kernel_log_lines(&[
+        "I/O error",
+        "Buffer I/O",
+        "blk_update_request",
+        "error on swap-device",
+    ]);
+    assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");
+    println!("{KEPT_DONE}{rounds} fio, {v} hog");
+}
+
+/// The first byte of the disk's last page, where the host raises its flags (read past the
+/// page cache).
+fn flag(dev: &Path) -> u8 {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+        .unwrap();
+    // O_DIRECT wants an aligned buffer.
+    let mut buf = vec![0u8; 8192];
+    let at = buf.as_ptr().align_offset(4096);
+    let page = &mut buf[at..at + 4096];
+    f.read_exact_at(page, FLAG_OFFSET).unwrap();
+    page[0]
+}
+
+/// Whether a queue thread (`uzram-vqN`) of process `pid` is running now: a kill then likely
+/// finds a request taken and not completed.
+fn queue_thread_running(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().any(|t| {
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        stat.contains("(uzram-vq")
+            && stat
+                .rsplit_once(") ")
+                .is_some_and(|(_, r)| r.starts_with('R'))
+    })
+}
+
+/// A guest's disk and swap from a kept server (`uzram serve --keeper --swap --vhost-user`),
+/// QEMU reconnecting (`reconnect-ms`): while the guest runs fio rounds verifying every block
+/// they write, the server is killed (`kill -9`) ten times and upgraded once (`uzram ctl
+/// upgrade`); then while a memory hog swaps on the second disk and verifies every page, ten
+/// kills more. Each kill is sent while a queue thread runs, when it can. Each new server
+/// listens on the same sockets, QEMU reconnects and hands it the inflight region, and the
+/// requests the dead server had taken and not completed are served first: every round
+/// verifies, and the guest's kernel logs no I/O error.
+#[test]
+fn vhost_user_keeper_kills() {
+    const NAME: &str = "vhost_user_keeper_kills";
+    if std::env::var_os("UZRAM_VM").is_some() {
+        match std::env::var("UZRAM_VHOST_STEP").unwrap().as_str() {
+            "kept" => guest_kept(),
+            s => panic!("step {s}"),
+        }
+        return;
+    }
+    let mut config = String::new();
+    for (name, size) in [("zram0", KEPT_DISK_BYTES), ("zram1", KEPT_SWAP_BYTES)] {
+        config.push_str(&format!(
+            "[[device]]\nname = \"{name}\"\ndisksize = \"{size}\"\n\
+             socket = \"{{dir}}/{name}.sock\"\nvhost_user = true\n"
+        ));
+    }
+    let k = uzram_testkit::serve::Kept::start(
+        uzram_testkit::serve::Serve::config(&config).arg(&["--swap"]),
+    );
+    let socks = ["zram0", "zram1"].map(|n| k.r.dir().join(format!("{n}.vhost.sock")));
+    for s in &socks {
+        assert!(s.exists(), "{}: {:?}", s.display(), k.r.lines());
+    }
+    let pages = k.r.dir().join("pages");
+    std::fs::create_dir(&pages).unwrap();
+    let mut args = vm_args(&[&socks[0], &socks[1]], 512, &pages, 0);
+    args.extend(["--vhost-reconnect-ms".to_string(), "500".to_string()]);
+    let mut g = Guest::start(NAME, &args, &[("UZRAM_VHOST_STEP", "kept")]);
+    let keeper = k.r.pid();
+    let sockets = [socks[0].as_path(), socks[1].as_path()];
+    g.wait_for_mark(KEPT_MARK, keeper, &mut || k.r.log(), &sockets);
+
+    let mut took = Vec::new();
+    let mut kills = |what: &str| {
+        for _ in 0..10 {
+            let t = k.kill_child_when(queue_thread_running);
+            println!(
+                "kill {} ({what}): the next server serves {:.3} s after the kill",
+                k.kills(),
+                t.as_secs_f64()
+            );
+            took.push(t.as_secs_f64());
+            for s in &socks {
+                assert!(s.exists(), "no {} after kill {}", s.display(), k.kills());
+            }
+        }
+    };
+    kills("fio");
+    let old = k.child();
+    let o = k.r.ctl(&["upgrade"]);
+    let said = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success() && said.starts_with("upgraded to uzram "),
+        "{said}: {}",
+        k.r.log()
+    );
+    assert_ne!(k.child(), old);
+    // Let the upgraded server serve a round or so, then end the fio rounds.
+    std::thread::sleep(Duration::from_secs(10));
+    let raise = |byte: u8| {
+        run(Command::new("qemu-io").args([
+            "-f",
+            "raw",
+            "-c",
+            &format!("write -P {byte} {FLAG_OFFSET} 4096"),
+            &k.r.uri("zram0"),
+        ]));
+    };
+    raise(FLAG_FIO_DONE);
+    g.wait_for_mark(KEPT_SWAP_MARK, keeper, &mut || k.r.log(), &sockets);
+    kills("swap");
+    raise(FLAG_HOG_DONE);
+    g.wait_for_mark(KEPT_DONE, keeper, &mut || k.r.log(), &sockets);
+    let st = wait_timeout(&mut g.child, Duration::from_secs(120)).expect("the VM script ended");
+    assert!(st.success(), "{st}");
+    took.sort_by(f64::total_cmp);
+    println!(
+        "kill to serving over {} kills: median {:.3} s, max {:.3} s",
+        took.len(),
+        took[took.len() / 2],
+        took[took.len() - 1]
+    );
+    // The keeper started a server 22 times (20 kills, an upgrade), and none dropped QEMU for
+    // breaking the protocol.
+    let log = k.r.log();
+    assert_eq!(k.servings(), 22, "{log}");
+    assert!(!log.contains("front end dropped"), "{log}");
+    // How many queue starts found requests in flight to resubmit (a kill between two
+    // requests leaves none; the test kit's test, service/tests/vhost_user_inflight.rs, makes
+    // one every time).
+    let resubmits: Vec<&str> = log.lines().filter(|l| l.contains("resubmitting")).collect();
+    println!(
+        "{} queue starts resubmitted requests: {resubmits:#?}",
+        resubmits.len()
+    );
+    let mut k = k;
+    k.r.signal("-TERM");
+    let st = k.r.wait_exit(Duration::from_secs(30));
+    assert!(st.success(), "{st}: {}", k.r.log());
 }
