@@ -11,8 +11,8 @@
 //! third (a new QEMU, new connections) finds the filesystem, is served on zram1, and stays
 //! connected while the server is stopped (in seconds).
 //!
-//! `vhost_user_keeper_kills`: a kept server (`--keeper`) killed twenty times and upgraded once
-//! under a guest's fio rounds, then its swap, QEMU reconnecting each time (docs/vhost-user.md,
+//! `vhost_user_keeper_kills`: a kept server (`--keeper`) killed 25 times and upgraded once
+//! under a guest's fio rounds, then ext4, then its swap, QEMU reconnecting each time (docs/vhost-user.md,
 //! "Across a restart").
 
 use std::io::{BufRead, BufReader, Read};
@@ -852,6 +852,7 @@ fn vhost_user_guests() {
 }
 
 const KEPT_MARK: &str = "UZRAM-VHOST: fio rounds running";
+const KEPT_EXT4_MARK: &str = "UZRAM-VHOST: ext4 rounds running";
 const KEPT_SWAP_MARK: &str = "UZRAM-VHOST: hog rounds running";
 const KEPT_DONE: &str = "UZRAM-VHOST: kept rounds verified: ";
 /// The kept server's disk (zram0) and swap disk (zram1), and where on the disk (its last page)
@@ -861,6 +862,7 @@ const KEPT_DISK_BYTES: u64 = 512 << 20;
 const KEPT_SWAP_BYTES: u64 = 1 << 30;
 const FLAG_OFFSET: u64 = KEPT_DISK_BYTES - 4096;
 const FLAG_FIO_DONE: u8 = 0x5a;
+const FLAG_EXT4_DONE: u8 = 0x3c;
 const FLAG_HOG_DONE: u8 = 0xa5;
 
 /// The largest completion latency fio reports (`clat (UNIT): min=..., max=N`) in `out`, in
@@ -886,10 +888,12 @@ fn fio_max_clat_ms(out: &str) -> f64 {
 
 /// Inside the guest, on a kept server's disks: fio rounds on zram0 with a checksum in every
 /// block (each writing and then verifying its blocks, another seed each round) until the host
-/// raises its first flag on the disk's last page; then swap on zram1 under a memory hog 1.25
-/// times the guest's RAM, every page verified, round after round until the second flag; then
-/// no I/O error may be in the kernel's log.
-fn guest_kept() {
+/// raises its first flag on the disk's last page; then ext4 on zram0 (all but that page),
+/// rounds of the files of real pages `pages` copied in, synced and read back after dropping
+/// the caches, until the second flag, and `e2fsck -fn`; then swap on zram1 under a memory hog
+/// 1.25 times the guest's RAM, every page verified, round after round until the third flag;
+/// then no I/O error may be in the kernel's log.
+fn guest_kept(pages: &Path) {
     let dev = disk_with_serial("zram0");
     let swap = disk_with_serial("zram1");
     let bytes: u64 = sysfs(&dev, "size").parse::<u64>().unwrap() << 9;
@@ -939,6 +943,61 @@ fn guest_kept() {
     }
     println!("UZRAM-VHOST: {rounds} fio rounds, the longest request {max_clat_ms:.0} ms");
 
+    let blocks = (KEPT_DISK_BYTES / 4096 - 1).to_string();
+    run(Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-b", "4096"])
+        .arg(&dev)
+        .arg(&blocks));
+    let mnt = Path::new("/tmp/mnt");
+    std::fs::create_dir_all(mnt).unwrap();
+    run(Command::new("mount")
+        .args(["-t", "ext4"])
+        .arg(&dev)
+        .arg(mnt));
+    let names: Vec<_> = std::fs::read_dir(pages)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+    println!("{KEPT_EXT4_MARK}");
+    let mut ext4_rounds = 0;
+    loop {
+        ext4_rounds += 1;
+        let t = Instant::now();
+        let dir = mnt.join(ext4_rounds.to_string());
+        std::fs::create_dir(&dir).unwrap();
+        for n in &names {
+            std::fs::copy(pages.join(n), dir.join(n)).unwrap();
+        }
+        // SAFETY: sync takes no arguments.
+        unsafe { libc::sync() };
+        std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+        for n in &names {
+            let back = std::fs::read(dir.join(n)).unwrap();
+            assert!(
+                back == std::fs::read(pages.join(n)).unwrap(),
+                "ext4 round {ext4_rounds}: {n:?} differs"
+            );
+        }
+        if ext4_rounds > 1 {
+            std::fs::remove_dir_all(mnt.join((ext4_rounds - 1).to_string())).unwrap();
+        }
+        println!(
+            "UZRAM-VHOST: ext4 round {ext4_rounds} verified in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+        if flag(&dev) == FLAG_EXT4_DONE {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1800),
+            "no second flag from the host after {ext4_rounds} ext4 rounds"
+        );
+    }
+    run(Command::new("umount").arg(mnt));
+    run(Command::new("e2fsck").args(["-f", "-n"]).arg(&dev));
+    println!("UZRAM-VHOST: {ext4_rounds} ext4 rounds, e2fsck -fn clean");
+
     run(Command::new("mkswap").arg(&swap));
     run(Command::new("swapon").arg(&swap));
     let (out0, in0) = (
@@ -964,7 +1023,7 @@ fn guest_kept() {
         }
         assert!(
             started.elapsed() < Duration::from_secs(2400),
-            "no second flag from the host after {v} hog rounds"
+            "no third flag from the host after {v} hog rounds"
         );
     }
     drop(hog);
@@ -985,7 +1044,7 @@ fn guest_kept() {
         "error on swap-device",
     ]);
     assert!(errors.is_empty(), "the kernel logged errors: {errors:#?}");
-    println!("{KEPT_DONE}{rounds} fio, {v} hog");
+    println!("{KEPT_DONE}{rounds} fio, {ext4_rounds} ext4, {v} hog");
 }
 
 /// The first byte of the disk's last page, where the host raises its flags (read past the
@@ -1023,8 +1082,9 @@ fn queue_thread_running(pid: u32) -> bool {
 /// A guest's disk and swap from a kept server (`uzram serve --keeper --swap --vhost-user`),
 /// QEMU reconnecting (`reconnect-ms`): while the guest runs fio rounds verifying every block
 /// they write, the server is killed (`kill -9`) ten times and upgraded once (`uzram ctl
-/// upgrade`); then while a memory hog swaps on the second disk and verifies every page, ten
-/// kills more. Each kill is sent while a queue thread runs, when it can. Each new server
+/// upgrade`); while it writes and reads back files of real pages on ext4 on the same disk,
+/// five kills more (then `e2fsck -fn`); while a memory hog swaps on the second disk and
+/// verifies every page, ten kills more. Each kill is sent while a queue thread runs, when it can. Each new server
 /// listens on the same sockets, QEMU reconnects and hands it the inflight region, and the
 /// requests the dead server had taken and not completed are served first: every round
 /// verifies, and the guest's kernel logs no I/O error.
@@ -1032,8 +1092,9 @@ fn queue_thread_running(pid: u32) -> bool {
 fn vhost_user_keeper_kills() {
     const NAME: &str = "vhost_user_keeper_kills";
     if std::env::var_os("UZRAM_VM").is_some() {
+        let pages = PathBuf::from(std::env::var("UZRAM_VHOST_PAGES").unwrap());
         match std::env::var("UZRAM_VHOST_STEP").unwrap().as_str() {
-            "kept" => guest_kept(),
+            "kept" => guest_kept(&pages),
             s => panic!("step {s}"),
         }
         return;
@@ -1053,17 +1114,22 @@ fn vhost_user_keeper_kills() {
         assert!(s.exists(), "{}: {:?}", s.display(), k.r.lines());
     }
     let pages = k.r.dir().join("pages");
-    std::fs::create_dir(&pages).unwrap();
+    write_real_files(k.child(), &pages);
     let mut args = vm_args(&[&socks[0], &socks[1]], 512, &pages, 0);
     args.extend(["--vhost-reconnect-ms".to_string(), "500".to_string()]);
-    let mut g = Guest::start(NAME, &args, &[("UZRAM_VHOST_STEP", "kept")]);
+    let pages_s = pages.to_str().unwrap();
+    let mut g = Guest::start(
+        NAME,
+        &args,
+        &[("UZRAM_VHOST_STEP", "kept"), ("UZRAM_VHOST_PAGES", pages_s)],
+    );
     let keeper = k.r.pid();
     let sockets = [socks[0].as_path(), socks[1].as_path()];
     g.wait_for_mark(KEPT_MARK, keeper, &mut || k.r.log(), &sockets);
 
     let mut took = Vec::new();
-    let mut kills = |what: &str| {
-        for _ in 0..10 {
+    let mut kills = |n: usize, what: &str| {
+        for _ in 0..n {
             let t = k.kill_child_when(queue_thread_running);
             println!(
                 "kill {} ({what}): the next server serves {:.3} s after the kill",
@@ -1076,7 +1142,7 @@ fn vhost_user_keeper_kills() {
             }
         }
     };
-    kills("fio");
+    kills(10, "fio");
     let old = k.child();
     let o = k.r.ctl(&["upgrade"]);
     let said = String::from_utf8_lossy(&o.stdout).to_string();
@@ -1098,8 +1164,11 @@ fn vhost_user_keeper_kills() {
         ]));
     };
     raise(FLAG_FIO_DONE);
+    g.wait_for_mark(KEPT_EXT4_MARK, keeper, &mut || k.r.log(), &sockets);
+    kills(5, "ext4");
+    raise(FLAG_EXT4_DONE);
     g.wait_for_mark(KEPT_SWAP_MARK, keeper, &mut || k.r.log(), &sockets);
-    kills("swap");
+    kills(10, "swap");
     raise(FLAG_HOG_DONE);
     g.wait_for_mark(KEPT_DONE, keeper, &mut || k.r.log(), &sockets);
     let st = wait_timeout(&mut g.child, Duration::from_secs(120)).expect("the VM script ended");
@@ -1111,10 +1180,10 @@ fn vhost_user_keeper_kills() {
         took[took.len() / 2],
         took[took.len() - 1]
     );
-    // The keeper started a server 22 times (20 kills, an upgrade), and none dropped QEMU for
+    // The keeper started a server 27 times (25 kills, an upgrade), and none dropped QEMU for
     // breaking the protocol.
     let log = k.r.log();
-    assert_eq!(k.servings(), 22, "{log}");
+    assert_eq!(k.servings(), 27, "{log}");
     assert!(!log.contains("front end dropped"), "{log}");
     // How many queue starts found requests in flight to resubmit (a kill between two
     // requests leaves none; the test kit's test, service/tests/vhost_user_inflight.rs, makes
