@@ -254,3 +254,41 @@ fn a_request_in_flight_at_a_crash_is_resubmitted_by_the_next_server() {
     assert_eq!(log.writes.lock().unwrap()[n..], [3000 << 9]);
     drop(third);
 }
+
+/// A region the server did not make (not sealed against shrinking: the front end could cut
+/// it short under the server's mapping) is refused, as is one of another size; the front end
+/// is dropped and the next one served.
+#[test]
+fn an_inflight_region_that_does_not_fit_is_refused() {
+    use std::os::fd::AsRawFd;
+    use vhost::vhost_user::message::VhostUserInflight;
+    use vhost::vhost_user::VhostUserFrontend;
+    use vhost::VhostBackend;
+    let dir = tempfile::tempdir().unwrap();
+    let dev = new_device(DEVICE_BYTES);
+    let server = export(dir.path(), "a.vhost.sock", Arc::clone(&dev));
+    let cfg = DriverConfig {
+        queues: 1,
+        queue_size: 64,
+        inflight: true,
+        ..Default::default()
+    };
+    // 16 bytes of header and 16 per descriptor, rounded up to 64.
+    let bytes = (16 + 16 * 64u64).next_multiple_of(64);
+    for (what, len, size) in [("unsealed", bytes, bytes), ("short", bytes, bytes - 64)] {
+        let (mut blk, _queues) = VhostUserBlk::connect(server.socket_path(), &cfg).unwrap();
+        let plain = tempfile::tempfile().unwrap();
+        plain.set_len(len).unwrap();
+        let info = VhostUserInflight::new(size, 0, 1, 64);
+        let r = blk.frontend().set_inflight_fd(&info, plain.as_raw_fd());
+        assert!(r.is_err(), "{what} region accepted");
+        assert!(
+            blk.frontend().get_features().is_err(),
+            "{what}: still connected"
+        );
+    }
+    let (_blk, mut queues) = VhostUserBlk::connect(server.socket_path(), &cfg).unwrap();
+    let data = pattern(4096, 9);
+    let c = queues[0].run(&Request::write(8, &data)).unwrap();
+    assert_eq!(c.status, S_OK);
+}
