@@ -846,9 +846,11 @@ impl VhostUserBlk {
     /// ones `connect` gave, with their requests still in flight) on the same rings with new
     /// eventfds; each queue's base is its used index, which is all QEMU knows of a back end
     /// that did not answer `GET_VRING_BASE` (the device finds the rest in the region).
+    /// One attempt: an error when nothing listens yet (the caller retries at its own pace;
+    /// the `vhost` crate's own `connect` sleeps 100 ms between its attempts).
     pub fn reconnect(&mut self, socket: &Path, queues: &mut [Virtqueue]) -> io::Result<()> {
-        let mut fe = Frontend::connect(socket, queues.len().max(1) as u64)
-            .map_err(|e| vhost_err("connect", e))?;
+        let stream = std::os::unix::net::UnixStream::connect(socket)?;
+        let mut fe = Frontend::from_stream(stream, queues.len().max(1) as u64);
         fe.set_owner().map_err(|e| vhost_err("SET_OWNER", e))?;
         let offered = fe
             .get_features()
