@@ -328,6 +328,10 @@ struct RestartArgs {
     /// Algorithm the device compresses with.
     #[arg(long, default_value = "lz4")]
     codec: String,
+    /// Measure a vhost-user front end reconnecting (the test kit's driver, with the inflight
+    /// region) instead of a new NBD connection: kill to a read offered at the kill served.
+    #[arg(long)]
+    vhost_user: bool,
     /// Where to write the JSON (default: bench/results/restart-UNIXTIME.json).
     #[arg(long)]
     json: Option<PathBuf>,
@@ -514,6 +518,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 sizes_bytes,
                 repeats: a.repeats.max(1),
                 codec: a.codec,
+                vhost_user: a.vhost_user,
             };
             let doc = crate::restart::run(&corpus, &opts)?;
             write_results(a.json.as_deref(), "restart", &doc, a.plot.as_deref())

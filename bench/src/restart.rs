@@ -13,6 +13,14 @@
 //!
 //! The anchor, in the same run: the same for a device holding nothing (the fixed cost of a
 //! restart); the target is 0.2 s + 0.1 s per GiB stored.
+//!
+//! With `--vhost-user` the sample is a VM guest's instead: the server also serves the device
+//! on its vhost-user socket, to which the test kit's virtio-blk driver (QEMU's part and the
+//! guest's, `uzram_testkit::virtio_blk`) is connected with an inflight region; at each kill,
+//! once the child is gone, the driver offers a 4 KiB read at offset 0 on its ring, then
+//! reconnects every millisecond (QEMU's `reconnect-ms`, at its shortest) handing over the
+//! region, and the sample ends when the read completes (the new server's queue starts and
+//! serves what waits in its ring).
 
 use crate::corpus::Corpus;
 use crate::nbd::tempfile_dir;
@@ -25,6 +33,7 @@ use std::time::{Duration, Instant};
 use uzram::backing::nbd::{NbdBacking, NbdOptions};
 use uzram::backing::Backing;
 use uzram::error::{Error, Result};
+use uzram_testkit::virtio_blk::{Completion, DriverConfig, Request, VhostUserBlk, Virtqueue, S_OK};
 
 /// Options of `uzram bench restart`.
 #[derive(Debug, Clone)]
@@ -35,6 +44,9 @@ pub struct RestartBenchOptions {
     pub repeats: usize,
     /// Algorithm the device compresses with.
     pub codec: String,
+    /// Measure the first request served to a vhost-user front end reconnecting, instead of
+    /// a new NBD connection's.
+    pub vhost_user: bool,
 }
 
 impl Default for RestartBenchOptions {
@@ -43,6 +55,7 @@ impl Default for RestartBenchOptions {
             sizes_bytes: vec![1 << 30],
             repeats: 3,
             codec: "lz4".into(),
+            vhost_user: false,
         }
     }
 }
@@ -54,23 +67,37 @@ const FILL_CHUNK_BYTES: usize = 1 << 20;
 struct Keeper {
     proc: Child,
     socket: PathBuf,
+    /// The vhost-user socket (served with `--vhost-user`).
+    vhost_socket: PathBuf,
 }
 
 impl Keeper {
-    fn start(uzram: &Path, dir: &Path, disksize: u64, codec: &str) -> Result<Keeper> {
+    fn start(
+        uzram: &Path,
+        dir: &Path,
+        disksize: u64,
+        codec: &str,
+        vhost_user: bool,
+    ) -> Result<Keeper> {
         let socket = dir.join("zram0.sock");
+        let vhost_socket = dir.join("zram0.vhost.sock");
         let log = std::fs::File::create(dir.join("log"))?;
         let mut proc = Command::new(uzram)
             .args(["serve", "--keeper", "--disksize"])
             .arg(disksize.to_string())
             .args(["--algorithm", codec, "--socket"])
             .arg(&socket)
+            .args(vhost_user.then_some("--vhost-user"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log)
             .spawn()?;
         let out = proc.stdout.take().expect("piped");
-        let mut keeper = Keeper { proc, socket };
+        let mut keeper = Keeper {
+            proc,
+            socket,
+            vhost_socket,
+        };
         let mut lines = BufReader::new(out).lines();
         if !lines
             .by_ref()
@@ -150,6 +177,62 @@ fn restart_once(k: &Keeper) -> Result<Duration> {
     }
 }
 
+/// Whether process `pid` is gone (or a zombie): it serves nothing more.
+fn gone(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+        s.rsplit_once(") ")
+            .map_or(true, |(_, r)| r.starts_with('Z'))
+    })
+}
+
+/// Kills the serving child; the time until a read offered on the driver's ring once the child
+/// is gone completes, the driver reconnecting every millisecond.
+fn restart_once_vhost(
+    k: &Keeper,
+    blk: &mut VhostUserBlk,
+    queues: &mut [Virtqueue],
+) -> Result<Duration> {
+    let child = k.child()?;
+    let start = Instant::now();
+    let late = |what: &str| {
+        if start.elapsed() > Duration::from_secs(120) {
+            Err(Error::io(format!("{what} 120 s after the kill")))
+        } else {
+            Ok(())
+        }
+    };
+    // SAFETY: kill has no memory preconditions.
+    unsafe { libc::kill(child as libc::pid_t, libc::SIGKILL) };
+    while !gone(child) {
+        late("the killed server still runs")?;
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    let vq = &mut queues[0];
+    let slot = vq
+        .submit(&Request::read(0, 4096))
+        .ok_or_else(|| Error::io("no free slot on the ring"))?;
+    vq.notify()?;
+    while blk.reconnect(&k.vhost_socket, queues).is_err() {
+        late("no vhost-user server")?;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut done: Vec<Completion> = Vec::new();
+    loop {
+        done.clear();
+        queues[0].wait(&mut done, Duration::from_secs(30))?;
+        if let Some(c) = done.iter().find(|c| c.slot == slot) {
+            if c.status != S_OK {
+                return Err(Error::io(format!(
+                    "the read came back with status {}",
+                    c.status
+                )));
+            }
+            return Ok(start.elapsed());
+        }
+        late("the read offered at the kill not served")?;
+    }
+}
+
 /// One size: fill, `repeats` restarts, verify. Its JSON row.
 fn measure(
     uzram: &Path,
@@ -161,7 +244,7 @@ fn measure(
     let pages = (bytes / ps as u64) as usize;
     let dir = tempfile_dir()?;
     let disksize = (bytes + (64 << 20)).next_multiple_of(1 << 20);
-    let k = Keeper::start(uzram, &dir.path, disksize, &opts.codec)?;
+    let k = Keeper::start(uzram, &dir.path, disksize, &opts.codec, opts.vhost_user)?;
     let fill_start = Instant::now();
     {
         let c = connect(&k.uri(), Duration::from_secs(30))?;
@@ -182,6 +265,16 @@ fn measure(
     }
     let fill_s = fill_start.elapsed().as_secs_f64();
     let mm = mm_stat(uzram, &dir.path)?;
+    let mut vhost = if opts.vhost_user {
+        let cfg = DriverConfig {
+            queues: 1,
+            inflight: true,
+            ..DriverConfig::default()
+        };
+        Some(VhostUserBlk::connect(&k.vhost_socket, &cfg)?)
+    } else {
+        None
+    };
     let mut samples = Vec::new();
     let mut restarted: Option<Instant> = None;
     for _ in 0..opts.repeats {
@@ -190,12 +283,16 @@ fn measure(
             let wait = uzram_service::keeper::STABLE + Duration::from_millis(200);
             std::thread::sleep(wait.saturating_sub(at.elapsed()));
         }
-        let t = restart_once(&k)?;
+        let t = match &mut vhost {
+            Some((blk, queues)) => restart_once_vhost(&k, blk, queues)?,
+            None => restart_once(&k)?,
+        };
         restarted = Some(Instant::now());
         eprintln!(
-            "bench restart: {} MiB stored: kill to first read {:.1} ms",
+            "bench restart: {} MiB stored: kill to first read {:.1} ms{}",
             bytes >> 20,
-            t.as_secs_f64() * 1e3
+            t.as_secs_f64() * 1e3,
+            if opts.vhost_user { " (vhost-user)" } else { "" }
         );
         samples.push(t.as_secs_f64());
     }
@@ -288,6 +385,7 @@ pub fn run(corpus: &Corpus, opts: &RestartBenchOptions) -> Result<serde_json::Va
         "benchmark": "restart",
         "codec": opts.codec,
         "repeats": opts.repeats,
+        "frontend": if opts.vhost_user { "vhost-user" } else { "nbd" },
         "corpus_pages": corpus.len(),
         "anchor": "the same restart of a device holding nothing (stored 0)",
         "sizes": rows,
