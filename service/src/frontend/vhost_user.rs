@@ -641,13 +641,16 @@ impl Conn {
         let mut vrings = Vec::new();
         let mut workers = Vec::new();
         for q in 0..usize::from(backend.nr_queues) {
-            let vring = VringRwLock::new(atomic_mem.clone(), MAX_QUEUE_SIZE as u16)
-                .map_err(|e| std::io::Error::other(format!("vring: {e}")))?;
-            let worker = Worker::spawn(backend, q, &vring);
-            vrings.push(vring);
-            match worker {
-                Ok(w) => workers.push(w),
+            let made = VringRwLock::new(atomic_mem.clone(), MAX_QUEUE_SIZE as u16)
+                .map_err(|e| std::io::Error::other(format!("vring: {e}")))
+                .and_then(|vring| Ok((Worker::spawn(backend, q, &vring)?, vring)));
+            match made {
+                Ok((w, vring)) => {
+                    workers.push(w);
+                    vrings.push(vring);
+                }
                 Err(e) => {
+                    // The threads already started end before the error is returned.
                     for w in &mut workers {
                         w.end();
                     }
