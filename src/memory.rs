@@ -34,11 +34,14 @@ use crate::zsmalloc::{ClassTable, POOL_PAGE_BYTES};
 /// pool of the server, whatever its page size, takes frames from the one allocator.
 const FRAME_PAGES: usize = 16;
 
-/// The swap reserve's size when `--swap-reserve` is not given: an eighth of the RAM, between
-/// 16 MiB and 64 MiB (64 MiB from 512 MiB of RAM up: what one device's reserve was, measured
-/// enough for the VM tests' bursts of swap-outs; now one for every device of the server).
+/// The swap reserve's size when `--swap-reserve` is not given: a 64th of the RAM, between
+/// 8 MiB and 32 MiB. The reserve covers the refiller's lag behind a burst of swap-outs; the
+/// refiller takes pages ahead of other processes (`SCHED_DEADLINE`), so the reserve need not
+/// cover the time the whole machine takes to reclaim, and every MiB it holds is a MiB the
+/// pages swapped out cannot use (in a 512 MiB VM under a hog larger than RAM, 8 MiB missed no
+/// write and let the pool grow 5 MB further than 16 MiB did).
 pub fn default_swap_reserve_bytes(ram_bytes: u64) -> u64 {
-    (ram_bytes / 8).clamp(16 << 20, 64 << 20)
+    (ram_bytes / 64).clamp(8 << 20, 32 << 20)
 }
 
 /// The server's swap reserve; see the module docs. Shared (`Arc`) by every device serving
@@ -122,6 +125,24 @@ impl SwapReserve {
         self.frames.stop_refiller();
     }
 
+    /// Whether the refiller runs under `SCHED_DEADLINE`, which lets its page faults take
+    /// pages below the `min` watermark where other processes' faults stop (`zsmalloc::page_alloc`,
+    /// "The reserve"): `Err` with the error number of the kernel's refusal (`EPERM` without
+    /// `CAP_SYS_NICE`), or `None` if the refiller has not said within a second (it says as it
+    /// starts, which a reserve does as it is made or its recovery finishes).
+    pub fn refiller_deadline(&self) -> Option<std::result::Result<(), i32>> {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(r) = self.frames.refiller_deadline() {
+                return Some(r);
+            }
+            if start.elapsed() > std::time::Duration::from_secs(1) {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
     /// The size asked for, in bytes (the high mark).
     pub fn size_bytes(&self) -> usize {
         self.bytes
@@ -139,6 +160,14 @@ impl SwapReserve {
     /// (`uzram_service::frontend::swap`).
     pub fn on_starved(&self, hook: Box<dyn Fn() + Send + Sync>) {
         self.frames.on_starved(hook);
+    }
+
+    /// `hook` is called by the refiller every tenth of a second, no lock held: the one thread
+    /// of the server that may wait for memory keeps other memory faulted in ahead of need
+    /// there (`uzram_service::frontend::swap` keeps malloc's heap top resident). Only the first
+    /// hook set is kept.
+    pub fn on_refill_tick(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        self.frames.on_refill_tick(hook);
     }
 
     /// The frame allocator every pool serving swap takes its zspages from.
@@ -187,6 +216,71 @@ mod tests {
         assert!(reserve.stats().held_pages > 0, "{:?}", reserve.stats());
         for h in handles.into_iter().step_by(2) {
             assert!(a.read(h, |b| b == [0x5a; 4096]));
+        }
+    }
+
+    /// Before it faults fresh pages in, the refiller compacts the pools that share the reserve
+    /// (as reclaim calls zsmalloc's shrinker): a fragmented pool is compacted once writes
+    /// draw on the reserve, and every object it kept reads back.
+    #[test]
+    fn the_refiller_compacts_before_taking_fresh_pages() {
+        let reserve = SwapReserve::new(2 << 20).unwrap();
+        let pool = ZsPool::with_swap_reserve(4096, None, &reserve).unwrap();
+        let object = |i: usize| -> Vec<u8> { (0..1000).map(|j| (i * 31 + j) as u8).collect() };
+        // About 4 MB of 1000-byte objects; three in four freed: far more than a zspage's
+        // worth of free slots in their class.
+        let mut all = Vec::new();
+        for i in 0..4000 {
+            let h = loop {
+                match pool.malloc(1000) {
+                    Ok(h) => break h,
+                    // The reserve ran dry for a moment: the refiller is behind.
+                    Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+                }
+            };
+            pool.write(h, &object(i));
+            all.push((i, h));
+        }
+        let mut kept = Vec::new();
+        for (i, h) in all {
+            if i % 4 == 0 {
+                kept.push((i, h));
+            } else {
+                pool.free(h);
+            }
+        }
+        assert_eq!(pool.pages_compacted(), 0);
+        // Writes of another class draw the reserve down to its low mark: the refiller wakes.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut others = Vec::new();
+        while pool.pages_compacted() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no compaction: {:?}",
+                reserve.stats()
+            );
+            if let Ok(h) = pool.malloc(3000) {
+                pool.write(h, &[0xa5; 3000]);
+                others.push(h);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        for (i, h) in kept {
+            assert!(pool.read(h, |b| b == object(i)), "object {i}");
+        }
+        for h in others {
+            assert!(pool.read(h, |b| b == [0xa5; 3000]));
+        }
+    }
+
+    /// The refiller says whether it runs under `SCHED_DEADLINE` as it starts: done, or the
+    /// kernel's refusal (not root, or the CPUs' deadline bandwidth taken by other tests).
+    #[test]
+    fn the_refiller_reports_its_scheduling() {
+        let reserve = SwapReserve::new(1 << 20).unwrap();
+        match reserve.refiller_deadline() {
+            Some(Ok(())) | Some(Err(libc::EPERM | libc::EBUSY)) => {}
+            other => panic!("the refiller reported {other:?}"),
         }
     }
 }

@@ -950,6 +950,10 @@ impl ZsPool {
             core: Arc::new(core),
             worker: parking_lot::Mutex::new(None),
         };
+        if pool.core.shared_frames {
+            let weak: std::sync::Weak<PoolCore> = Arc::downgrade(&pool.core);
+            pool.core.frames.add_shrinker(weak);
+        }
         // Started now rather than at the first wake-up: a release that begins on a fresh pool
         // must not outrun the queue's resting blocks while the thread is being created.
         pool.start_worker(&mut pool.worker.lock());
@@ -1009,6 +1013,30 @@ impl ZsPool {
     #[cfg(test)]
     fn frames(&self) -> &FrameAllocator {
         &self.core.frames
+    }
+}
+
+/// Serving swap, the reserve's refiller compacts the pool before it takes fresh pages, as
+/// reclaim calls the kernel's zsmalloc shrinker.
+impl page_alloc::Shrinker for PoolCore {
+    fn freeable_pages(&self) -> u64 {
+        self.classes
+            .iter()
+            .map(|class| class.state.lock().freeable_pages(&class.info))
+            .sum()
+    }
+
+    fn shrink(&self) -> u64 {
+        let mut freed_pages = 0;
+        for class in self.classes.iter().rev() {
+            if class.state.lock().freeable_pages(&class.info) == 0 {
+                continue;
+            }
+            let freed = self.compact_class(class);
+            self.pages_compacted.fetch_add(freed, Ordering::Relaxed);
+            freed_pages += freed;
+        }
+        freed_pages
     }
 }
 

@@ -64,7 +64,13 @@
 //!   reclaim swaps pages out like any process's (to the queue threads, which store them from
 //!   the reserve) and, when nothing is left to reclaim, calls the OOM killer. Pages are faulted
 //!   in by touching them, not by `MADV_POPULATE_WRITE` (which holds the mmap lock a request
-//!   thread's `mmap` then waits for).
+//!   thread's `mmap` then waits for). It runs under `SCHED_DEADLINE` where the kernel allows
+//!   ([`set_refiller_deadline`]): its faults may then take pages below the `min` watermark,
+//!   where the processes filling memory stop, so the pages swap-outs free reach the reserve
+//!   first (without it, the refiller lost that race and the reserve starved long before memory
+//!   ran out). And before it takes fresh pages it compacts the pools sharing the reserve
+//!   ([`Shrinker`], as reclaim calls the kernel's zsmalloc shrinker): emptied zspages' frames
+//!   come back to the reserve without asking the kernel for anything.
 //!
 //! # Locked memory
 //!
@@ -290,6 +296,15 @@ pub(crate) struct FrameAllocator {
     /// Serving swap: called by a writer whose allocation failed when the reserve has gained no
     /// frame for [`SWAP_STARVED`] (at most once per that time).
     starved: std::sync::OnceLock<Hook>,
+    /// Serving swap: called by the refiller every [`SWAP_TICK`], no lock held
+    /// ([`FrameAllocator::on_refill_tick`]).
+    tick_hook: std::sync::OnceLock<Hook>,
+    /// Serving swap: the pools taking frames from this allocator, which the refiller compacts
+    /// before it takes fresh pages ([`Shrinker`]); dead ones are dropped as they are found.
+    shrinkers: Mutex<Vec<std::sync::Weak<dyn Shrinker>>>,
+    /// Serving swap: whether the refiller runs under `SCHED_DEADLINE` (set once, by the
+    /// refiller; the error number of the refusal otherwise).
+    refiller_deadline: OnceLock<std::result::Result<(), i32>>,
     /// The last refiller thread spawned, joined by `stop_refiller` (or by the next spawn).
     refiller: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The record tags of the pools sharing this allocator (`record`, "pool tag"), in use now.
@@ -326,6 +341,76 @@ enum Wake {
     No,
     Signal,
     Spawn,
+}
+
+/// A pool that can give frames back by compacting itself: the kernel's zsmalloc registers a
+/// shrinker that reclaim calls; serving swap, the refiller asks every pool sharing the
+/// reserve before it takes fresh pages from the kernel ([`FrameAllocator::add_shrinker`]).
+pub(crate) trait Shrinker: Send + Sync {
+    /// Pages compaction could free now (the sum of `zs_can_compact` over the classes).
+    fn freeable_pages(&self) -> u64;
+    /// Compacts the classes that can free a zspage; returns the pages freed.
+    fn shrink(&self) -> u64;
+}
+
+/// Serving swap, the refiller compacts a pool only when compaction could free at least this
+/// many pages (512 KiB): below that a compaction costs more than the pages it gives back.
+const SHRINK_MIN_PAGES: u64 = 128;
+
+/// Serving swap, the refiller runs under `SCHED_DEADLINE` with this much CPU time...
+const REFILL_RUNTIME_NS: u64 = 10_000_000;
+/// ... in every period of this length (a third of a CPU at most).
+const REFILL_PERIOD_NS: u64 = 30_000_000;
+
+/// `SCHED_DEADLINE` from `include/uapi/linux/sched.h`.
+const SCHED_DEADLINE: u32 = 6;
+
+/// `struct sched_attr` of `sched_setattr(2)` (its first version, 48 bytes).
+#[repr(C)]
+struct SchedAttr {
+    size: u32,
+    policy: u32,
+    flags: u64,
+    nice: i32,
+    priority: u32,
+    runtime_ns: u64,
+    deadline_ns: u64,
+    period_ns: u64,
+}
+
+/// Puts the calling thread under `SCHED_DEADLINE` ([`REFILL_RUNTIME_NS`] per
+/// [`REFILL_PERIOD_NS`]); the error number when the kernel refuses (`EPERM` without
+/// `CAP_SYS_NICE`, `EBUSY` when the CPUs' deadline bandwidth is taken).
+///
+/// Why: the page allocator lets real-time and deadline tasks take pages down to half of each
+/// zone's `min` watermark (`ALLOC_MIN_RESERVE` in `gfp_to_alloc_flags`), where every other
+/// process's page fault stops and reclaims. So under memory pressure the refiller gets the
+/// pages that swap-outs free ahead of the processes filling memory, as kernel zram's
+/// allocations from the reclaimer's own context (`PF_MEMALLOC`) do. Its bandwidth is bounded,
+/// so a refiller that reclaims (or compacts) never starves the queue threads or a process the
+/// OOM killer chose.
+fn set_refiller_deadline() -> std::result::Result<(), i32> {
+    let attr = SchedAttr {
+        size: std::mem::size_of::<SchedAttr>() as u32,
+        policy: SCHED_DEADLINE,
+        flags: 0,
+        nice: 0,
+        priority: 0,
+        runtime_ns: REFILL_RUNTIME_NS,
+        deadline_ns: REFILL_PERIOD_NS,
+        period_ns: REFILL_PERIOD_NS,
+    };
+    // SAFETY: sched_setattr reads one `struct sched_attr` of `attr.size` bytes through the
+    // pointer, which points at `attr` (laid out as the kernel's first version, `repr(C)`);
+    // pid 0 is the calling thread.
+    let rc = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EINVAL))
+    }
 }
 
 /// How often the swap refiller looks at the write rate and moves its watermarks.
@@ -432,6 +517,17 @@ fn leave_io_flusher() {
     // SAFETY: prctl with PR_SET_IO_FLUSHER takes integer arguments only; it changes the
     // calling thread's flags.
     unsafe { libc::prctl(PR_SET_IO_FLUSHER, 0 as libc::c_ulong, 0, 0, 0) };
+}
+
+/// Marks the calling thread an I/O flusher again, whether or not it was one: returns whether
+/// the kernel agreed (it needs `CAP_SYS_RESOURCE`). The swap refiller does so while it
+/// compacts ([`FrameAllocator::shrink_pools`]): compaction holds class locks, and a page
+/// fault under one (malloc growing a list) must not reclaim by swapping out to the queue
+/// threads that wait for that lock.
+fn enter_io_flusher() -> bool {
+    // SAFETY: prctl with PR_SET_IO_FLUSHER takes integer arguments only; it changes the
+    // calling thread's flags.
+    unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0, 0, 0) == 0 }
 }
 
 /// Frames `reserve[k]` holds when full, for speed ([`FRAME_RESERVE_PAGES`]).
@@ -589,7 +685,10 @@ impl FrameAllocator {
             refill_cond: Condvar::new(),
             reserve_cond: Condvar::new(),
             starved: std::sync::OnceLock::new(),
+            tick_hook: std::sync::OnceLock::new(),
             refiller: Mutex::new(None),
+            shrinkers: Mutex::new(Vec::new()),
+            refiller_deadline: OnceLock::new(),
             pool_tags: Mutex::new(std::collections::BTreeSet::new()),
             recovering: Mutex::new(None),
         }
@@ -1233,6 +1332,13 @@ impl FrameAllocator {
         let _ = self.starved.set(Hook(hook));
     }
 
+    /// Serving swap: `hook` is called by the refiller every [`SWAP_TICK`] with no lock held,
+    /// for other memory the server keeps faulted in ahead of need. Only the first hook set is
+    /// kept.
+    pub(crate) fn on_refill_tick(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.tick_hook.set(Hook(hook));
+    }
+
     /// What the swap reserve holds and has done.
     pub(crate) fn swap_stats(&self) -> SwapReserveStats {
         let st = self.state.lock();
@@ -1253,10 +1359,14 @@ impl FrameAllocator {
     /// [`swap_tick`]: Self::swap_tick
     fn swap_refill_loop(&self) {
         leave_io_flusher();
+        let _ = self.refiller_deadline.set(set_refiller_deadline());
         let mut st = self.state.lock();
         let mut tick = std::time::Instant::now();
         let mut taken_at_tick = st.swap.taken_pages;
         let mut filling = false;
+        // Compact the pools before taking fresh pages: when a fill starts, and every tick of
+        // a fill that goes on.
+        let mut shrink = false;
         loop {
             if st.refill_stop {
                 st.refiller_running = false;
@@ -1266,7 +1376,13 @@ impl FrameAllocator {
                 tick = std::time::Instant::now();
                 let taken = st.swap.taken_pages - taken_at_tick;
                 taken_at_tick = st.swap.taken_pages;
+                shrink |= filling;
                 Self::swap_tick(&mut st, taken);
+                if let Some(Hook(hook)) = self.tick_hook.get() {
+                    drop(st);
+                    hook();
+                    st = self.state.lock();
+                }
                 // A list left empty under a target (a page count first asked for since the
                 // last tick) is filled now: the kick of the writer that asked came before the
                 // target, and no other writer may ask again soon.
@@ -1278,7 +1394,14 @@ impl FrameAllocator {
             }
             if st.swap.kicked || st.reserve_pages <= st.swap.low_pages {
                 st.swap.kicked = false;
+                shrink |= !filling;
                 filling = true;
+            }
+            if std::mem::take(&mut shrink) && !st.refill_paused {
+                drop(st);
+                self.shrink_pools();
+                st = self.state.lock();
+                continue;
             }
             let k = if filling && !st.refill_paused {
                 Self::swap_deficit(&st)
@@ -1310,6 +1433,41 @@ impl FrameAllocator {
                 }
             }
         }
+    }
+
+    /// Serving swap: `pool` takes frames from this allocator, and the refiller may compact it
+    /// to get frames back before it takes fresh pages ([`Shrinker`]).
+    pub(crate) fn add_shrinker(&self, pool: std::sync::Weak<dyn Shrinker>) {
+        self.shrinkers.lock().push(pool);
+    }
+
+    /// The refiller's compaction of the pools ([`Shrinker`]): each one that could free at
+    /// least [`SHRINK_MIN_PAGES`] is compacted, its emptied zspages' frames going back to the
+    /// reserve ([`release`](Self::release)) before the refiller faults in any. Returns the
+    /// pages freed. Called with no lock held; it runs as an I/O flusher where the kernel
+    /// allows ([`enter_io_flusher`]): it takes the locks writers take.
+    fn shrink_pools(&self) -> u64 {
+        let pools: Vec<Arc<dyn Shrinker>> = {
+            let mut list = self.shrinkers.lock();
+            list.retain(|w| w.strong_count() > 0);
+            list.iter().filter_map(|w| w.upgrade()).collect()
+        };
+        let flusher = enter_io_flusher();
+        let freed = pools
+            .iter()
+            .filter(|p| p.freeable_pages() >= SHRINK_MIN_PAGES)
+            .map(|p| p.shrink())
+            .sum();
+        if flusher {
+            leave_io_flusher();
+        }
+        freed
+    }
+
+    /// Serving swap: whether the refiller runs under `SCHED_DEADLINE` (`None` until it has
+    /// started; the error number of the kernel's refusal otherwise).
+    pub(crate) fn refiller_deadline(&self) -> Option<std::result::Result<(), i32>> {
+        self.refiller_deadline.get().copied()
     }
 
     /// Pages per frame: the most a zspage or a span may use.
