@@ -87,11 +87,17 @@ pub fn socket_dir(cfg: &ServeConfig) -> Result<PathBuf> {
     }
 }
 
+/// Whether every device is also a ublk block device: swap is then served through ublk, not
+/// NBD, and the NBD request buffers need not be preallocated for it.
+fn swap_on_ublk_only(cfg: &ServeConfig) -> bool {
+    !cfg.devices.is_empty() && cfg.devices.iter().all(|d| d.ublk)
+}
+
 /// The NBD server's settings from the configuration: limits and TLS. Warns on stderr about a
 /// TCP address off loopback without TLS.
 pub fn server_config(cfg: &ServeConfig) -> Result<ServerConfig> {
     let mut sc = ServerConfig::default();
-    if cfg.swap {
+    if cfg.swap && !swap_on_ublk_only(cfg) {
         sc = sc.for_swap();
     }
     if let Some(n) = cfg.max_connections {
@@ -217,7 +223,10 @@ impl Host {
         fd_store: Arc<StateStore>,
         mut inherited: Inherited,
     ) -> Result<Host> {
-        let mut swap_report = cfg.swap.then(crate::frontend::swap::prepare);
+        let nbd_buffers = !swap_on_ublk_only(cfg);
+        let mut swap_report = cfg
+            .swap
+            .then(|| crate::frontend::swap::prepare(nbd_buffers));
         if cfg.devices.iter().any(|d| d.ublk) {
             crate::frontend::ublk::check_driver()?;
         }
@@ -250,6 +259,7 @@ impl Host {
                     None => uzram::memory::SwapReserve::new(bytes)
                         .context("faulting in the swap reserve")?,
                 };
+                reserve.on_refill_tick(Box::new(crate::frontend::swap::keep_heap_reserve));
                 match crate::frontend::swap::oom_trigger() {
                     Some(hook) => {
                         reserve.on_starved(hook);
@@ -270,6 +280,21 @@ impl Host {
                      request path (--swap-reserve)",
                     bytes >> 20
                 ));
+                report.push(match reserve.refiller_deadline() {
+                    Some(Ok(())) => "the swap reserve's refiller runs under SCHED_DEADLINE: \
+                                     under memory pressure it gets pages ahead of other \
+                                     processes"
+                        .into(),
+                    Some(Err(errno)) => format!(
+                        "the swap reserve's refiller NOT under SCHED_DEADLINE ({}): under \
+                         memory pressure it competes for pages with every other process and \
+                         swap writes may fail earlier",
+                        std::io::Error::from_raw_os_error(errno)
+                    ),
+                    None => "the swap reserve's refiller has not started: its reserve is \
+                             still being recovered"
+                        .into(),
+                });
                 Some(reserve)
             }
             None => None,

@@ -26,7 +26,10 @@
 //!    process's mmap lock, and fresh pages, faulted in on first touch), and a top pad of
 //!    [`HEAP_RESERVE_BYTES`] (`M_TOP_PAD`) kept when the heap is trimmed, faulted in (hence
 //!    locked) at start: the zsmalloc bookkeeping that grows with the pages stored (handle
-//!    table segments, zspage lists, doubling vectors) comes from there. Seen in the VM before
+//!    table segments, zspage lists, doubling vectors) comes from there. The swap reserve's
+//!    refiller faults it in again whenever the request paths have used half of it
+//!    ([`keep_heap_reserve`]): without that, a 1 GiB guest's hog grew the bookkeeping past
+//!    the pad and a queue thread hung in reclaim faulting in the heap's next page table. Seen in the VM before
 //!    this: a queue thread faulting in the header of a freshly mapped 132 KiB block (a handle
 //!    table segment) waited in reclaim forever. Freed blocks at the top of the heap beyond the
 //!    pad go back to the kernel (`brk`), as before.
@@ -47,6 +50,9 @@
 //!    locked, inside its request memory budget:
 //!    [`ServerConfig::for_swap`](super::nbd::ServerConfig::for_swap)) and recycles them, so the
 //!    request path of a swap client takes no fresh memory from the kernel in the steady state.
+//!    Not when every device is a ublk block device (`uzram serve --ublk`): swap goes through
+//!    ublk's own buffers, locked at start, and 8 MiB held for NBD would only be memory the
+//!    pages swapped out cannot use.
 //!
 //! 5. The devices' memory is got ahead of need, not on a write under pressure
 //!    (`uzram::memory`): each device's slot table whole when it is initialised, and zsmalloc's
@@ -101,10 +107,21 @@ fn memlock_limit_bytes() -> Option<u64> {
     Some(lim.rlim_cur)
 }
 
-/// Heap kept faulted in for the request paths of a server backing swap (step 1 of the module
-/// docs): 16 MiB. The bookkeeping of a 1 GiB device filled with swapped pages (the VM test's)
-/// grew `meta_stat` by less than that; doubling vectors need their old and new block at once.
-pub const HEAP_RESERVE_BYTES: usize = 16 << 20;
+/// Heap kept faulted in at the top of the heap for the request paths of a server backing swap
+/// (step 1 of the module docs): 8 MiB, faulted in again by the swap reserve's refiller as it
+/// is used ([`keep_heap_reserve`]). In the VM test (a hog larger than RAM on a 1 GiB device)
+/// the bookkeeping that grows with the pages stored (`meta_stat`'s `zspage_meta`) grew from
+/// 1.8 MB to 6.2 MB in 10 s as the pool reached 350 MB, about 1.3% of the pool: a tick's
+/// growth is far below this.
+pub const HEAP_RESERVE_BYTES: usize = 8 << 20;
+
+/// malloc was tuned as step 1 of the module docs says ([`tune_malloc`]): the heap keeps a
+/// top pad of [`HEAP_RESERVE_BYTES`], which [`keep_heap_reserve`] keeps resident.
+static MALLOC_TUNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `vm.min_free_kbytes` when the server started, in bytes: the sum of the zones' `min`
+/// watermarks (0 if unreadable: [`keep_heap_reserve`] then always goes ahead).
+static MIN_FREE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// glibc's largest mmap threshold on 64-bit (`DEFAULT_MMAP_THRESHOLD_MAX`): 32 MiB.
 const MMAP_THRESHOLD_MAX_BYTES: usize = 32 << 20;
@@ -132,7 +149,7 @@ fn lock_memory() -> Vec<String> {
 
 /// malloc as step 1 of the module docs says, and its reserve faulted in. Returns the log line.
 #[cfg(target_env = "gnu")]
-fn tune_malloc() -> String {
+pub fn tune_malloc() -> String {
     let set = |param, value: usize| {
         // SAFETY: mallopt takes integers only; called before any thread exists (it is
         // thread-safe anyway: it takes the main arena's lock).
@@ -146,6 +163,14 @@ fn tune_malloc() -> String {
                 pressure"
             .into();
     }
+    MALLOC_TUNED.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Some(kib) = std::fs::read_to_string("/proc/sys/vm/min_free_kbytes")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+    {
+        MIN_FREE_BYTES.store(kib << 10, std::sync::atomic::Ordering::Relaxed);
+    }
+
     format!(
         "malloc: one arena, blocks up to {} MiB from the heap, {} MiB of it kept faulted in \
          once the server has started",
@@ -163,9 +188,61 @@ pub fn fault_in_heap_reserve() {
     drop(std::hint::black_box(warm));
 }
 
+/// Faults the heap's reserve in again once the request paths have used half of it
+/// (`mallinfo2().keepcost`, the top chunk, resident since it was last faulted in). Called by
+/// the swap reserve's refiller every tick ([`uzram::memory::SwapReserve::on_refill_tick`]),
+/// the one thread of the server that may wait for memory.
+///
+/// `malloc` faults in one page under the arena's lock (the new top's header), which a queue
+/// thread may be waiting for: so this goes ahead only while the machine's free memory is
+/// above the `min` watermarks (the refiller, under `SCHED_DEADLINE`, may fault down to half
+/// of them without reclaiming), and as an I/O flusher, so that even a fault that does reclaim
+/// never waits for a swap-out to this server. The block's other pages are touched after
+/// `malloc` returns, with no lock held.
+#[cfg(target_env = "gnu")]
+pub fn keep_heap_reserve() {
+    use std::sync::atomic::Ordering::Relaxed;
+    // Untuned (not locked, or mallopt refused), the heap keeps no pad to keep resident.
+    if !MALLOC_TUNED.load(Relaxed) {
+        return;
+    }
+    // SAFETY: mallinfo2 takes no arguments and returns a struct by value; it takes the main
+    // arena's lock itself.
+    let top_bytes = unsafe { libc::mallinfo2() }.keepcost;
+    if top_bytes >= HEAP_RESERVE_BYTES / 2 {
+        return;
+    }
+    // SAFETY: `struct sysinfo` is plain integers, for which all zeroes is a valid value.
+    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: sysinfo writes one `struct sysinfo` through the pointer, which points at ours.
+    if unsafe { libc::sysinfo(&mut info) } != 0 {
+        return;
+    }
+    let free_bytes = info.freeram as u64 * info.mem_unit.max(1) as u64;
+    if free_bytes <= MIN_FREE_BYTES.load(Relaxed) {
+        return;
+    }
+    // SAFETY: prctl with PR_SET_IO_FLUSHER takes integer arguments only; it changes this
+    // thread's flags.
+    let flusher = unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0, 0, 0) } == 0;
+    let mut block: Vec<u8> = Vec::with_capacity(HEAP_RESERVE_BYTES);
+    if flusher {
+        // SAFETY: as above: back to the refiller's own setting (not an I/O flusher).
+        unsafe { libc::prctl(PR_SET_IO_FLUSHER, 0 as libc::c_ulong, 0, 0, 0) };
+    }
+    for page in block.spare_capacity_mut().chunks_mut(4096) {
+        page[0].write(1);
+    }
+    drop(std::hint::black_box(block));
+}
+
+/// Other C libraries: the heap is not tuned (see [`tune_malloc`]), nothing to keep.
+#[cfg(not(target_env = "gnu"))]
+pub fn keep_heap_reserve() {}
+
 /// Other C libraries: nothing to tune that we know of; said in the log.
 #[cfg(not(target_env = "gnu"))]
-fn tune_malloc() -> String {
+pub fn tune_malloc() -> String {
     "not glibc: malloc left as it is; the heap may need fresh pages under memory pressure".into()
 }
 
@@ -244,8 +321,9 @@ pub fn oom_trigger() -> Option<Box<dyn Fn() + Send + Sync>> {
 }
 
 /// Locks memory and marks the process an I/O flusher where permitted. Call before any thread
-/// is created. Returns one line per step saying what was done or why not, for the log.
-pub fn prepare() -> Vec<String> {
+/// is created. Returns one line per step saying what was done or why not, for the log
+/// (`nbd_buffers`: whether the NBD server preallocates its request buffers, step 4).
+pub fn prepare(nbd_buffers: bool) -> Vec<String> {
     let mut report = Vec::new();
     let may_lock = has_capability(CAP_IPC_LOCK);
     match memlock_limit_bytes() {
@@ -282,10 +360,16 @@ pub fn prepare() -> Vec<String> {
              choose this server, and every page swapped out to it is lost"
         )),
     }
-    report.push(format!(
-        "request buffers preallocated ({} MiB, server-wide, inside the request memory budget) \
-         and recycled",
-        super::limits::SWAP_PREALLOCATED_BYTES >> 20
-    ));
+    report.push(if nbd_buffers {
+        format!(
+            "request buffers preallocated ({} MiB, server-wide, inside the request memory \
+             budget) and recycled",
+            super::limits::SWAP_PREALLOCATED_BYTES >> 20
+        )
+    } else {
+        "NBD request buffers not preallocated: every device is a ublk block device, which \
+         swap is served through (its buffers are locked at start)"
+            .into()
+    });
     report
 }
