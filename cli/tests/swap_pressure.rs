@@ -21,8 +21,8 @@ use uzram_testkit::process::{run_stdout as run, wait_timeout};
 const UZRAM: &str = env!("CARGO_BIN_EXE_uzram");
 const PAGE: usize = 4096;
 
-/// The guest: RAM and CPUs.
-const GUEST_RAM_MB: u32 = 512;
+/// The guest: RAM (`UZRAM_GUEST_MB`, else this) and CPUs.
+const GUEST_RAM_MB: u64 = 512;
 const GUEST_CPUS: u32 = 1;
 
 /// Nothing moved for this long: the watchdog prints where everybody waits.
@@ -568,9 +568,13 @@ fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duratio
         "Killed process",
         "oom-kill",
         "error on swap",
+        // The OOM killer's report: memory by kind, and every task's resident pages.
+        "active_anon:",
+        "rss_anon",
+        "]     0 ",
     ]);
-    // The last 40 at most.
-    for l in &lines[lines.len().saturating_sub(40)..] {
+    // The last 60 at most.
+    for l in &lines[lines.len().saturating_sub(60)..] {
         eprintln!("{label}: kernel: {l}");
     }
     let sw = Instant::now();
@@ -638,7 +642,8 @@ fn swap_pressure_in_vm() {
     let mut args: Vec<String> = ["--kernel", "6.12", "--no-zoned", "--timeout-s", "900"]
         .map(String::from)
         .to_vec();
-    args.extend(["--mem-mb".into(), GUEST_RAM_MB.to_string()]);
+    let ram_mb = env_u64("UZRAM_GUEST_MB").unwrap_or(GUEST_RAM_MB);
+    args.extend(["--mem-mb".into(), ram_mb.to_string()]);
     args.extend(["--cpus".into(), GUEST_CPUS.to_string()]);
     args.extend(["--include".into(), UZRAM.into()]);
     let mut env = Vec::new();
@@ -663,9 +668,15 @@ fn swap_pressure_in_vm() {
     // which the host prints when the VM is stopped: they get out when no process can.
     let _ = std::fs::write("/proc/sys/kernel/printk", "7");
     let limit = Duration::from_secs(env_u64("UZRAM_HOG_LIMIT_S").unwrap_or(600));
+    // Swap of twice the RAM (rounded up to 512 MiB): room for the whole hog whatever stays
+    // resident.
+    let disksize = format!(
+        "{}M",
+        (meminfo_kib("MemTotal") * 2).div_ceil(512 << 10) * 512
+    );
     let control = std::env::var_os("UZRAM_SWAP_CONTROL").map(|_| {
         std::fs::write("/sys/block/zram0/comp_algorithm", "lz4").unwrap();
-        std::fs::write("/sys/block/zram0/disksize", "1G").unwrap();
+        std::fs::write("/sys/block/zram0/disksize", &disksize).unwrap();
         let r = run_hog("kernel zram", Path::new("/dev/zram0"), None, limit);
         eprintln!(
             "kernel zram mm_stat: {}",
@@ -675,7 +686,7 @@ fn swap_pressure_in_vm() {
         r
     });
     let extra = std::env::var("UZRAM_SERVE_ARGS").unwrap_or_default();
-    let mut serve_args = vec!["--disksize", "1G"];
+    let mut serve_args = vec!["--disksize", disksize.as_str()];
     serve_args.extend(extra.split_whitespace());
     let s = serve(&serve_args);
     let uzram = run_hog(
