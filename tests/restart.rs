@@ -331,6 +331,59 @@ fn refuses_a_slot_naming_a_free_handle_and_a_foreign_header() {
 /// the bitmap is rebuilt from the slots (`bd_count` as before, every block claimed once), and
 /// the recovered device writes back again. Without the backing file, or with another, the
 /// device is refused.
+/// The settings a device changes while it serves come back: `mem_limit` (`mm_stat`'s fourth
+/// column), `writeback_limit_enable`, `writeback_limit` as writebacks used it, and
+/// `writeback_batch_size`, whether set before `disksize` or after.
+#[test]
+fn recovers_the_limits_set_while_serving() {
+    let page = 4096usize;
+    let n = 256u64;
+    let dir = real_tmpdir();
+    let path = dir.path().join("backing");
+    let options = FileOptions::default();
+    let backing = FileBacking::create(&path, 2 * n * page as u64, &options).unwrap();
+    let dev = DeviceBuilder::pages(n)
+        .backing(Arc::new(backing))
+        .attr("writeback_batch_size", "7")
+        .build();
+    dev.attr_store("mem_limit", "64M").unwrap();
+    dev.attr_store("writeback_limit_enable", "1").unwrap();
+    dev.attr_store("writeback_limit", "100").unwrap();
+    let mut buf = vec![0u8; page];
+    let mut want = vec![0u64; n as usize];
+    for i in 0..n {
+        fill(i, 1, &mut buf);
+        dev.write_at(&buf, i * page as u64).unwrap();
+        want[i as usize] = 1;
+    }
+    // Writeback takes what the limit allows: 100 pages, leaving it at 0.
+    writeback_all(&dev, n);
+    assert_eq!(dev.attr_show("writeback_limit").unwrap(), "0\n");
+    dev.attr_store("writeback_limit", "40").unwrap();
+    let mem_limit = |d: &Device| {
+        d.attr_show("mm_stat")
+            .unwrap()
+            .split_whitespace()
+            .nth(3)
+            .map(str::to_string)
+    };
+    let before = mem_limit(&dev);
+    assert_eq!(before.as_deref(), Some((64u64 << 20).to_string().as_str()));
+    let files = dev.state_files().unwrap();
+    drop(dev);
+    let reopened = FileBacking::open(&path, &options).unwrap();
+    let with = Recover {
+        backing: Some(Arc::new(reopened)),
+        ..Recover::default()
+    };
+    let (rec, _) = Device::recover_with(files, with).unwrap();
+    assert_eq!(mem_limit(&rec), before);
+    assert_eq!(rec.attr_show("writeback_limit_enable").unwrap(), "1\n");
+    assert_eq!(rec.attr_show("writeback_limit").unwrap(), "40\n");
+    assert_eq!(rec.attr_show("writeback_batch_size").unwrap(), "7\n");
+    check_pages(&rec, page, &want, &[]).unwrap();
+}
+
 #[test]
 fn recovers_written_back_pages() {
     let page = 4096usize;

@@ -602,6 +602,11 @@ fn hot_add_reset_and_a_changed_configuration() {
     assert!(o.status.success(), "{o:?}");
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "2");
     k.r.set("zram2", "disksize", "16M");
+    // Settings changed while it serves, which no configuration gives again.
+    k.r.set("zram2", "mem_limit", "12M");
+    k.r.set("zram2", "writeback_limit_enable", "1");
+    k.r.set("zram2", "writeback_limit", "321");
+    k.r.set("zram2", "writeback_batch_size", "5");
     let a = pages_file(&dir, "a", 1024, 1);
     let b = pages_file(&dir, "b", 1024, 2);
     write_file(&k.r, "zram2", &a);
@@ -614,6 +619,10 @@ fn hot_add_reset_and_a_changed_configuration() {
     );
     check_file(&k.r, "zram2", &a);
     check_file(&k.r, "zram1", &b);
+    assert_eq!(k.r.columns("zram2", "mm_stat")[3], 12 << 20);
+    assert_eq!(k.r.show("zram2", "writeback_limit_enable"), "1\n");
+    assert_eq!(k.r.show("zram2", "writeback_limit"), "321\n");
+    assert_eq!(k.r.show("zram2", "writeback_batch_size"), "5\n");
 
     // reset drops the state: after a kill, zram2 is gone (it is not in the configuration).
     k.r.set("zram2", "reset", "1");

@@ -165,6 +165,11 @@ pub struct Device {
     wb_limit: WbLimit,
     /// `writeback_batch_size` (at least 1), read when a writeback starts. Kept by reset.
     wb_batch_size: AtomicU32,
+    /// Serialises [`save_limits`](Device::save_limits): each save takes the values and the
+    /// next generation ([`limits_gen`](Device::limits_gen)) under it.
+    limits_write: Mutex<()>,
+    /// The generation of the last limits record written to the header file (restart.rs).
+    limits_gen: AtomicU64,
     /// Held by the running writeback or recompression (zram's `pp_in_progress`).
     pp_lock: Mutex<()>,
     /// The block layer's `stat` counters (zeroed by reset, as the kernel's reset zeroes the
@@ -210,6 +215,8 @@ impl Device {
             release: Free::Deferred,
             wb_limit: WbLimit::default(),
             wb_batch_size: AtomicU32::new(DEFAULT_WB_BATCH_SIZE),
+            limits_write: Mutex::new(()),
+            limits_gen: AtomicU64::new(0),
             pp_lock: Mutex::new(()),
             block_stat: block_stat::BlockStat::default(),
             clock,
@@ -584,11 +591,13 @@ impl Device {
     /// `writeback_limit_enable`.
     pub fn set_writeback_limit_enable(&self, on: bool) {
         self.wb_limit.set_enabled(on);
+        self.save_limits();
     }
 
     /// `writeback_limit` in 4 KiB units.
     pub fn set_writeback_limit(&self, units: u64) {
         self.wb_limit.set_limit_units(units);
+        self.save_limits();
     }
 
     /// The `writeback_limit_enable` setting.
@@ -607,6 +616,7 @@ impl Device {
             return Err(Error::invalid("writeback_batch_size must be at least 1"));
         }
         self.wb_batch_size.store(n, Ordering::Relaxed);
+        self.save_limits();
         Ok(())
     }
 
@@ -620,6 +630,7 @@ impl Device {
         let page = self.page_size_bytes as u64;
         self.mem_limit_pages
             .store(limit_bytes.div_ceil(page), Ordering::Relaxed);
+        self.save_limits();
     }
 
     /// Runs compaction of the pool (zram's `compact`); returns pages freed. Drains the

@@ -266,6 +266,109 @@ impl Header {
     }
 }
 
+/// The limits record's first line.
+const LIMITS_MAGIC: &str = "uzram-device-limits 1";
+
+/// Bytes of each of the two limits slots after the header (a page each).
+const LIMITS_SLOT_BYTES: usize = 4096;
+
+/// The settings a device changes while it serves (`mem_limit`, `writeback_limit_enable`,
+/// `writeback_limit` and its use by writebacks, `writeback_batch_size`), kept in two slots
+/// after the header page: each save writes the slot of its generation's parity, its text
+/// closed by a checksum, so a save stopped at any instruction leaves the other slot (the
+/// previous generation) intact, and recovery takes the valid slot of the highest generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Limits {
+    gen: u64,
+    mem_limit_pages: u64,
+    wb_limit_enabled: bool,
+    wb_limit_units: u64,
+    wb_batch_size: u32,
+}
+
+/// FNV-1a, 64 bits: the limits record's checksum (a torn write, not an adversary).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+impl Limits {
+    fn encode(&self) -> String {
+        let body = format!(
+            "{LIMITS_MAGIC}\ngen {}\nmem_limit_pages {}\nwriteback_limit_enable {}\n\
+             writeback_limit {}\nwriteback_batch_size {}\n",
+            self.gen,
+            self.mem_limit_pages,
+            u8::from(self.wb_limit_enabled),
+            self.wb_limit_units,
+            self.wb_batch_size
+        );
+        let sum = fnv1a(body.as_bytes());
+        format!("{body}sum {sum:016x}\n")
+    }
+
+    /// The record in `bytes`, or `None` if the slot holds none or a torn one.
+    fn decode(bytes: &[u8]) -> Option<Limits> {
+        let text = std::str::from_utf8(bytes.split(|&b| b == 0).next()?).ok()?;
+        let (body, sum_line) = text.trim_end_matches('\n').rsplit_once('\n')?;
+        let body = format!("{body}\n");
+        let sum = u64::from_str_radix(sum_line.strip_prefix("sum ")?, 16).ok()?;
+        if sum != fnv1a(body.as_bytes()) {
+            return None;
+        }
+        let mut lines = body.lines();
+        if lines.next()? != LIMITS_MAGIC {
+            return None;
+        }
+        let mut field = |key: &str| -> Option<u64> {
+            lines
+                .next()?
+                .strip_prefix(key)?
+                .strip_prefix(' ')?
+                .parse()
+                .ok()
+        };
+        let limits = Limits {
+            gen: field("gen")?,
+            mem_limit_pages: field("mem_limit_pages")?,
+            wb_limit_enabled: match field("writeback_limit_enable")? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
+            wb_limit_units: field("writeback_limit")?,
+            wb_batch_size: u32::try_from(field("writeback_batch_size")?)
+                .ok()
+                .filter(|&n| n >= 1)?,
+        };
+        Some(limits)
+    }
+
+    /// The newest valid record of the two slots of `header` (`None`: a header written before
+    /// limits were kept, or both slots torn, which one save cannot do).
+    fn read(header: &ShmFile) -> Result<Option<Limits>> {
+        if header.len()? < (HEADER_BYTES + 2 * LIMITS_SLOT_BYTES) as u64 {
+            return Ok(None);
+        }
+        let slots = header.read_at(HEADER_BYTES as u64, 2 * LIMITS_SLOT_BYTES)?;
+        Ok(slots
+            .chunks(LIMITS_SLOT_BYTES)
+            .filter_map(Limits::decode)
+            .max_by_key(|l| l.gen))
+    }
+
+    /// Writes the record into its slot of `header`, zero-padded to the slot.
+    fn write(&self, header: &ShmFile) -> Result<()> {
+        let mut slot = self.encode().into_bytes();
+        slot.resize(LIMITS_SLOT_BYTES, 0);
+        header.write_at(
+            (HEADER_BYTES + (self.gen % 2) as usize * LIMITS_SLOT_BYTES) as u64,
+            &slot,
+        )
+    }
+}
+
 /// What a device's settings hold that recovery cannot rebuild yet.
 fn unsupported(settings: &Settings) -> Option<String> {
     let mut what = Vec::new();
@@ -316,9 +419,35 @@ impl Device {
                 "the device's settings do not fit its header",
             ));
         }
-        file.set_len(HEADER_BYTES as u64)?;
+        file.set_len((HEADER_BYTES + 2 * LIMITS_SLOT_BYTES) as u64)?;
         file.write_at(0, text.as_bytes())?;
+        // Under the init lock (held exclusively by `disksize`): no save runs meanwhile.
+        self.current_limits().write(&file)?;
         Ok(file)
+    }
+
+    /// The limits as they are now, under the next generation.
+    fn current_limits(&self) -> Limits {
+        use std::sync::atomic::Ordering::Relaxed;
+        Limits {
+            gen: self.limits_gen.fetch_add(1, Relaxed) + 1,
+            mem_limit_pages: self.mem_limit_pages.load(Relaxed),
+            wb_limit_enabled: self.wb_limit.enabled(),
+            wb_limit_units: self.wb_limit.limit_units(),
+            wb_batch_size: self.wb_batch_size.load(Relaxed),
+        }
+    }
+
+    /// Records the settings a device changes while it serves in its header file, for the next
+    /// process (see [`Limits`]); nothing before `disksize`. Takes `limits_write`, then the
+    /// init lock shared: call it with neither held. A write the file refuses (never seen: a
+    /// memfd's page) leaves the previous record, which recovery then takes.
+    pub(super) fn save_limits(&self) {
+        let _serial = self.limits_write.lock();
+        let st = self.state.read();
+        if let Some(header) = st.header.as_ref() {
+            let _ = self.current_limits().write(header);
+        }
     }
 
     /// New descriptors of the files holding this initialised device's state, to hand to a
@@ -369,6 +498,7 @@ impl Device {
     /// is required exactly when the header says the device had it.
     pub fn recover_with(files: DeviceFiles, with: Recover) -> Result<(Device, RecoveryReport)> {
         let header = Header::decode(&files.header.read_at(0, HEADER_BYTES)?)?;
+        let limits = Limits::read(&files.header)?;
         if let Some(what) = &header.unsupported {
             return Err(Error::invalid(format!(
                 "recovery: the device had {what}, whose state is not recoverable yet"
@@ -469,6 +599,14 @@ impl Device {
             target,
             Arc::clone(&dev.clock),
         )?;
+        if let Some(l) = limits {
+            use std::sync::atomic::Ordering::Relaxed;
+            dev.limits_gen.store(l.gen, Relaxed);
+            dev.mem_limit_pages.store(l.mem_limit_pages, Relaxed);
+            dev.wb_limit.set_enabled(l.wb_limit_enabled);
+            dev.wb_limit.set_limit_units(l.wb_limit_units);
+            dev.wb_batch_size.store(l.wb_batch_size, Relaxed);
+        }
         {
             let mut st = dev.state.write();
             st.settings = settings;
@@ -501,6 +639,40 @@ impl std::fmt::Debug for Recover {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn limits_round_trip_and_a_torn_slot_leaves_the_previous_record() {
+        let file = ShmFile::create("limits-test").unwrap();
+        file.set_len((HEADER_BYTES + 2 * LIMITS_SLOT_BYTES) as u64)
+            .unwrap();
+        assert_eq!(Limits::read(&file).unwrap(), None);
+        let first = Limits {
+            gen: 7,
+            mem_limit_pages: 1234,
+            wb_limit_enabled: true,
+            wb_limit_units: 99,
+            wb_batch_size: 16,
+        };
+        first.write(&file).unwrap();
+        assert_eq!(Limits::read(&file).unwrap(), Some(first));
+        let second = Limits {
+            gen: 8,
+            wb_limit_units: 42,
+            ..first
+        };
+        second.write(&file).unwrap();
+        assert_eq!(Limits::read(&file).unwrap(), Some(second));
+        // A save stopped half way through the newer slot (generation 8's, the even one): one
+        // byte of it changed.
+        let at = HEADER_BYTES as u64 + 30;
+        let byte = file.read_at(at, 1).unwrap()[0];
+        file.write_at(at, &[byte ^ 0x01]).unwrap();
+        assert_eq!(Limits::read(&file).unwrap(), Some(first));
+        // A header written before limits were kept (one page): none.
+        let old = ShmFile::create("limits-old").unwrap();
+        old.set_len(HEADER_BYTES as u64).unwrap();
+        assert_eq!(Limits::read(&old).unwrap(), None);
+    }
 
     #[test]
     fn header_round_trips_and_junk_is_refused() {

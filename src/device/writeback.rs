@@ -80,7 +80,14 @@ impl Device {
         }
         let spec = spec(store.nr_pages())?;
         let batch = (self.wb_batch_size.load(Ordering::Relaxed) as usize).min(MAX_WB_BATCH_SIZE);
-        writeback::run(&store, &self.wb_limit, &spec, batch, progress)
+        let report = writeback::run(&store, &self.wb_limit, &spec, batch, progress);
+        drop(store);
+        // The budget it used, for the next process (a kill during the run leaves the budget
+        // as it was before the run).
+        if self.wb_limit.enabled() {
+            self.save_limits();
+        }
+        report
     }
 
     /// Runs zoned-store garbage collection now, reclaiming every eligible zone (the `gc`
