@@ -326,11 +326,6 @@ fn refuses_a_slot_naming_a_free_handle_and_a_foreign_header() {
     assert!(err.message().contains("header"), "{err}");
 }
 
-/// Pages written back to a backing file (bitmap layout, plain and compressed blocks, single
-/// pages and 64 KiB multi-page objects) read back after recovery with the file opened again;
-/// the bitmap is rebuilt from the slots (`bd_count` as before, every block claimed once), and
-/// the recovered device writes back again. Without the backing file, or with another, the
-/// device is refused.
 /// The settings a device changes while it serves come back: `mem_limit` (`mm_stat`'s fourth
 /// column), `writeback_limit_enable`, `writeback_limit` as writebacks used it, and
 /// `writeback_batch_size`, whether set before `disksize` or after.
@@ -384,6 +379,11 @@ fn recovers_the_limits_set_while_serving() {
     check_pages(&rec, page, &want, &[]).unwrap();
 }
 
+/// Pages written back to a backing file (bitmap layout, plain and compressed blocks, single
+/// pages and 64 KiB multi-page objects) read back after recovery with the file opened again;
+/// the bitmap is rebuilt from the slots (`bd_count` as before, every block claimed once), and
+/// the recovered device writes back again. Without the backing file, or with another, the
+/// device is refused.
 #[test]
 fn recovers_written_back_pages() {
     let page = 4096usize;
