@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use uzram_testkit::pages::{program_pages, Program};
 use uzram_testkit::process::{require, run, wait_for, wait_timeout};
-use uzram_testkit::serve::{uzram_bin, Running, Serve};
+use uzram_testkit::serve::{uzram_bin, Kept, Running, Serve};
 
 /// Two devices of different sizes, their sockets in the test's directory; the second with a
 /// recompression codec.
@@ -19,63 +19,6 @@ const TWO_DEVICES: &str = "[[device]]\nname = \"zram0\"\ndisksize = \"64M\"\n\
                            [[device]]\nname = \"zram1\"\ndisksize = \"32M\"\n\
                            recomp_algorithm = \"algo=zstd\"\n\
                            socket = \"{dir}/zram1.sock\"\n";
-
-/// A running keeper; its serving child (and any other) killed when dropped.
-struct Kept {
-    r: Running,
-}
-
-impl Kept {
-    fn start(serve: Serve) -> Kept {
-        let r = serve.arg(&["--keeper"]).start();
-        assert!(
-            r.lines().iter().any(|l| l.contains("kept by the keeper")),
-            "{:?}",
-            r.lines()
-        );
-        Kept { r }
-    }
-
-    /// The keeper's children now.
-    fn children(&self) -> Vec<u32> {
-        uzram_testkit::process::children(self.r.pid())
-    }
-
-    /// The serving child.
-    fn child(&self) -> u32 {
-        let c = self.children();
-        assert_eq!(c.len(), 1, "children {c:?}: {}", self.r.log());
-        c[0]
-    }
-
-    /// How many times a server printed `serving`.
-    fn servings(&self) -> usize {
-        self.r
-            .lines()
-            .iter()
-            .filter(|l| l.starts_with("serving"))
-            .count()
-    }
-
-    /// `kill -9` the serving child; waits until a new one serves.
-    fn kill_child(&self) {
-        let before = self.servings();
-        let old = self.child();
-        kill9(old);
-        wait_for("a new server", Duration::from_secs(30), || {
-            self.servings() > before
-        });
-        assert_ne!(self.child(), old);
-    }
-}
-
-impl Drop for Kept {
-    fn drop(&mut self) {
-        for c in self.children() {
-            kill9(c);
-        }
-    }
-}
 
 fn kill9(pid: u32) {
     // SAFETY: kill has no memory preconditions.
@@ -156,7 +99,7 @@ fn kill_9_loses_nothing() {
     );
     let stored = k.r.columns("zram0", "mm_stat");
     for round in 0..3 {
-        k.kill_child();
+        k.kill_child_now();
         check_file(&k.r, "zram0", &a);
         check_file(&k.r, "zram1", &b);
         // The recovered device holds what it held: same data bytes, same compressed bytes.
@@ -174,7 +117,7 @@ fn kill_9_loses_nothing() {
     // Overwrites after a recovery are kept by the next one too.
     let c = pages_file(dir, "c", 1024, 3);
     write_file(&k.r, "zram1", &c);
-    k.kill_child();
+    k.kill_child_now();
     check_file(&k.r, "zram1", &c);
     // The TCP port comes back too.
     let tcp = format!("nbd://127.0.0.1:{port}/zram0");
@@ -217,7 +160,7 @@ fn a_reconnecting_client_carries_on_across_a_kill() {
         k.r.columns("zram0", "mm_stat")[0] >= 1 << 20
     });
     assert!(qemu.try_wait().unwrap().is_none(), "qemu-io finished first");
-    k.kill_child();
+    k.kill_child_now();
     assert!(
         wait_timeout(&mut qemu, Duration::from_secs(60)).is_some(),
         "qemu-io did not finish"
@@ -370,7 +313,7 @@ fn a_corrupt_state_file_refuses_its_device_and_no_other() {
         }
         f.write_all_at(&slot, 5 * 16).unwrap();
     }
-    k.kill_child();
+    k.kill_child_now();
     let log = k.r.log();
     let refusal = log
         .lines()
@@ -387,7 +330,7 @@ fn a_corrupt_state_file_refuses_its_device_and_no_other() {
     assert!(!o.status.success(), "zram1 served: {o:?}");
     // The keeper keeps zram1's state (nothing dropped), and refuses it again next time.
     assert!(!log.contains("dropped zram1"), "{log}");
-    k.kill_child();
+    k.kill_child_now();
     assert_eq!(
         k.r.log().matches("uzram: zram1: refused: ").count(),
         2,
@@ -611,7 +554,7 @@ fn hot_add_reset_and_a_changed_configuration() {
     let b = pages_file(&dir, "b", 1024, 2);
     write_file(&k.r, "zram2", &a);
     write_file(&k.r, "zram1", &b);
-    k.kill_child();
+    k.kill_child_now();
     assert!(
         k.r.log().contains("uzram: recovered: zram2: "),
         "{}",
@@ -633,7 +576,7 @@ fn hot_add_reset_and_a_changed_configuration() {
     let config = dir.join("uzram.toml");
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(&config, text.replace("\"32M\"", "\"48M\"")).unwrap();
-    k.kill_child();
+    k.kill_child_now();
     let log = k.r.log();
     assert!(
         log.contains(
@@ -678,7 +621,7 @@ fn a_swap_server_keeps_its_devices() {
     write_file(&k.r, "zram1", &b);
     let stored = k.r.columns("zram1", "mm_stat");
     for _ in 0..2 {
-        k.kill_child();
+        k.kill_child_now();
         check_file(&k.r, "zram0", &a);
         check_file(&k.r, "zram1", &b);
         assert_eq!(k.r.columns("zram1", "mm_stat")[..2], stored[..2]);
@@ -689,7 +632,7 @@ fn a_swap_server_keeps_its_devices() {
     // Written after a recovery, kept by the next.
     let c = pages_file(&dir, "c", 1024, 3);
     write_file(&k.r, "zram0", &c);
-    k.kill_child();
+    k.kill_child_now();
     check_file(&k.r, "zram0", &c);
     check_file(&k.r, "zram1", &b);
 }
@@ -715,7 +658,7 @@ fn written_back_pages_come_back_after_a_kill() {
     k.r.set("zram0", "writeback", "idle");
     let bd = k.r.columns("zram0", "bd_stat");
     assert!(bd[0] > 2048, "most pages written back: bd_stat {bd:?}");
-    k.kill_child();
+    k.kill_child_now();
     check_file(&k.r, "zram0", &a);
     assert_eq!(k.r.columns("zram0", "bd_stat")[0], bd[0], "bd_count");
     // Half overwritten (in memory again, their blocks freed) and written back once more
@@ -724,7 +667,7 @@ fn written_back_pages_come_back_after_a_kill() {
     write_file(&k.r, "zram0", &b);
     k.r.set("zram0", "idle", "all");
     k.r.set("zram0", "writeback", "idle");
-    k.kill_child();
+    k.kill_child_now();
     let mut want = std::fs::read(&b).unwrap();
     want.extend_from_slice(&std::fs::read(&a).unwrap()[want.len()..]);
     let both = dir.join("both");
@@ -751,7 +694,7 @@ fn written_back_pages_come_back_after_a_kill() {
     k.r.set(&added, "writeback", "idle");
     let bd1 = k.r.columns(&added, "bd_stat");
     assert!(bd1[0] > 1024, "bd_stat {bd1:?}");
-    k.kill_child();
+    k.kill_child_now();
     check_file(&k.r, &added, &c);
     check_file(&k.r, "zram0", &both);
     assert_eq!(k.r.columns(&added, "bd_stat")[0], bd1[0], "bd_count");
@@ -762,7 +705,7 @@ fn written_back_pages_come_back_after_a_kill() {
     k.r.set(&added, "idle", "all");
     k.r.set(&added, "writeback", "idle");
     k.r.set(&added, "gc", "1");
-    k.kill_child();
+    k.kill_child_now();
     let mut want = std::fs::read(&d).unwrap();
     want.extend_from_slice(&std::fs::read(&c).unwrap()[want.len()..]);
     let cd = dir.join("cd");

@@ -448,19 +448,46 @@ pub struct Kept {
 }
 
 impl Kept {
-    /// Starts `serve` with `--keeper`.
+    /// Starts `serve` with `--keeper`, which must say it keeps the devices.
     pub fn start(serve: Serve) -> Kept {
+        let r = serve.arg(&["--keeper"]).start();
+        assert!(
+            r.lines().iter().any(|l| l.contains("kept by the keeper")),
+            "{:?}",
+            r.lines()
+        );
         Kept {
-            r: serve.arg(&["--keeper"]).start(),
+            r,
             kills: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
+    /// The keeper's children now.
+    pub fn children(&self) -> Vec<u32> {
+        crate::process::children(self.r.pid())
+    }
+
     /// The keeper's serving child.
     pub fn child(&self) -> u32 {
-        let c = crate::process::children(self.r.pid());
+        let c = self.children();
         assert_eq!(c.len(), 1, "the keeper's children {c:?}: {}", self.r.log());
         c[0]
+    }
+
+    /// `kill -9` the serving child now, however young (the keeper restarts a child that died
+    /// within 10 s of its start later and later: what its tests of that back-off want), and
+    /// waits until the next one serves.
+    pub fn kill_child_now(&self) {
+        let before = self.servings();
+        let old = self.child();
+        // SAFETY: kill has no memory preconditions.
+        unsafe { libc::kill(old as libc::pid_t, libc::SIGKILL) };
+        crate::process::wait_for("a new server", Duration::from_secs(30), || {
+            self.servings() > before
+        });
+        assert_ne!(self.child(), old);
+        self.kills
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// How many times a server printed `serving`.
@@ -525,5 +552,15 @@ impl Kept {
     /// The kills so far.
     pub fn kills(&self) -> usize {
         self.kills.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The keeper's children go with it (a keeper killed leaves its serving child running).
+impl Drop for Kept {
+    fn drop(&mut self) {
+        for c in self.children() {
+            // SAFETY: kill has no memory preconditions.
+            unsafe { libc::kill(c as libc::pid_t, libc::SIGKILL) };
+        }
     }
 }
