@@ -249,9 +249,8 @@ fn recovers_pages_written_back_in_the_zoned_layout() {
         let n = 2048u64;
         let dir = real_tmpdir();
         let path = dir.path().join("zones");
-        let backing = FileBacking::create(&path, 8 << 20, &FileOptions::default()).unwrap();
         let dev = DeviceBuilder::pages(n)
-            .backing(Arc::new(backing))
+            .backing(backing_file(&path, 8 << 20))
             .zoned("1M")
             .attr("multi_page_size", mps)
             .build();
@@ -272,15 +271,8 @@ fn recovers_pages_written_back_in_the_zoned_layout() {
         assert!(bd_before > 0 && zones[5] > 0, "{mps}: zone_stat {zones:?}");
         let files = dev.state_files().unwrap();
         drop(dev);
-        let reopened = FileBacking::open(&path, &FileOptions::default()).unwrap();
-        let (rec, _) = Device::recover_with(
-            files,
-            Recover {
-                backing: Some(Arc::new(reopened)),
-                ..Recover::default()
-            },
-        )
-        .unwrap_or_else(|e| panic!("{mps}: {e}"));
+        let (rec, _) =
+            Device::recover_with(files, reopened(&path)).unwrap_or_else(|e| panic!("{mps}: {e}"));
         check_pages(&rec, page, &want, &[]).unwrap();
         assert_eq!(bd(&rec)[0], bd_before, "{mps}: bd_count");
         let now = zone_stat(&rec);
@@ -326,6 +318,21 @@ fn refuses_a_slot_naming_a_free_handle_and_a_foreign_header() {
     assert!(err.message().contains("header"), "{err}");
 }
 
+/// A backing file of `bytes` at `path`.
+fn backing_file(path: &std::path::Path, bytes: u64) -> Arc<FileBacking> {
+    Arc::new(FileBacking::create(path, bytes, &FileOptions::default()).unwrap())
+}
+
+/// What recovering a device that wrote back to the file at `path` needs: the file opened again.
+fn reopened(path: &std::path::Path) -> Recover {
+    Recover {
+        backing: Some(Arc::new(
+            FileBacking::open(path, &FileOptions::default()).unwrap(),
+        )),
+        ..Recover::default()
+    }
+}
+
 /// The settings a device changes while it serves come back: `mem_limit` (`mm_stat`'s fourth
 /// column), `writeback_limit_enable`, `writeback_limit` as writebacks used it, and
 /// `writeback_batch_size`, whether set before `disksize` or after.
@@ -335,10 +342,8 @@ fn recovers_the_limits_set_while_serving() {
     let n = 256u64;
     let dir = real_tmpdir();
     let path = dir.path().join("backing");
-    let options = FileOptions::default();
-    let backing = FileBacking::create(&path, 2 * n * page as u64, &options).unwrap();
     let dev = DeviceBuilder::pages(n)
-        .backing(Arc::new(backing))
+        .backing(backing_file(&path, 2 * n * page as u64))
         .attr("writeback_batch_size", "7")
         .build();
     dev.attr_store("mem_limit", "64M").unwrap();
@@ -366,12 +371,7 @@ fn recovers_the_limits_set_while_serving() {
     assert_eq!(before.as_deref(), Some((64u64 << 20).to_string().as_str()));
     let files = dev.state_files().unwrap();
     drop(dev);
-    let reopened = FileBacking::open(&path, &options).unwrap();
-    let with = Recover {
-        backing: Some(Arc::new(reopened)),
-        ..Recover::default()
-    };
-    let (rec, _) = Device::recover_with(files, with).unwrap();
+    let (rec, _) = Device::recover_with(files, reopened(&path)).unwrap();
     assert_eq!(mem_limit(&rec), before);
     assert_eq!(rec.attr_show("writeback_limit_enable").unwrap(), "1\n");
     assert_eq!(rec.attr_show("writeback_limit").unwrap(), "40\n");
@@ -393,9 +393,8 @@ fn recovers_written_back_pages() {
         let dir = real_tmpdir();
         let path = dir.path().join("backing");
         let options = FileOptions::default();
-        let backing = FileBacking::create(&path, 2 * n * page as u64, &options).unwrap();
         let dev = DeviceBuilder::pages(n)
-            .backing(Arc::new(backing))
+            .backing(backing_file(&path, 2 * n * page as u64))
             .compressed_writeback(compressed)
             .attr("multi_page_size", mps)
             .build();
@@ -443,12 +442,7 @@ fn recovers_written_back_pages() {
         let err = Device::recover_with(dup_files(&files), with_other).unwrap_err();
         assert!(err.message().contains("wrote back to"), "{what}: {err}");
 
-        let reopened = FileBacking::open(&path, &options).unwrap();
-        let with = Recover {
-            backing: Some(Arc::new(reopened)),
-            ..Recover::default()
-        };
-        let (rec, report) = Device::recover_with(again, with).unwrap();
+        let (rec, report) = Device::recover_with(again, reopened(&path)).unwrap();
         assert_eq!(report.garbage, 0, "{what}: {report:?}");
         assert_eq!(rec.stats().pages_stored, stored, "{what}");
         assert_eq!(bd(&rec)[0], bd_before[0], "{what}: bd_count");
