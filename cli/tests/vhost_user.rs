@@ -224,12 +224,28 @@ fn fio_verify(dev: &Path, size_mib: u64) {
     assert!(fio.contains("err= 0"), "{fio}");
 }
 
-/// Mounts `dev` and checks that it holds exactly the files of `pages`, the same bytes.
-fn check_files(dev: &Path, pages: &Path) {
-    run(Command::new("e2fsck").args(["-f", "-n"]).arg(dev));
+/// Mounts the ext4 on `dev` at /tmp/mnt, returned.
+fn mount_ext4(dev: &Path) -> &'static Path {
     let mnt = Path::new("/tmp/mnt");
     std::fs::create_dir_all(mnt).unwrap();
     run(Command::new("mount").args(["-t", "ext4"]).arg(dev).arg(mnt));
+    mnt
+}
+
+/// The names of the four files of real pages in `pages`.
+fn page_file_names(pages: &Path) -> Vec<std::ffi::OsString> {
+    let names: Vec<_> = std::fs::read_dir(pages)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+    names
+}
+
+/// Mounts `dev` and checks that it holds exactly the files of `pages`, the same bytes.
+fn check_files(dev: &Path, pages: &Path) {
+    run(Command::new("e2fsck").args(["-f", "-n"]).arg(dev));
+    let mnt = mount_ext4(dev);
     let mut n = 0;
     for e in std::fs::read_dir(pages).unwrap() {
         let name = e.unwrap().file_name();
@@ -311,17 +327,8 @@ fn guest_first(pages: &Path) {
     // A filesystem of real pages: mkfs (which discards the disk), files, fsck, reread after
     // dropping the guest's caches.
     run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&dev));
-    let mnt = Path::new("/tmp/mnt");
-    std::fs::create_dir_all(mnt).unwrap();
-    run(Command::new("mount")
-        .args(["-t", "ext4"])
-        .arg(&dev)
-        .arg(mnt));
-    let names: Vec<_> = std::fs::read_dir(pages)
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert_eq!(names.len(), 4, "{names:?}");
+    let mnt = mount_ext4(&dev);
+    let names = page_file_names(pages);
     for n in &names {
         std::fs::copy(pages.join(n), mnt.join(n)).unwrap();
     }
@@ -948,17 +955,8 @@ fn guest_kept(pages: &Path) {
         .args(["-q", "-F", "-b", "4096"])
         .arg(&dev)
         .arg(&blocks));
-    let mnt = Path::new("/tmp/mnt");
-    std::fs::create_dir_all(mnt).unwrap();
-    run(Command::new("mount")
-        .args(["-t", "ext4"])
-        .arg(&dev)
-        .arg(mnt));
-    let names: Vec<_> = std::fs::read_dir(pages)
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert_eq!(names.len(), 4, "{names:?}");
+    let mnt = mount_ext4(&dev);
+    let names = page_file_names(pages);
     println!("{KEPT_EXT4_MARK}");
     let mut ext4_rounds = 0;
     loop {
