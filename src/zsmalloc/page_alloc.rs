@@ -24,11 +24,28 @@
 //! of the file (the next touch faults in a zero page) and puts the frame on the free list.
 //! Chunks are unmapped only when the allocator drops.
 //!
-//! A frame's *index* is its place in the file (`index * frame_bytes` is its offset), the same
-//! in every process that maps the file. Each frame has a 16-byte *record* in a second memfd,
-//! written by the pool when it gives the frame a zspage or a span and cleared when it takes it
-//! back ([`FrameAllocator::set_record`]): what a new process needs to find, from a location
-//! word, the frame holding the object (`docs/restart.md`).
+//! A frame's *index* numbers it in the order of the chunks (each chunk's frames follow the
+//! previous chunk's), the same in every process that maps the file. Each frame has a 16-byte
+//! *record* in a second memfd, written by the pool when it gives the frame a zspage or a span
+//! and cleared when it takes it back ([`FrameAllocator::set_record`]): what a new process needs
+//! to find, from a location word, the frame holding the object (`docs/restart.md`).
+//!
+//! # Single-page frames
+//!
+//! Zspages of one page (the huge class: every incompressible page) and one-page spans get
+//! frames of one page, carved from chunks of their own; every other page count gets a full
+//! frame. A process pays a page-table page for each 2 MiB of address space it touches, and the
+//! kernel does not free it while the mapping lives: with full frames only, each stored
+//! incompressible page made a 32 KiB (64 KiB when serving swap) frame resident for 4 KiB,
+//! so page tables grew by 1/64 (1/32) of a page per such page, against 1/512 for dense pages:
+//! 8.6 MB for 360 MB stored in a 512 MiB guest swapping a hog whose pages were a third random. Single-page chunks pack those
+//! pages as densely as the kernel's own page tables do.
+//!
+//! Every chunk is [`chunk_stride_bytes`](FrameAllocator) long in the file, at `chunk number ×
+//! stride`, whatever its kind; its kind is a byte of the *chunk kinds' table* after the
+//! records, written before the file grows to hold the chunk, so a new process cuts every chunk
+//! as its maker did. A records' file without that table (written before chunks had kinds)
+//! has full chunks only, and an allocator recovered from it adds full chunks only.
 //!
 //! # The reserve
 //!
@@ -107,13 +124,25 @@ use crate::shm::{ShmFile, ShmMap};
 /// is 512 VMAs), small enough that even strict overcommit accounting of a fresh chunk is cheap.
 pub(crate) const CHUNK_BYTES: usize = 128 << 20;
 
+/// Most chunks an allocator maps (16 TiB of frames' file at [`CHUNK_BYTES`]): the size of the
+/// chunk kinds' table in the records' file.
+pub(crate) const MAX_CHUNKS: usize = 1 << 17;
+
+/// A chunk's kind, in the records' file's kind table: frames of the allocator's frame size
+/// (the zero a new file reads as)...
+const CHUNK_FULL: u8 = 0;
+/// ...or single-page frames, for zspages (and spans) of one page.
+const CHUNK_SMALL: u8 = 1;
+
 /// One frame of address space, owned by at most one zspage. See the module docs.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Frame {
     base: NonNull<u8>,
     len_bytes: usize,
-    /// The frame's place in the frames' file (its offset is `index * len_bytes`).
+    /// The frame's number, which its record is kept under (module docs, "Life of a frame").
     index: u32,
+    /// The frame's place in the frames' file.
+    offset: u64,
 }
 
 // SAFETY: a `Frame` is the address of memory owned by its `FrameAllocator` (which outlives every
@@ -180,10 +209,14 @@ impl Frame {
     }
 }
 
-/// One reserved chunk of address space.
+/// One reserved chunk of address space: frames `first_index..first_index + frames`, all of
+/// one kind, at file offset `chunk number * chunk_stride_bytes`.
 #[derive(Debug)]
 struct Chunk {
     map: ShmMap,
+    small: bool,
+    first_index: u32,
+    frames: u32,
 }
 
 impl Chunk {
@@ -198,8 +231,9 @@ struct FrameState {
     /// The memfd the chunks map, made with the first chunk.
     file: Option<Arc<ShmFile>>,
     /// Frames released and not yet reused (their pages were punched out, or, if the kernel
-    /// refused, kept: see [`FrameAllocator::discard`]).
-    free: Vec<Frame>,
+    /// refused, kept: see [`FrameAllocator::discard`]); `free[1]` single-page frames, `free[0]`
+    /// the others.
+    free: [Vec<Frame>; 2],
     /// Released frames kept resident for reuse, by the number of pages their zspage used (the
     /// only pages of the frame that can be resident): `cached[k]` holds frames with `k` pages
     /// (`k <= frame_pages`).
@@ -211,8 +245,11 @@ struct FrameState {
     dropping_batch: Vec<(Frame, usize)>,
     /// Sum of the pages of the frames in `dropping_batch` (below `DROP_BATCH_PAGES`).
     dropping_batch_pages: usize,
-    /// Frames carved from the last chunk so far.
-    carved_in_last: usize,
+    /// Per kind (`[full, small]`): the chunk frames are carved from (the last one made of that
+    /// kind, while it has uncarved frames) and how many it has handed out so far.
+    carving: [Option<(usize, usize)>; 2],
+    /// Frame numbers given to the chunks made so far (the next chunk's first).
+    next_index: u32,
     /// The reserve (module docs): fresh frames whose first `k` pages are faulted in,
     /// `reserve[k]`, at most `reserve_target[k]` each.
     reserve: Vec<Vec<Frame>>,
@@ -263,6 +300,15 @@ pub(crate) struct FrameAllocator {
     /// reaches into a neighbouring frame).
     frame_bytes: usize,
     frames_per_chunk: usize,
+    /// Bytes of the frames' file per chunk (`frames_per_chunk * frame_bytes`): chunk `c` of
+    /// either kind starts at `c * chunk_stride_bytes`.
+    chunk_stride_bytes: usize,
+    /// Whether zspages and spans of one page get single-page frames of their own chunks
+    /// (module docs, "Single-page frames"): not for frames of one page already, nor for the
+    /// files of a process whose records' file has no chunk kinds' table.
+    small_frames: bool,
+    /// Bytes of a single-page frame: a page, rounded up to the system page size.
+    small_frame_bytes: usize,
     sys_page_bytes: usize,
     /// Protects the chunk list, the free list and the carving cursor. Nothing that may wait
     /// for memory (a fault, a mapping) is done under it: writers serving swap take it.
@@ -575,23 +621,68 @@ pub(crate) struct FrameRecord {
     pub(crate) extra: AtomicU64,
 }
 
-/// The frame records: one [`FrameRecord`] per frame index, in a memfd of their own.
+/// The frame records: one [`FrameRecord`] per frame index, in a memfd of their own, followed
+/// by the chunk kinds' table: a byte per chunk ([`CHUNK_FULL`] or [`CHUNK_SMALL`]), written
+/// before any frame of the chunk is handed out.
 #[derive(Debug)]
 struct FrameRecords {
     map: ShmMap,
     file: ShmFile,
+    /// Whether the file has the chunk kinds' table (files made by earlier binaries have none:
+    /// every chunk of theirs holds full frames, and so do the chunks added to them).
+    kinds: bool,
 }
 
+/// Bytes of the records proper, at the start of the records' file.
+const RECORDS_BYTES: usize = MAX_FRAMES * std::mem::size_of::<FrameRecord>();
+
 impl FrameRecords {
-    fn file_bytes() -> usize {
-        MAX_FRAMES * std::mem::size_of::<FrameRecord>()
+    fn file_bytes(kinds: bool) -> usize {
+        RECORDS_BYTES + if kinds { MAX_CHUNKS } else { 0 }
     }
 
     fn new() -> Result<FrameRecords> {
         let file = ShmFile::create("frame-records")?;
-        file.set_len(Self::file_bytes() as u64)?;
-        let map = file.map(0, Self::file_bytes())?;
-        Ok(FrameRecords { map, file })
+        file.set_len(Self::file_bytes(true) as u64)?;
+        let map = file.map(0, Self::file_bytes(true))?;
+        Ok(FrameRecords {
+            map,
+            file,
+            kinds: true,
+        })
+    }
+
+    /// The kind of chunk `chunk` ([`CHUNK_FULL`] in a file without the table).
+    fn kind(&self, chunk: usize) -> u8 {
+        if !self.kinds {
+            return CHUNK_FULL;
+        }
+        self.kind_byte(chunk).load(Ordering::Acquire)
+    }
+
+    /// Records the kind of chunk `chunk`, made now (a file without the table takes full
+    /// chunks only).
+    fn set_kind(&self, chunk: usize, kind: u8) {
+        if !self.kinds {
+            assert_eq!(kind, CHUNK_FULL, "no chunk kinds' table");
+            return;
+        }
+        self.kind_byte(chunk).store(kind, Ordering::Release);
+    }
+
+    fn kind_byte(&self, chunk: usize) -> &std::sync::atomic::AtomicU8 {
+        assert!(chunk < MAX_CHUNKS);
+        // SAFETY: `chunk < MAX_CHUNKS`, so the byte lies inside the mapping (which has the
+        // table: callers checked `kinds`) and lives as long as `self`; any byte is a valid
+        // `AtomicU8`.
+        unsafe {
+            &*self
+                .map
+                .base()
+                .as_ptr()
+                .add(RECORDS_BYTES + chunk)
+                .cast::<std::sync::atomic::AtomicU8>()
+        }
     }
 
     /// Faults in the records of frames `[from, to)`, so that writing them (under a class
@@ -646,21 +737,29 @@ impl FrameAllocator {
         let frame_pages = frame_pages.max(MAX_PAGES_PER_ZSPAGE);
         let sys_page_bytes = sys_page_bytes();
         let frame_bytes = (frame_pages * page_size_bytes).next_multiple_of(sys_page_bytes);
+        let frames_per_chunk = (CHUNK_BYTES / frame_bytes).max(1);
+        let chunk_stride_bytes = frames_per_chunk * frame_bytes;
+        let small_frame_bytes = page_size_bytes.next_multiple_of(sys_page_bytes);
         FrameAllocator {
             page_size_bytes,
             frame_pages,
             frame_bytes,
-            frames_per_chunk: (CHUNK_BYTES / frame_bytes).max(1),
+            frames_per_chunk,
+            chunk_stride_bytes,
+            small_frames: small_frame_bytes < frame_bytes
+                && chunk_stride_bytes % small_frame_bytes == 0,
+            small_frame_bytes,
             sys_page_bytes,
             state: Mutex::new(FrameState {
                 chunks: Vec::new(),
                 file: None,
-                free: Vec::new(),
+                free: [Vec::new(), Vec::new()],
                 cached: (0..=frame_pages).map(|_| Vec::new()).collect(),
                 cached_pages: 0,
                 dropping_batch: Vec::new(),
                 dropping_batch_pages: 0,
-                carved_in_last: 0,
+                carving: [None, None],
+                next_index: 0,
                 reserve: (0..=frame_pages).map(|_| Vec::new()).collect(),
                 reserve_target: vec![0; frame_pages + 1],
                 reserve_low: vec![0; frame_pages + 1],
@@ -697,73 +796,143 @@ impl FrameAllocator {
     /// The allocator a previous process left in `frames` and `records` (`docs/restart.md`),
     /// for frames of `frame_pages` pages: every frame of the file counts as carved, none is
     /// handed out; the caller takes the recorded ones with [`claim`](Self::claim) and gives
-    /// the rest back with [`release_unclaimed`](Self::release_unclaimed).
+    /// the rest back with [`release_unclaimed`](Self::release_unclaimed). A records' file
+    /// without the chunk kinds' table (an earlier binary's) has full chunks only, and the
+    /// allocator adds only full ones to it.
     pub(crate) fn with_files(
         mut self,
         frames: ShmFile,
         records: ShmFile,
     ) -> Result<FrameAllocator> {
-        let chunk_bytes = (self.frames_per_chunk * self.frame_bytes) as u64;
+        let stride = self.chunk_stride_bytes as u64;
         let len = frames.len()?;
-        if len % chunk_bytes != 0
-            || len / chunk_bytes * self.frames_per_chunk as u64 > MAX_FRAMES as u64
-        {
+        if len % stride != 0 || len / stride > MAX_CHUNKS as u64 {
             return Err(Error::invalid(format!(
                 "zsmalloc: the frames' file holds {len} bytes, not a whole number of \
-                 {chunk_bytes}-byte chunks"
+                 {stride}-byte chunks (at most {MAX_CHUNKS})"
             )));
         }
-        if records.len()? != FrameRecords::file_bytes() as u64 {
-            return Err(Error::invalid(format!(
-                "zsmalloc: the frame records' file holds {} bytes, not {}",
-                records.len()?,
-                FrameRecords::file_bytes()
-            )));
+        let records_len = records.len()?;
+        let kinds = match records_len {
+            n if n == FrameRecords::file_bytes(true) as u64 => true,
+            n if n == FrameRecords::file_bytes(false) as u64 => false,
+            n => {
+                return Err(Error::invalid(format!(
+                    "zsmalloc: the frame records' file holds {n} bytes, not {} (or {}, as \
+                     written before chunks had kinds)",
+                    FrameRecords::file_bytes(true),
+                    FrameRecords::file_bytes(false)
+                )));
+            }
+        };
+        let map = records.map(0, FrameRecords::file_bytes(kinds))?;
+        let records = FrameRecords {
+            map,
+            file: records,
+            kinds,
+        };
+        self.small_frames &= kinds;
+        let mut chunks = Vec::new();
+        let mut next_index = 0u64;
+        for chunk in 0..(len / stride) as usize {
+            let small = match records.kind(chunk) {
+                CHUNK_FULL => false,
+                CHUNK_SMALL if self.small_frames => true,
+                kind => {
+                    return Err(Error::invalid(format!(
+                        "zsmalloc: chunk {chunk} of the frames' file has kind {kind}, which \
+                         this pool's frames cannot have"
+                    )));
+                }
+            };
+            let frames_in = self.frames_in(small);
+            if next_index + frames_in as u64 > MAX_FRAMES as u64 {
+                return Err(Error::invalid(format!(
+                    "zsmalloc: the frames' file holds more than {MAX_FRAMES} frames"
+                )));
+            }
+            let map = frames.map(chunk as u64 * stride, self.chunk_stride_bytes)?;
+            chunks.push(Chunk {
+                map,
+                small,
+                first_index: next_index as u32,
+                frames: frames_in as u32,
+            });
+            next_index += frames_in as u64;
         }
-        let map = records.map(0, FrameRecords::file_bytes())?;
-        let _ = self.records.set(FrameRecords { map, file: records });
+        let _ = self.records.set(records);
         let st = self.state.get_mut();
-        for chunk in 0..len / chunk_bytes {
-            let map = frames.map(chunk * chunk_bytes, chunk_bytes as usize)?;
-            st.chunks.push(Chunk { map });
-            st.carved_in_last = self.frames_per_chunk;
-        }
+        st.chunks = chunks;
+        st.next_index = next_index as u32;
         st.file = Some(Arc::new(frames));
         Ok(self)
     }
 
-    /// Bytes of frame records of the frames carved so far (whole pages).
+    /// Frames per chunk of single-page frames (`small`) or of full ones.
+    fn frames_in(&self, small: bool) -> usize {
+        if small {
+            self.chunk_stride_bytes / self.small_frame_bytes
+        } else {
+            self.frames_per_chunk
+        }
+    }
+
+    /// Bytes of frame records of the chunks made so far (whole pages).
     pub(crate) fn records_bytes(&self) -> usize {
         (self.carved_frames() as usize * std::mem::size_of::<FrameRecord>()).next_multiple_of(4096)
     }
 
-    /// Frames carved so far (every index below this has been, or is, a frame).
+    /// Frame numbers given out so far, to the chunks made: every frame number below this
+    /// belongs to a chunk (its record reads as empty until the frame is first handed out).
     pub(crate) fn carved_frames(&self) -> u32 {
+        self.state.lock().next_index
+    }
+
+    /// Pages frame `index` can hold: 1 for a single-page frame, else the frame size.
+    pub(crate) fn frame_pages_of(&self, index: u32) -> usize {
         let st = self.state.lock();
-        match st.chunks.len() {
-            0 => 0,
-            n => ((n - 1) * self.frames_per_chunk + st.carved_in_last) as u32,
+        if Self::chunk_of(&st, index).1.small {
+            1
+        } else {
+            self.frame_pages
+        }
+    }
+
+    /// The chunk (number and chunk) holding frame `index`, which a chunk holds.
+    fn chunk_of(st: &FrameState, index: u32) -> (usize, &Chunk) {
+        let c = st.chunks.partition_point(|c| c.first_index <= index);
+        assert!(
+            c > 0 && index - st.chunks[c - 1].first_index < st.chunks[c - 1].frames,
+            "frame {index} was never carved"
+        );
+        (c - 1, &st.chunks[c - 1])
+    }
+
+    /// Frame `n` (counted from 0) of chunk number `c`.
+    fn frame_in(&self, c: usize, chunk: &Chunk, n: usize) -> Frame {
+        assert!(n < chunk.frames as usize);
+        let len_bytes = if chunk.small {
+            self.small_frame_bytes
+        } else {
+            self.frame_bytes
+        };
+        // SAFETY: `n < chunk.frames`, so `n * len_bytes + len_bytes <= chunk_stride_bytes`, the
+        // chunk's length: the frame lies inside the chunk's mapping.
+        let base = unsafe { chunk.base().add(n * len_bytes) };
+        Frame {
+            base,
+            len_bytes,
+            index: chunk.first_index + n as u32,
+            offset: (c * self.chunk_stride_bytes + n * len_bytes) as u64,
         }
     }
 
     /// The token of carved frame `index`, for recovery, which claims each recorded frame
     /// once (two tokens of one frame would let two owners write it).
     pub(crate) fn claim(&self, index: u32) -> Frame {
-        assert!(
-            index < self.carved_frames(),
-            "frame {index} was never carved"
-        );
         let st = self.state.lock();
-        let per = self.frames_per_chunk;
-        let chunk = &st.chunks[index as usize / per];
-        // SAFETY: `index % per < frames_per_chunk`, so the frame lies inside the chunk's
-        // mapping.
-        let base = unsafe { chunk.base().add(index as usize % per * self.frame_bytes) };
-        Frame {
-            base,
-            len_bytes: self.frame_bytes,
-            index,
-        }
+        let (c, chunk) = Self::chunk_of(&st, index);
+        self.frame_in(c, chunk, (index - chunk.first_index) as usize)
     }
 
     /// Recovery: every carved frame not in `claimed` (sorted) goes on the free list, its pages
@@ -777,22 +946,28 @@ impl FrameAllocator {
                 next.next();
                 continue;
             }
-            self.clear_record(&self.claim(index));
-            free.push(index);
+            let frame = self.claim(index);
+            self.clear_record(&frame);
+            free.push(frame);
         }
-        // One hole per range of adjacent free frames.
+        // One hole per range of adjacent free frames (frame numbers follow file offsets).
         let mut i = 0;
         while i < free.len() {
             let mut j = i;
-            while j + 1 < free.len() && free[j + 1] == free[j] + 1 {
+            while j + 1 < free.len()
+                && free[j].offset + free[j].len_bytes as u64 == free[j + 1].offset
+            {
                 j += 1;
             }
-            let span = (free[j] - free[i] + 1) as usize * self.frame_bytes;
-            self.punch(free[i], 0, span)?;
+            let end = free[j].offset + free[j].len_bytes as u64;
+            self.punch(free[i].offset, end - free[i].offset)?;
             i = j + 1;
         }
-        let frames: Vec<Frame> = free.into_iter().rev().map(|i| self.claim(i)).collect();
-        self.state.lock().free.extend(frames);
+        let mut st = self.state.lock();
+        for frame in free.into_iter().rev() {
+            let kind = usize::from(frame.len_bytes == self.small_frame_bytes && self.small_frames);
+            st.free[kind].push(frame);
+        }
         Ok(())
     }
 
@@ -895,7 +1070,7 @@ impl FrameAllocator {
     /// Makes the files (with the first chunk) without handing a frame out.
     fn alloc_nothing(&self) -> Result<()> {
         let frame = self.alloc()?;
-        self.state.lock().free.push(frame);
+        self.state.lock().free[0].push(frame);
         Ok(())
     }
 
@@ -927,11 +1102,28 @@ impl FrameAllocator {
         self.frame_bytes
     }
 
-    /// A frame whose pages read as zeroes or as leftovers of its previous zspage's unused
+    /// A full frame whose pages read as zeroes or as leftovers of its previous zspage's unused
     /// tail (never touched, so zeroes too). `ENOMEM` if the kernel refuses a new chunk.
     pub(crate) fn alloc(&self) -> Result<Frame> {
+        self.alloc_kind(false)
+    }
+
+    /// A frame for a zspage (or span) of `pages` pages, as [`alloc`](Self::alloc): a
+    /// single-page frame for one page where the allocator has them, else a full one.
+    fn alloc_for(&self, pages: usize) -> Result<Frame> {
+        self.alloc_kind(pages == 1 && self.small_frames)
+    }
+
+    /// Which free list and carving cursor `frame` belongs to: 1 for a single-page frame.
+    fn kind_of(&self, frame: &Frame) -> usize {
+        usize::from(self.small_frames && frame.len_bytes == self.small_frame_bytes)
+    }
+
+    /// A frame of the kind asked (`small`: single-page), from the free list, the chunk being
+    /// carved, or a new chunk.
+    fn alloc_kind(&self, small: bool) -> Result<Frame> {
         loop {
-            if let Some(frame) = self.take_carved(&mut self.state.lock()) {
+            if let Some(frame) = self.take_carved(&mut self.state.lock(), small) {
                 return Ok(frame);
             }
             // A new chunk, made without the state mutex: making it may wait for memory (the
@@ -939,17 +1131,19 @@ impl FrameAllocator {
             // reserve, so holding it here would stop them behind the very reclaim that waits
             // on them. `grow` lets one thread at a time make a chunk.
             let _grow = self.grow.lock();
-            let (chunk, file) = {
+            let (chunk, first_index, file) = {
                 let mut st = self.state.lock();
-                if let Some(frame) = self.take_carved(&mut st) {
+                if let Some(frame) = self.take_carved(&mut st, small) {
                     return Ok(frame);
                 }
-                (st.chunks.len(), st.file.clone())
+                (st.chunks.len(), st.next_index as usize, st.file.clone())
             };
-            let len_bytes = self.frames_per_chunk * self.frame_bytes;
-            if (chunk + 1) * self.frames_per_chunk > MAX_FRAMES {
+            let frames_in = self.frames_in(small);
+            let len_bytes = self.chunk_stride_bytes;
+            if first_index + frames_in > MAX_FRAMES || chunk >= MAX_CHUNKS {
                 return Err(Error::no_memory(format!(
-                    "zsmalloc: {MAX_FRAMES} frames reserved for zspages already"
+                    "zsmalloc: {MAX_FRAMES} frames ({MAX_CHUNKS} chunks) reserved for zspages \
+                     already"
                 )));
             }
             let file = match file {
@@ -963,6 +1157,10 @@ impl FrameAllocator {
                     file
                 }
             };
+            // The chunk's kind first: a process that finds the chunk in the file (the file's
+            // length grows next) must know how its frames are cut.
+            let records = self.records.get().expect("made with the first chunk");
+            records.set_kind(chunk, if small { CHUNK_SMALL } else { CHUNK_FULL });
             let offset = (chunk * len_bytes) as u64;
             file.set_len(offset + len_bytes as u64)?;
             let map = file.map(offset, len_bytes).map_err(|e| {
@@ -974,46 +1172,38 @@ impl FrameAllocator {
             // The new frames' records (a page per 256 frames), faulted in now, where the chunk
             // is made (serving swap, by the refiller), not on a writer's path under the class
             // lock, where a fault could wait for memory.
-            let records = self.records.get().expect("made with the first chunk");
-            records.populate(
-                chunk * self.frames_per_chunk,
-                (chunk + 1) * self.frames_per_chunk,
-            );
+            records.populate(first_index, first_index + frames_in);
             #[cfg(test)]
             if let Some(hook) = &*self.grow_hook.lock() {
                 (hook.0)();
             }
             let mut st = self.state.lock();
             debug_assert_eq!(st.chunks.len(), chunk, "chunks are added under `grow` only");
-            st.chunks.push(Chunk { map });
-            st.carved_in_last = 0;
-            if let Some(frame) = self.take_carved(&mut st) {
+            st.chunks.push(Chunk {
+                map,
+                small,
+                first_index: first_index as u32,
+                frames: frames_in as u32,
+            });
+            st.next_index += frames_in as u32;
+            st.carving[usize::from(small)] = Some((chunk, 0));
+            if let Some(frame) = self.take_carved(&mut st, small) {
                 return Ok(frame);
             }
         }
     }
 
-    /// A frame of the free list, else the next uncarved frame of the last chunk; `None` when
-    /// a new chunk is needed.
-    fn take_carved(&self, st: &mut FrameState) -> Option<Frame> {
-        if let Some(frame) = st.free.pop() {
+    /// A frame of the kind asked from its free list, else the next uncarved frame of the chunk
+    /// being carved for that kind; `None` when a new chunk is needed.
+    fn take_carved(&self, st: &mut FrameState, small: bool) -> Option<Frame> {
+        let kind = usize::from(small);
+        if let Some(frame) = st.free[kind].pop() {
             return Some(frame);
         }
-        if st.chunks.is_empty() || st.carved_in_last == self.frames_per_chunk {
-            return None;
-        }
-        let chunk_base = st.chunks.last().expect("not empty").base();
-        let offset = st.carved_in_last * self.frame_bytes;
-        let index = ((st.chunks.len() - 1) * self.frames_per_chunk + st.carved_in_last) as u32;
-        st.carved_in_last += 1;
-        // SAFETY: `offset + frame_bytes <= frames_per_chunk * frame_bytes`, the chunk's length,
-        // so the pointer stays inside the chunk's mapping.
-        let base = unsafe { chunk_base.add(offset) };
-        Some(Frame {
-            base,
-            len_bytes: self.frame_bytes,
-            index,
-        })
+        let (c, carved) = st.carving[kind]?;
+        let frame = self.frame_in(c, &st.chunks[c], carved);
+        st.carving[kind] = (carved + 1 < st.chunks[c].frames as usize).then_some((c, carved + 1));
+        Some(frame)
     }
 
     /// Writes `frame`'s record (module docs): `what` last, with `Release`, so a reader that
@@ -1041,17 +1231,16 @@ impl FrameAllocator {
             .get(index)
     }
 
-    /// Gives the pages `[from, to)` of frame `index` back to the kernel (punched out of the
-    /// file); `Err` if the kernel refused (the pages stay, and are kept, never lost).
-    fn punch(&self, index: u32, from_bytes: usize, to_bytes: usize) -> Result<()> {
+    /// Gives the bytes `[offset, offset + len_bytes)` of the frames' file back to the kernel
+    /// (punched out); `Err` if the kernel refused (the pages stay, and are kept, never lost).
+    fn punch(&self, offset: u64, len_bytes: u64) -> Result<()> {
         let file = self
             .state
             .lock()
             .file
             .clone()
             .expect("a frame was carved, so the file exists");
-        let base = index as u64 * self.frame_bytes as u64;
-        file.punch(base + from_bytes as u64, (to_bytes - from_bytes) as u64)
+        file.punch(offset, len_bytes)
     }
 
     /// A frame whose first `pages` pages are resident, for a new zspage (or span) that writes
@@ -1142,7 +1331,7 @@ impl FrameAllocator {
             }
             return Ok(frame);
         }
-        let frame = self.alloc()?;
+        let frame = self.alloc_for(pages)?;
         self.populate(&frame, pages);
         Ok(frame)
     }
@@ -1218,7 +1407,7 @@ impl FrameAllocator {
             return;
         }
         // Refused (never seen): the pages stay with the frame, whose next release drops them.
-        let r = self.punch(frame.index, start, end);
+        let r = self.punch(frame.offset + start as u64, (end - start) as u64);
         debug_assert!(r.is_ok(), "{r:?}");
     }
 
@@ -1254,7 +1443,7 @@ impl FrameAllocator {
             // (A statement of its own: the guard must not live through the loop's body.)
             let deficit = Self::swap_deficit(&self.state.lock());
             let Some(k) = deficit else { break };
-            let frame = self.alloc()?;
+            let frame = self.alloc_for(k)?;
             self.populate(&frame, k);
             let mut st = self.state.lock();
             st.reserve[k].push(frame);
@@ -1415,7 +1604,7 @@ impl FrameAllocator {
                 continue;
             };
             drop(st);
-            let frame = self.alloc();
+            let frame = self.alloc_for(k);
             if let Ok(frame) = &frame {
                 self.populate(frame, k);
             }
@@ -1548,7 +1737,7 @@ impl FrameAllocator {
             }
             let epoch = st.reserve_epoch;
             drop(st);
-            let frame = self.alloc();
+            let frame = self.alloc_for(k);
             if let Ok(frame) = &frame {
                 self.populate(frame, k);
             }
@@ -1588,6 +1777,13 @@ impl FrameAllocator {
     /// [`DROP_BATCH_PAGES`]).
     pub(crate) fn release(&self, frame: Frame, pages: usize) {
         assert!((1..=self.frame_pages).contains(&pages), "{pages} pages");
+        // Lists by page count hold frames that can take that many pages: a single-page frame
+        // is released as one page, as it was handed out.
+        assert!(
+            pages * self.page_size_bytes <= frame.len_bytes,
+            "{pages} pages released in a frame of {} bytes",
+            frame.len_bytes
+        );
         let batch = {
             let mut st = self.state.lock();
             // Serving swap: the reserve takes it back first (its pages are resident).
@@ -1619,13 +1815,13 @@ impl FrameAllocator {
     /// them costs nothing and changes nothing); a refused range goes frame by frame through
     /// [`discard`](Self::discard).
     fn discard_batch(&self, mut batch: Vec<(Frame, usize)>) {
-        batch.sort_unstable_by_key(|(f, _)| f.index);
+        batch.sort_unstable_by_key(|(f, _)| f.offset);
         let mut frames = batch.into_iter().peekable();
         while let Some(first) = frames.next() {
             let mut range = vec![first];
             while let Some((next, _)) = frames.peek() {
                 let (last, _) = range.last().expect("a range has a frame");
-                if last.index + 1 != next.index {
+                if last.offset + last.len_bytes as u64 != next.offset {
                     break;
                 }
                 range.push(frames.next().expect("peeked"));
@@ -1637,10 +1833,12 @@ impl FrameAllocator {
                 .min(last.len_bytes);
             // One hole from the first frame's start to the end of the last one's used pages:
             // the unused tails in between hold no pages, so punching them changes nothing.
-            let to = (last.index - start.index) as usize * self.frame_bytes + last_len;
-            if self.punch(start.index, 0, to).is_ok() {
+            let to = last.offset + last_len as u64;
+            if self.punch(start.offset, to - start.offset).is_ok() {
                 let mut st = self.state.lock();
-                st.free.extend(range.into_iter().map(|(f, _)| f));
+                for (frame, _) in range {
+                    st.free[self.kind_of(&frame)].push(frame);
+                }
             } else {
                 for (frame, pages) in range {
                     self.discard(frame, pages);
@@ -1693,9 +1891,10 @@ impl FrameAllocator {
         let len_bytes = (pages * self.page_size_bytes)
             .next_multiple_of(self.sys_page_bytes)
             .min(frame.len_bytes);
-        let r = self.punch(frame.index, 0, len_bytes);
+        let r = self.punch(frame.offset, len_bytes as u64);
         debug_assert!(r.is_ok(), "{r:?}");
-        self.state.lock().free.push(frame);
+        let kind = self.kind_of(&frame);
+        self.state.lock().free[kind].push(frame);
     }
 
     /// Bytes of address space reserved so far.
@@ -1756,6 +1955,98 @@ mod tests {
         assert_eq!(a.alloc().unwrap().addr(), addr);
     }
 
+    /// Zspages of one page get single-page frames, packed in chunks of their own (so their
+    /// page tables are as dense as the pages); the other page counts get full frames; each
+    /// kind is reused only as its kind, and a frame released is punched out whole.
+    #[test]
+    fn one_page_zspages_get_single_page_frames() {
+        let a = Arc::new(FrameAllocator::with_cache_bytes(4096, 0));
+        let n = 3000;
+        let small: Vec<Frame> = (0..n).map(|_| a.alloc_populated(1).unwrap()).collect();
+        let full: Vec<Frame> = (0..10).map(|_| a.alloc_populated(3).unwrap()).collect();
+        assert!(small.iter().all(|f| f.len_bytes == 4096));
+        assert!(full.iter().all(|f| f.len_bytes == 8 * 4096));
+        // The single-page frames are consecutive pages of one chunk.
+        let first = small[0].addr();
+        for (i, f) in small.iter().enumerate() {
+            assert_eq!(f.addr(), first + i * 4096);
+        }
+        assert_eq!(a.reserved_bytes(), 2 * CHUNK_BYTES);
+        assert_eq!(a.resident_bytes(), (n + 10 * 3) * 4096);
+        // No two frames overlap, across kinds.
+        let mut spans: Vec<(usize, usize)> = small
+            .iter()
+            .chain(&full)
+            .map(|f| (f.addr(), f.addr() + f.len_bytes))
+            .collect();
+        spans.sort_unstable();
+        assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
+        let mut small = small;
+        let mut full = full;
+        let s = small.pop().unwrap();
+        let (s_addr, s_index) = (s.addr(), s.index);
+        a.release(s, 1);
+        let f = full.pop().unwrap();
+        let f_addr = f.addr();
+        a.release(f, 3);
+        assert_eq!(a.resident_bytes(), (n - 1 + 9 * 3) * 4096);
+        // A full frame is not handed to one page, nor a single page to three.
+        let again = a.alloc_populated(1).unwrap();
+        assert_eq!((again.addr(), again.index), (s_addr, s_index));
+        assert_eq!(a.alloc_populated(3).unwrap().addr(), f_addr);
+        // The records' numbers follow the chunks: the small chunk came first.
+        assert!(small.iter().all(|f| f.index < 32768));
+        assert!(full.iter().all(|f| f.index >= 32768));
+    }
+
+    /// The frames' files read back by another allocator give every frame the same place,
+    /// size and bytes, whatever its kind; records' files without the kinds' table (an earlier
+    /// binary's) read as full chunks only, and such an allocator adds full frames only.
+    #[test]
+    fn chunk_kinds_come_back_from_the_files() {
+        let a = FrameAllocator::with_cache_bytes(4096, 0);
+        let mut frames = Vec::new();
+        for i in 0..40u8 {
+            let mut f = a.alloc_for(if i % 3 == 0 { 4 } else { 1 }).unwrap();
+            f.bytes_mut(0, 4096).fill(i);
+            a.set_record(&f, u64::from(i) + 1, 0);
+            frames.push(f);
+        }
+        let (frames_file, records_file) = a.files().unwrap();
+        let b = FrameAllocator::with_cache_bytes(4096, 0)
+            .with_files(frames_file, records_file)
+            .unwrap();
+        assert!(b.small_frames);
+        assert_eq!(b.carved_frames(), a.carved_frames());
+        for (i, f) in frames.iter().enumerate() {
+            let g = b.claim(f.index);
+            assert_eq!(
+                (g.len_bytes, g.offset),
+                (f.len_bytes, f.offset),
+                "frame {i}"
+            );
+            assert_eq!(g.bytes(0, 4096), &[i as u8; 4096][..]);
+            assert_eq!(b.frame_pages_of(f.index), f.len_bytes / 4096);
+            assert_eq!(b.record(f.index).what.load(Ordering::Relaxed), i as u64 + 1);
+        }
+        // An earlier binary's files: a records' file without the table.
+        let old_frames = ShmFile::create("frames").unwrap();
+        old_frames.set_len(CHUNK_BYTES as u64).unwrap();
+        let old_records = ShmFile::create("frame-records").unwrap();
+        old_records
+            .set_len(FrameRecords::file_bytes(false) as u64)
+            .unwrap();
+        let c = FrameAllocator::with_cache_bytes(4096, 0)
+            .with_files(old_frames, old_records)
+            .unwrap();
+        assert!(!c.small_frames);
+        assert_eq!(c.carved_frames() as usize, c.frames_per_chunk);
+        assert_eq!(c.frame_pages_of(0), 8);
+        c.release_unclaimed(&[]).unwrap();
+        let one = c.alloc_for(1).unwrap();
+        assert_eq!(one.len_bytes, 8 * 4096);
+    }
+
     /// A thread making a new chunk (which may wait for memory) holds no lock that frees,
     /// reuses or the reserve need: while one waits inside the making, another releases a
     /// frame, gets it back and takes one from the reserve; and the chunk made is added whole.
@@ -1773,14 +2064,14 @@ mod tests {
         }
         // The refiller left out: the one chunk made below is the grower's.
         a.state.lock().refill_paused = true;
-        // Every frame of the chunks made so far carved: the next alloc makes a chunk.
-        let mut frames = Vec::new();
+        // Every full frame of the chunks made so far carved: the next alloc makes a chunk.
+        let mut frames = vec![a.alloc().unwrap()];
         loop {
             let mut st = a.state.lock();
-            if st.free.is_empty() && st.carved_in_last == a.frames_per_chunk {
+            if st.free[0].is_empty() && st.carving[0].is_none() {
                 break;
             }
-            frames.push(a.take_carved(&mut st).unwrap());
+            frames.push(a.take_carved(&mut st, false).unwrap());
         }
         let (entered_tx, entered_rx) = std::sync::mpsc::channel();
         let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
@@ -1815,8 +2106,11 @@ mod tests {
         assert!(reused, "the released frame came back");
         go_tx.send(()).unwrap();
         let made = grower.join().unwrap();
-        let chunks = a.state.lock().chunks.len();
-        assert_eq!(made.index as usize, (chunks - 1) * a.frames_per_chunk);
+        let st = a.state.lock();
+        let last = st.chunks.last().unwrap();
+        assert!(!last.small);
+        assert_eq!(made.index, last.first_index);
+        drop(st);
         a.stop_refiller();
     }
 

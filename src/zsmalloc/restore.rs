@@ -175,7 +175,6 @@ impl PoolCore {
     fn restore(&self, wanted: &dyn Fn(u32) -> bool) -> Result<RestoreReport> {
         let frames = &self.frames;
         let carved = frames.carved_frames();
-        let frame_pages = frames.frame_pages();
         // 1. Records: (class, id) -> frame; span id -> its record.
         // Per class, indexed by zspage id ([`NO_FRAME`]: none). Ids are dense: a live
         // zspage's id was taken while every lower one was in use, each with a frame, so an id
@@ -209,6 +208,14 @@ impl PoolCore {
                             "frame {index} names class {class}, which does not exist"
                         ))
                     })?;
+                    let pages = self.classes[class as usize].info.pages_per_zspage;
+                    if pages > frames.frame_pages_of(index) {
+                        return Err(corrupt(format!(
+                            "frame {index} holds a zspage of class {class} ({pages} pages) but \
+                             has room for {}",
+                            frames.frame_pages_of(index)
+                        )));
+                    }
                     if id >= carved {
                         return Err(corrupt(format!(
                             "frame {index} holds zspage {id} of class {class}, an id past the \
@@ -231,9 +238,10 @@ impl PoolCore {
                     pages,
                     tail_raw,
                 }) => {
-                    if pages == 0 || pages as usize > frame_pages {
+                    let room = frames.frame_pages_of(index);
+                    if pages == 0 || pages as usize > room {
                         return Err(corrupt(format!(
-                            "frame {index} holds a span of {pages} pages (frames have {frame_pages})"
+                            "frame {index} holds a span of {pages} pages (it has room for {room})"
                         )));
                     }
                     let rec = SpanRecord {
@@ -450,5 +458,52 @@ impl PoolCore {
     pub fn is_live(&self, h: Handle) -> bool {
         u64::from(h.index()) < self.handles.indices()
             && self.handles.word_at(h.index()).load(Ordering::Acquire) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::record::FrameUse;
+    use super::*;
+
+    /// An incompressible page's zspage sits in a single-page frame, which a new process finds
+    /// again; a record naming a zspage of several pages in such a frame refuses the pool
+    /// (claiming it would hand out a frame shorter than its zspage).
+    #[test]
+    fn a_zspage_recorded_in_a_frame_too_small_for_it_is_refused() {
+        let pool = ZsPool::new(4096).unwrap();
+        let h = pool.malloc(4096).unwrap();
+        pool.write(h, &[7u8; 4096]);
+        let frames = &pool.core.frames;
+        let index = (0..frames.carved_frames())
+            .find(|&i| frames.record(i).what.load(Ordering::Relaxed) != 0)
+            .unwrap();
+        assert_eq!(frames.frame_pages_of(index), 1);
+        let record = frames.record(index);
+        let (what, extra) = (
+            record.what.load(Ordering::Relaxed),
+            record.extra.load(Ordering::Relaxed),
+        );
+        let Some((tag, FrameUse::Zspage { id, .. })) = FrameUse::decode(what, extra).unwrap()
+        else {
+            panic!("a zspage's record");
+        };
+        let multi = pool
+            .core
+            .classes
+            .iter()
+            .position(|c| c.info.pages_per_zspage > 1)
+            .unwrap();
+        let (bad, bad_extra) = FrameUse::Zspage {
+            class: multi as u32,
+            id,
+        }
+        .encode(tag);
+        record.extra.store(bad_extra, Ordering::Relaxed);
+        record.what.store(bad, Ordering::Relaxed);
+        let Err(err) = ZsPool::restore(4096, None, pool.files().unwrap(), None, &|_| true) else {
+            panic!("restored a zspage into a frame too small for it");
+        };
+        assert!(err.to_string().contains("has room for 1"), "{err}");
     }
 }
