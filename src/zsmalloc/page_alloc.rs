@@ -1441,7 +1441,10 @@ impl FrameAllocator {
         // Faulted in now, in the caller, so the first writes find it full.
         loop {
             // (A statement of its own: the guard must not live through the loop's body.)
-            let deficit = Self::swap_deficit(&self.state.lock());
+            let deficit = {
+                let st = self.state.lock();
+                Self::swap_deficit(&st).filter(|&k| st.reserve_pages + k <= st.swap.high_pages)
+            };
             let Some(k) = deficit else { break };
             let frame = self.alloc_for(k)?;
             self.populate(&frame, k);
@@ -1492,6 +1495,14 @@ impl FrameAllocator {
         (1..st.reserve.len())
             .filter(|&k| st.reserve[k].len() < st.reserve_target[k])
             .max_by_key(|&k| (st.reserve_target[k] - st.reserve[k].len()) * k)
+    }
+
+    /// Serving swap: the page count whose reserve list holds the most pages above its target,
+    /// or `None` when no list is above its target.
+    fn swap_surplus(st: &FrameState) -> Option<usize> {
+        (1..st.reserve.len())
+            .filter(|&k| st.reserve[k].len() > st.reserve_target[k])
+            .max_by_key(|&k| (st.reserve[k].len() - st.reserve_target[k]) * k)
     }
 
     /// Serving swap: one tick of [`SwapMarks`]: the demand decays and takes in what was asked
@@ -1596,6 +1607,25 @@ impl FrameAllocator {
                 Self::swap_deficit(&st)
             } else {
                 None
+            };
+            // The reserve holds at most its size: when a list under its target has no room
+            // left (the targets moved with demand), a frame of a list above its target is
+            // given back first; with none, filling stops.
+            let k = match k {
+                Some(k) if st.reserve_pages + k > st.swap.high_pages => {
+                    match Self::swap_surplus(&st) {
+                        Some(j) => {
+                            let frame = st.reserve[j].pop().expect("above its target");
+                            st.reserve_pages -= j;
+                            drop(st);
+                            self.discard(frame, j);
+                            st = self.state.lock();
+                            continue;
+                        }
+                        None => None,
+                    }
+                }
+                k => k,
             };
             let Some(k) = k else {
                 filling = false;
@@ -1786,8 +1816,13 @@ impl FrameAllocator {
         );
         let batch = {
             let mut st = self.state.lock();
-            // Serving swap: the reserve takes it back first (its pages are resident).
-            if st.reserve_resident && st.reserve[pages].len() < st.reserve_target[pages] {
+            // Serving swap: the reserve takes it back first (its pages are resident), up to
+            // its list's target and the reserve's size (targets follow demand, so a list may
+            // be under its target while the reserve as a whole is full).
+            if st.reserve_resident
+                && st.reserve[pages].len() < st.reserve_target[pages]
+                && st.reserve_pages + pages <= st.swap.high_pages
+            {
                 st.reserve[pages].push(frame);
                 st.reserve_pages += pages;
                 st.swap.added_at = std::time::Instant::now();
@@ -2238,6 +2273,45 @@ mod tests {
         for frame in taken {
             a.release(frame, 1);
         }
+    }
+
+    /// Serving swap, the reserve never holds more than its size: when demand moves from one
+    /// page count to another, the lists follow it by giving back frames of the list above its
+    /// new target, and released frames rejoin it only while it has room.
+    #[test]
+    fn swap_reserve_follows_demand_within_its_size() {
+        let a = Arc::new(FrameAllocator::with_cache_bytes(4096, 0));
+        // 32 frames of 1 page and 8 of 4 at first.
+        a.set_reserve(64, &[1, 4]).unwrap();
+        let mut most = a.reserve_pages();
+        let end = std::time::Instant::now() + 12 * SWAP_TICK;
+        while std::time::Instant::now() < end {
+            // Only 4-page zspages are asked for, seven at a time (the list runs low: the
+            // refiller is woken).
+            let frames: Vec<Frame> = (0..7).map(|_| a.alloc_populated(4).unwrap()).collect();
+            most = most.max(a.reserve_pages() + 7 * 4);
+            for f in frames {
+                a.release(f, 4);
+            }
+            most = most.max(a.reserve_pages());
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        std::thread::sleep(3 * SWAP_TICK);
+        let st = a.state.lock();
+        let (one, four) = (st.reserve[1].len(), st.reserve[4].len());
+        assert!(st.reserve_target[4] > 8, "targets follow demand");
+        assert_eq!(four, st.reserve_target[4], "the 4-page list is filled");
+        assert!(
+            one <= st.reserve_target[1].max(1),
+            "{one} one-page frames kept"
+        );
+        assert!(st.reserve_pages <= 64, "{} pages held", st.reserve_pages);
+        drop(st);
+        assert!(
+            most <= 64 + 7 * 4,
+            "{most} pages held at most, with the 7 frames taken"
+        );
+        a.stop_refiller();
     }
 
     #[test]
