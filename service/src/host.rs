@@ -260,6 +260,18 @@ impl Host {
                         .context("faulting in the swap reserve")?,
                 };
                 reserve.on_refill_tick(Box::new(crate::frontend::swap::keep_heap_reserve));
+                match crate::frontend::swap::spawn_reclaim_watchdog() {
+                    Ok(()) => report.push(
+                        "a thread of the server stuck in reclaim for 2 s (memory run out) asks \
+                         the kernel's OOM killer to act (sysrq f)"
+                            .into(),
+                    ),
+                    Err(why) => report.push(format!(
+                        "no watchdog of the server's threads in reclaim ({why}): when memory \
+                         runs out, swap on this server may stall instead of the OOM killer \
+                         acting"
+                    )),
+                }
                 match crate::frontend::swap::oom_trigger() {
                     Some(hook) => {
                         reserve.on_starved(hook);

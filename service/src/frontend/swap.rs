@@ -320,6 +320,181 @@ pub fn oom_trigger() -> Option<Box<dyn Fn() + Send + Sync>> {
     }))
 }
 
+/// How often the reclaim watchdog ([`spawn_reclaim_watchdog`]) looks at the server's threads.
+const RECLAIM_WATCH_PERIOD: std::time::Duration = std::time::Duration::from_millis(500);
+/// Looks in a row a thread must be found in direct reclaim before the watchdog acts (about
+/// two seconds).
+const RECLAIM_STUCK_LOOKS: u32 = 4;
+/// Least time between two OOM kills the watchdog asks for.
+const RECLAIM_COOLDOWN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serving swap, a last resort against a stall the server cannot otherwise end: a thread of
+/// the server (other than the swap reserve's refiller, which may wait for memory) that sits in
+/// direct reclaim (`__alloc_pages_slowpath` on its kernel stack) for two seconds is faulting
+/// in a page the server did not get ahead of need (the heap past its pad, when free memory
+/// stayed below `min` so long that the refiller could not fault the pad in again). As an I/O
+/// flusher its reclaim cannot swap anything out, and the kernel calls no OOM killer for
+/// I/O-less reclaim: it loops, while every other reclaimer waits for the swap-outs it would
+/// serve (seen in the VM: a queue thread running in `evict_folios` under a fault in `malloc`,
+/// kswapd and the hog in `mempool_alloc`, for minutes). Memory has run out then, as when
+/// the swap reserve starves, and the watchdog asks the kernel's OOM killer to act (sysrq
+/// `f`, at most every ten seconds), as the kernel would for its own zram.
+///
+/// The watchdog reads `/proc/self/task/*/stack` (root) into fixed buffers through descriptors
+/// and syscalls only: it allocates nothing after it starts, so it never waits on the heap it
+/// watches. Returns why not when it cannot run (not root, no `/proc`, no sysrq).
+pub fn spawn_reclaim_watchdog() -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let trigger = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/sysrq-trigger")
+        .map_err(|e| format!("/proc/sysrq-trigger: {e}"))?;
+    let tasks =
+        std::fs::File::open("/proc/self/task").map_err(|e| format!("/proc/self/task: {e}"))?;
+    // A readable stack file says the kernel shows kernel stacks to this process (root).
+    let me = format!("/proc/self/task/{}/stack", gettid());
+    std::fs::read(&me).map_err(|e| format!("{me}: {e}"))?;
+    std::thread::Builder::new()
+        .name("uzram-swap-watch".into())
+        .spawn(move || {
+            let self_tid = gettid();
+            // (tid, looks in a row in reclaim), for the threads seen in reclaim.
+            let mut seen = [(0i32, 0u32); 64];
+            let mut last_kill: Option<std::time::Instant> = None;
+            let mut dents = [0u8; 8192];
+            let mut stack = [0u8; 8192];
+            loop {
+                std::thread::sleep(RECLAIM_WATCH_PERIOD);
+                let mut now_seen = [(0i32, 0u32); 64];
+                let mut n_now = 0;
+                let mut stuck = false;
+                for_each_tid(tasks.as_raw_fd(), &mut dents, |tid| {
+                    if tid == self_tid || !in_reclaim(tid, &mut stack) {
+                        return;
+                    }
+                    let looks = seen.iter().find(|(t, _)| *t == tid).map_or(0, |&(_, n)| n) + 1;
+                    if looks >= RECLAIM_STUCK_LOOKS {
+                        stuck = true;
+                    }
+                    if n_now < now_seen.len() {
+                        now_seen[n_now] = (tid, looks);
+                        n_now += 1;
+                    }
+                });
+                seen = now_seen;
+                if stuck && !last_kill.is_some_and(|t| t.elapsed() < RECLAIM_COOLDOWN) {
+                    last_kill = Some(std::time::Instant::now());
+                    eprintln!(
+                        "uzram: --swap: a thread of the server has been in reclaim for 2 s \
+                         (a page it did not get ahead of need): memory has run out; asking the \
+                         kernel's OOM killer to act (sysrq f)"
+                    );
+                    use std::io::Write;
+                    let _ = (&trigger).write_all(b"f");
+                }
+            }
+        })
+        .map_err(|e| format!("starting its thread: {e}"))?;
+    Ok(())
+}
+
+/// This thread's id.
+fn gettid() -> i32 {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Calls `f` with each thread id listed in the directory `dir` (`/proc/self/task`, open),
+/// reading it again from its start with `getdents64` into `buf`.
+fn for_each_tid(dir: i32, buf: &mut [u8], mut f: impl FnMut(i32)) {
+    // SAFETY: lseek on a descriptor we own; no memory is involved.
+    if unsafe { libc::lseek(dir, 0, libc::SEEK_SET) } != 0 {
+        return;
+    }
+    loop {
+        // SAFETY: getdents64 writes at most `buf.len()` bytes into `buf`, which we own.
+        let n = unsafe {
+            libc::syscall(
+                libc::SYS_getdents64,
+                dir,
+                buf.as_mut_ptr(),
+                buf.len() as libc::c_ulong,
+            )
+        };
+        if n <= 0 {
+            return;
+        }
+        let mut at = 0usize;
+        while at + 19 < n as usize {
+            // struct linux_dirent64: u64 ino, i64 off, u16 reclen, u8 type, name (NUL-ended).
+            let reclen = u16::from_ne_bytes([buf[at + 16], buf[at + 17]]) as usize;
+            if reclen == 0 || at + reclen > n as usize {
+                return;
+            }
+            let name = &buf[at + 19..at + reclen];
+            let name = &name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())];
+            if let Some(tid) = std::str::from_utf8(name)
+                .ok()
+                .and_then(|s| s.parse::<i32>().ok())
+            {
+                f(tid);
+            }
+            at += reclen;
+        }
+    }
+}
+
+/// Whether thread `tid` of this process is in direct reclaim now, from its kernel stack
+/// (read into `buf`); the swap reserve's refiller, which may wait for memory, never counts.
+fn in_reclaim(tid: i32, buf: &mut [u8]) -> bool {
+    let mut path = [0u8; 64];
+    let Some(len) = proc_task_path(&mut path, tid, b"comm") else {
+        return false;
+    };
+    let n = read_file(&path[..len], buf);
+    if buf[..n].starts_with(b"uzram-zs-reserv") {
+        return false;
+    }
+    let Some(len) = proc_task_path(&mut path, tid, b"stack") else {
+        return false;
+    };
+    let n = read_file(&path[..len], buf);
+    buf[..n]
+        .windows(b"__alloc_pages_slowpath".len())
+        .any(|w| w == b"__alloc_pages_slowpath")
+}
+
+/// `/proc/self/task/TID/FILE` NUL-terminated in `path`; its length with the NUL.
+fn proc_task_path(path: &mut [u8; 64], tid: i32, file: &[u8]) -> Option<usize> {
+    use std::io::Write;
+    let mut c = std::io::Cursor::new(&mut path[..]);
+    write!(c, "/proc/self/task/{tid}/").ok()?;
+    c.write_all(file).ok()?;
+    c.write_all(&[0]).ok()?;
+    Some(c.position() as usize)
+}
+
+/// Reads the file at the NUL-terminated `path` into `buf` (as much as fits); the bytes read.
+fn read_file(path: &[u8], buf: &mut [u8]) -> usize {
+    // SAFETY: `path` is NUL-terminated (built by `proc_task_path`); open reads it only.
+    let fd = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return 0;
+    }
+    let mut got = 0;
+    while got < buf.len() {
+        // SAFETY: read writes at most `buf.len() - got` bytes at `buf[got..]`, which we own.
+        let n = unsafe { libc::read(fd, buf[got..].as_mut_ptr().cast(), buf.len() - got) };
+        if n <= 0 {
+            break;
+        }
+        got += n as usize;
+    }
+    // SAFETY: `fd` is ours, opened above, closed once.
+    unsafe { libc::close(fd) };
+    got
+}
+
 /// Locks memory and marks the process an I/O flusher where permitted. Call before any thread
 /// is created. Returns one line per step saying what was done or why not, for the log
 /// (`nbd_buffers`: whether the NBD server preallocates its request buffers, step 4).
@@ -372,4 +547,50 @@ pub fn prepare(nbd_buffers: bool) -> Vec<String> {
             .into()
     });
     report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// The watchdog's view of the process: every thread's id from `/proc/self/task` read with
+    /// fixed buffers, and a thread asleep is not in reclaim.
+    #[test]
+    fn the_reclaim_watchdog_lists_the_threads_and_reads_their_state() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let sleeper = std::thread::spawn(move || {
+            tx.send(gettid()).unwrap();
+            let _ = stop_rx.recv();
+        });
+        let other = rx.recv().unwrap();
+        let tasks = std::fs::File::open("/proc/self/task").unwrap();
+        let mut dents = [0u8; 256];
+        let mut tids = Vec::new();
+        for_each_tid(tasks.as_raw_fd(), &mut dents, |t| tids.push(t));
+        let listed: Vec<i32> = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_str().unwrap().parse().unwrap())
+            .collect();
+        assert!(
+            tids.contains(&gettid()) && tids.contains(&other),
+            "{tids:?}"
+        );
+        assert!(
+            listed.iter().all(|t| tids.contains(t)),
+            "{tids:?} {listed:?}"
+        );
+        let mut path = [0u8; 64];
+        let len = proc_task_path(&mut path, other, b"comm").unwrap();
+        assert_eq!(
+            &path[..len],
+            format!("/proc/self/task/{other}/comm\0").as_bytes()
+        );
+        let mut buf = [0u8; 8192];
+        assert!(read_file(&path[..len], &mut buf) > 0);
+        assert!(!in_reclaim(other, &mut buf));
+        stop_tx.send(()).unwrap();
+        sleeper.join().unwrap();
+    }
 }
