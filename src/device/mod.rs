@@ -170,6 +170,10 @@ pub struct Device {
     limits_write: Mutex<()>,
     /// The generation of the last limits record written to the header file (restart.rs).
     limits_gen: AtomicU64,
+    /// The install sequence of the last dictionary record written to the header file
+    /// (restart.rs, `DictMeta`): set by `disksize` and recovery (the init lock exclusive),
+    /// advanced by `train_dict` under `pp_lock`.
+    dict_seq: AtomicU64,
     /// Held by the running writeback or recompression (zram's `pp_in_progress`).
     pp_lock: Mutex<()>,
     /// The block layer's `stat` counters (zeroed by reset, as the kernel's reset zeroes the
@@ -217,6 +221,7 @@ impl Device {
             wb_batch_size: AtomicU32::new(DEFAULT_WB_BATCH_SIZE),
             limits_write: Mutex::new(()),
             limits_gen: AtomicU64::new(0),
+            dict_seq: AtomicU64::new(0),
             pp_lock: Mutex::new(()),
             block_stat: block_stat::BlockStat::default(),
             clock,

@@ -51,7 +51,13 @@ impl Device {
                 "a writeback or recompression is in progress",
             ));
         };
-        store.train_dict(spec)
+        let header = store
+            .guard
+            .header
+            .as_ref()
+            .ok_or_else(|| Error::invalid("the device has no state header"))?;
+        // The new generation is saved for the next process before it becomes current.
+        store.train_dict(spec, &|new| self.save_generation(header, &store, new))
     }
 
     /// The dictionary generations of recompression priority `prio` (`None` without one, or

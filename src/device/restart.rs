@@ -2,28 +2,47 @@
 //! settings header written at `disksize`, and recovery.
 //!
 //! The header is a memfd of its own holding the settings the store was built with, as text:
-//! a magic line with the format's version, then `key value` lines (a last `recomp` line,
-//! which headers of earlier binaries lack, read as none). Recovery reads it, refuses settings
-//! whose state it cannot rebuild yet (the zoned layout, a dictionary), rebuilds the codecs
-//! (the primary and the recompression ones) and then the store from its files,
-//! checking everything (`store::restore`, `zsmalloc::restore`).
+//! a magic line with the format's version, then `key value` lines (the last ones, which
+//! headers of earlier binaries lack, read as none). After the header page come the two limits
+//! slots ([`Limits`]), then the dictionary records ([`DictMeta`]: every codec generation and
+//! its dictionary). Recovery reads them, refuses settings whose state it cannot rebuild (a
+//! dictionary in a header of a binary from before the records), rebuilds the codecs (the
+//! primary and the recompression ones, with their dictionaries and generations) and then the
+//! store from its files, checking everything (`store::restore`, `zsmalloc::restore`).
+//!
+//! | bytes | what |
+//! |---|---|
+//! | 0..4 KiB | the header's text |
+//! | 4..12 KiB | the two limits slots, a page each |
+//! | 12 KiB.. | the dictionary records: the primary's, then 8 generations of each recompression priority, each 4 KiB of text and room for 4 MiB of dictionary (sparse: only what is written costs memory) |
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use super::{Device, Settings, MULTI_PAGE_SIZES_BYTES};
+use crate::backing::verify::crc32c_of;
 use crate::backing::Backing;
 use crate::clock::SystemClock;
-use crate::compress::{CodecParams, MAX_COMPS};
+use crate::compress::{self, Codec, CodecParams, Dictionary, MAX_COMPS, MAX_DICT_BYTES};
 use crate::error::{Error, Result};
 use crate::memory::SwapReserve;
 use crate::shm::ShmFile;
+use crate::slot::MAX_GENS;
 pub use crate::store::RecoveryReport;
-use crate::store::{BackingLayout, Store, StoreFiles, WbTarget};
+use crate::store::{BackingLayout, Codecs, NewGeneration, SavedGens, Store, StoreFiles, WbTarget};
 use crate::zsmalloc::PoolFiles;
 
-/// The header's first line: the format and its version.
-const MAGIC: &str = "uzram-device-state 1";
+/// The header's first line without dictionary records: the format and its version 1, every
+/// codec as the header's lines say, without a dictionary. Written for a device that cannot
+/// hold a dictionary (no `dict=`, no zstd recompression priority for `train_dict`), so a
+/// binary from before the records recovers it too.
+const MAGIC_V1: &str = "uzram-device-state 1";
+/// The header's first line with dictionary records (version 2): every codec generation is in
+/// its record ([`DictMeta`]). A binary from before the records refuses it (its first line is
+/// not the one it knows) rather than read a dictionary's pages without the dictionary. Differs
+/// from [`MAGIC_V1`] in its last byte only, so a version 1 header becomes version 2 with one
+/// byte written ([`Device::save_generation`]).
+const MAGIC_V2: &str = "uzram-device-state 2";
 /// The header's size.
 const HEADER_BYTES: usize = 4096;
 
@@ -105,13 +124,16 @@ struct Header {
     recomp: Vec<(usize, String, Option<i32>)>,
     /// Writing back in the zoned layout: its zone size (`None`: the bitmap layout).
     zoned: Option<u64>,
+    /// Version 2: the codecs' dictionary records follow the limits slots.
+    dicts: bool,
 }
 
 impl Header {
     fn encode(&self) -> String {
         format!(
-            "{MAGIC}\npage_size {}\npages {}\nmulti_page_size {}\ncomp_algorithm {}\nlevel {}\n\
+            "{}\npage_size {}\npages {}\nmulti_page_size {}\ncomp_algorithm {}\nlevel {}\n\
              unsupported {}\nswap_pool {}\nbacking {}\nrecomp {}\nzoned {}\n",
+            if self.dicts { MAGIC_V2 } else { MAGIC_V1 },
             self.page_size_bytes,
             self.pages,
             self.multi_page_size_bytes,
@@ -154,9 +176,15 @@ impl Header {
         let text = std::str::from_utf8(bytes.split(|&b| b == 0).next().unwrap_or(&[]))
             .map_err(|_| bad("is not text"))?;
         let mut lines = text.lines();
-        if lines.next() != Some(MAGIC) {
-            return Err(bad(&format!("does not start with {MAGIC:?}")));
-        }
+        let dicts = match lines.next() {
+            Some(MAGIC_V1) => false,
+            Some(MAGIC_V2) => true,
+            _ => {
+                return Err(bad(&format!(
+                    "does not start with {MAGIC_V1:?} or {MAGIC_V2:?}"
+                )))
+            }
+        };
         let mut field = |key: &str| -> Result<String> {
             let line = lines.next().ok_or_else(|| bad(&format!("has no {key}")))?;
             line.strip_prefix(key)
@@ -262,6 +290,7 @@ impl Header {
             backing,
             recomp,
             zoned,
+            dicts,
         })
     }
 }
@@ -369,15 +398,302 @@ impl Limits {
     }
 }
 
-/// What a device's settings hold that recovery cannot rebuild yet.
-fn unsupported(settings: &Settings) -> Option<String> {
-    let mut what = Vec::new();
-    if settings.comp_params.dict.is_some()
-        || settings.recomp_params.iter().any(|p| p.dict.is_some())
-    {
-        what.push("a dictionary");
+/// A dictionary record's first line.
+const DICT_MAGIC: &str = "uzram-device-dict 1";
+
+/// Where the dictionary records start: after the header page and the two limits slots.
+const DICTS_OFFSET_BYTES: u64 = (HEADER_BYTES + 2 * LIMITS_SLOT_BYTES) as u64;
+
+/// Bytes of a dictionary record's text (a page; its dictionary follows).
+const DICT_TEXT_BYTES: usize = 4096;
+
+/// The room of each dictionary record: its text, then up to [`MAX_DICT_BYTES`] of dictionary.
+const DICT_RECORD_BYTES: u64 = DICT_TEXT_BYTES as u64 + MAX_DICT_BYTES;
+
+/// Where the record of priority `prio`'s generation `gen` lives: the primary's first (its
+/// only generation, 0), then [`MAX_GENS`] for each recompression priority.
+fn dict_record_offset(prio: u8, gen: u8) -> u64 {
+    let index = match prio {
+        0 => 0,
+        p => 1 + u64::from(p - 1) * MAX_GENS as u64 + u64::from(gen),
+    };
+    DICTS_OFFSET_BYTES + index * DICT_RECORD_BYTES
+}
+
+/// A codec generation as a dictionary record keeps it, in a header of version 2
+/// ([`MAGIC_V2`]): text (the priority, the generation, its install sequence, the codec's
+/// level, the dictionary's length and CRC-32C, then a checksum of the rest) in a page at
+/// [`dict_record_offset`], the dictionary's bytes (none: no dictionary) in the pages after it.
+/// The algorithm is the priority's, in the header.
+///
+/// # Invariants
+/// - Every generation a slot can name has its record, complete: `disksize` writes generation
+///   0 of the primary and of each recompression priority before the store exists, and
+///   `train_dict` writes a new generation's before it becomes current
+///   ([`Device::save_generation`], under `pp_lock`: no recompression runs, and no other
+///   training).
+/// - A record is written whole in this order: its room punched out (the record there before,
+///   of a generation no slot names any more, is gone), the dictionary, then the text, whose
+///   checksums cover everything. So a write stopped at any instruction leaves an empty room
+///   (read as no record) or one that fails a checksum (a *torn* record), never a record that
+///   reads as valid with other bytes.
+/// - A record is replaced only when its generation is reused (or punched out when it is
+///   dropped), and only a generation no slot names is (a slot lets go of its generation only
+///   once it is published elsewhere, or under `pp_lock` for a recompression, which the
+///   training holds).
+/// - Install sequences grow: 0 for `disksize`'s generations, then one more for each training
+///   of the device. A priority's current generation is the one installed last: its valid
+///   record with the highest sequence (a record written by a training stopped before the
+///   install is valid only once whole, and no slot names it yet: taking it as current is
+///   the training done).
+///
+/// Recovery builds every generation whose record is valid; a torn one is refused only if a
+/// slot names it (the store's recovery reports the slot and why), and then dropped like the
+/// valid ones no slot names but the current ones ([`Codecs::finish_recovery`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DictMeta {
+    prio: u8,
+    gen: u8,
+    /// The install sequence.
+    seq: u64,
+    level: Option<i32>,
+}
+
+/// What a record's room holds.
+#[derive(Debug, PartialEq, Eq)]
+enum SavedDict {
+    /// Nothing: never written, or punched out.
+    Empty,
+    /// A record that fails a check: why.
+    Torn(String),
+    /// A record and its dictionary (empty: none).
+    Valid(DictMeta, Vec<u8>),
+}
+
+impl DictMeta {
+    fn text(&self, dict: &[u8]) -> String {
+        let body = format!(
+            "{DICT_MAGIC}\nprio {}\ngen {}\nseq {}\nlevel {}\nbytes {}\ncrc {:08x}\n",
+            self.prio,
+            self.gen,
+            self.seq,
+            self.level.map_or("none".to_string(), |l| l.to_string()),
+            dict.len(),
+            crc32c_of(&[dict]),
+        );
+        let sum = fnv1a(body.as_bytes());
+        format!("{body}sum {sum:016x}\n")
     }
-    (!what.is_empty()).then(|| what.join(", "))
+
+    /// Writes the record with `dict` (at most [`MAX_DICT_BYTES`]) into its room of `header`,
+    /// in the order that makes a stopped write torn or empty (see the type's docs). The
+    /// caller holds what keeps other writers of records out (the init lock exclusive, or
+    /// `pp_lock`).
+    fn write(&self, header: &ShmFile, dict: &[u8]) -> Result<()> {
+        debug_assert!(dict.len() as u64 <= MAX_DICT_BYTES);
+        let at = dict_record_offset(self.prio, self.gen);
+        header.punch(at, DICT_RECORD_BYTES)?;
+        if !dict.is_empty() {
+            header.write_at(at + DICT_TEXT_BYTES as u64, dict)?;
+        }
+        let mut text = self.text(dict).into_bytes();
+        text.resize(DICT_TEXT_BYTES, 0);
+        header.write_at(at, &text)
+    }
+
+    /// What the room of priority `prio`'s generation `gen` holds.
+    fn read(header: &ShmFile, prio: u8, gen: u8) -> Result<SavedDict> {
+        let at = dict_record_offset(prio, gen);
+        let page = header.read_at(at, DICT_TEXT_BYTES)?;
+        if page.iter().all(|&b| b == 0) {
+            return Ok(SavedDict::Empty);
+        }
+        let torn = |why: &str| Ok(SavedDict::Torn(why.to_string()));
+        let Some(text) = std::str::from_utf8(page.split(|&b| b == 0).next().unwrap_or(&[]))
+            .ok()
+            .and_then(|t| t.trim_end_matches('\n').rsplit_once('\n'))
+        else {
+            return torn("its text does not parse");
+        };
+        let (body, sum_line) = text;
+        let body = format!("{body}\n");
+        let sum = sum_line
+            .strip_prefix("sum ")
+            .and_then(|v| u64::from_str_radix(v, 16).ok());
+        if sum != Some(fnv1a(body.as_bytes())) {
+            return torn("its text fails its checksum");
+        }
+        let mut lines = body.lines();
+        if lines.next() != Some(DICT_MAGIC) {
+            return torn("it does not start as a dictionary record");
+        }
+        let mut field =
+            |key: &str| -> Option<&str> { lines.next()?.strip_prefix(key)?.strip_prefix(' ') };
+        let fields = (|| {
+            let p = field("prio")?.parse::<u8>().ok()?;
+            let g = field("gen")?.parse::<u8>().ok()?;
+            let seq = field("seq")?.parse::<u64>().ok()?;
+            let level = match field("level")? {
+                "none" => None,
+                l => Some(l.parse::<i32>().ok()?),
+            };
+            let bytes = field("bytes")?.parse::<u64>().ok()?;
+            let crc = u32::from_str_radix(field("crc")?, 16).ok()?;
+            Some((
+                DictMeta {
+                    prio: p,
+                    gen: g,
+                    seq,
+                    level,
+                },
+                bytes,
+                crc,
+            ))
+        })();
+        let Some((meta, bytes, crc)) = fields else {
+            return torn("its fields do not parse");
+        };
+        if (meta.prio, meta.gen) != (prio, gen) {
+            return Ok(SavedDict::Torn(format!(
+                "its room holds priority {}'s generation {}",
+                meta.prio, meta.gen
+            )));
+        }
+        if bytes > MAX_DICT_BYTES {
+            return torn("its dictionary is longer than any");
+        }
+        let dict = header.read_at(at + DICT_TEXT_BYTES as u64, bytes as usize)?;
+        if dict.len() as u64 != bytes || crc32c_of(&[&dict]) != crc {
+            return torn("its dictionary fails its checksum");
+        }
+        Ok(SavedDict::Valid(meta, dict))
+    }
+}
+
+/// Whether a device of `settings` can hold a dictionary: `dict=` given to a codec, or a
+/// zstd recompression priority (`train_dict` trains for those only). Its header is then of
+/// version 2, with dictionary records.
+fn can_hold_dictionaries(settings: &Settings) -> bool {
+    settings.comp_params.dict.is_some()
+        || settings
+            .recomp_algorithms
+            .iter()
+            .zip(&settings.recomp_params)
+            .skip(1)
+            .any(|(alg, params)| {
+                alg.as_deref().is_some_and(|a| a.trim() == "zstd") || params.dict.is_some()
+            })
+}
+
+/// The codecs of a header of version 2, from its dictionary records: the primary from its
+/// record, and each recompression priority's generations from theirs (see [`DictMeta`]);
+/// `settings` gets the dictionaries `disksize` was given (a recompression priority's, while
+/// generation 0 is still the one `disksize` made). Returns the codecs and the highest install
+/// sequence found. `EINVAL` naming the record when the primary's is missing, torn or does not
+/// load, or when a priority has no intact record or its current generation does not load.
+fn recovered_codecs(
+    file: &ShmFile,
+    header: &Header,
+    settings: &mut Settings,
+) -> Result<(Codecs, u64)> {
+    let refuse = |what: String| Error::invalid(format!("recovery: {what}"));
+    let build =
+        |alg: &str, meta: &DictMeta, dict: Vec<u8>| -> Result<(Box<dyn Codec>, CodecParams)> {
+            let dict = if dict.is_empty() {
+                None
+            } else {
+                Some(Dictionary::from_bytes(dict)?)
+            };
+            let params = CodecParams {
+                level: meta.level,
+                dict,
+            };
+            Ok((compress::new_codec(alg, params.clone())?, params))
+        };
+    let (primary, mut seq) = match DictMeta::read(file, 0, 0)? {
+        SavedDict::Valid(meta, dict) => {
+            let (codec, params) = build(&header.comp_algorithm, &meta, dict).map_err(|e| {
+                refuse(format!(
+                    "the primary codec's saved dictionary does not load: {}",
+                    e.message()
+                ))
+            })?;
+            settings.comp_params = params;
+            (codec, meta.seq)
+        }
+        SavedDict::Empty => {
+            return Err(refuse(
+                "the primary codec's dictionary record is missing".to_string(),
+            ))
+        }
+        SavedDict::Torn(why) => {
+            return Err(refuse(format!(
+                "the primary codec's dictionary record is torn: {why}"
+            )))
+        }
+    };
+    let mut secondary: [Option<SavedGens>; MAX_COMPS] = Default::default();
+    for (prio, alg, level) in &header.recomp {
+        let mut saved = SavedGens {
+            params: CodecParams::with_level(*level),
+            gens: Default::default(),
+            current: 0,
+            lost: Default::default(),
+        };
+        // The valid record installed last: (its sequence, its generation).
+        let mut newest: Option<(u64, usize)> = None;
+        for gen in 0..MAX_GENS {
+            match DictMeta::read(file, *prio as u8, gen as u8)? {
+                SavedDict::Empty => {}
+                SavedDict::Torn(why) => {
+                    saved.lost[gen] = Some(format!("its saved record is torn: {why}"));
+                }
+                SavedDict::Valid(meta, dict) => {
+                    seq = seq.max(meta.seq);
+                    match newest {
+                        Some((s, other)) if s == meta.seq => {
+                            return Err(refuse(format!(
+                                "priority {prio}'s dictionary generations {other} and {gen} \
+                                 have one install sequence, {s}"
+                            )))
+                        }
+                        Some((s, _)) if s > meta.seq => {}
+                        _ => newest = Some((meta.seq, gen)),
+                    }
+                    let bytes = dict.len();
+                    match build(alg, &meta, dict) {
+                        Ok((codec, params)) => {
+                            if gen == 0 && meta.seq == 0 {
+                                saved.params.dict = params.dict;
+                            }
+                            saved.gens[gen] = Some((codec, bytes));
+                        }
+                        Err(e) => {
+                            saved.lost[gen] = Some(format!(
+                                "its saved dictionary does not load: {}",
+                                e.message()
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        let Some((_, current)) = newest else {
+            return Err(refuse(format!(
+                "recompression priority {prio} has no intact dictionary record"
+            )));
+        };
+        if saved.gens[current].is_none() {
+            return Err(refuse(format!(
+                "priority {prio}'s current dictionary generation {current}: {}",
+                saved.lost[current].as_deref().unwrap_or("lost")
+            )));
+        }
+        saved.current = current as u8;
+        settings.recomp_params[*prio].dict = saved.params.dict.clone();
+        secondary[*prio] = Some(saved);
+    }
+    Ok((Codecs::recovered(primary, secondary), seq))
 }
 
 impl Device {
@@ -395,7 +711,7 @@ impl Device {
             multi_page_size_bytes: settings.multi_page_size_bytes,
             comp_algorithm: settings.comp_algorithm.clone(),
             level: settings.comp_params.level,
-            unsupported: unsupported(settings),
+            unsupported: None,
             swap_pool,
             backing: settings
                 .backing
@@ -411,6 +727,7 @@ impl Device {
                     Some((prio, alg.clone()?, settings.recomp_params[prio].level))
                 })
                 .collect(),
+            dicts: can_hold_dictionaries(settings),
         };
         let file = ShmFile::create("device")?;
         let text = header.encode();
@@ -423,7 +740,78 @@ impl Device {
         file.write_at(0, text.as_bytes())?;
         // Under the init lock (held exclusively by `disksize`): no save runs meanwhile.
         self.current_limits().write(&file)?;
+        if header.dicts {
+            // Every codec's generation 0, before the store exists (no slot names one yet).
+            let dict = |p: &CodecParams| p.dict.as_ref().map(|d| d.bytes().to_vec());
+            let gen0 = |prio: usize, params: &CodecParams| {
+                let meta = DictMeta {
+                    prio: prio as u8,
+                    gen: 0,
+                    seq: 0,
+                    level: params.level,
+                };
+                meta.write(&file, &dict(params).unwrap_or_default())
+            };
+            gen0(0, &settings.comp_params)?;
+            for (prio, _, _) in &header.recomp {
+                gen0(*prio, &settings.recomp_params[*prio])?;
+            }
+        }
+        self.dict_seq.store(0, std::sync::atomic::Ordering::Relaxed);
         Ok(file)
+    }
+
+    /// Saves the dictionary generation `train_dict` is about to install into the device's
+    /// header file `header` (see [`DictMeta`]), before it becomes current; the caller holds
+    /// `pp_lock` and the init lock shared. A header of version 1 (a device recovered from a
+    /// binary from before the records, whose codecs have no dictionary) becomes version 2
+    /// first: records of every codec's generation 0 as its header says, then its first line's
+    /// last byte (one byte: a stop before it leaves version 1, whose slots name no trained
+    /// generation yet). Then the records of the priority's generations no longer held are
+    /// punched out (no slot names them: see [`DictMeta`]), and the new one is written under
+    /// the next install sequence. An error leaves the previous records (the new one maybe
+    /// torn, which a recovery ignores while no slot names its generation).
+    pub(super) fn save_generation(
+        &self,
+        header: &ShmFile,
+        store: &Store,
+        new: &NewGeneration<'_>,
+    ) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if header.read_at(0, MAGIC_V1.len())? == MAGIC_V1.as_bytes() {
+            let h = Header::decode(&header.read_at(0, HEADER_BYTES)?)?;
+            let gen0 = |prio: usize, level: Option<i32>| DictMeta {
+                prio: prio as u8,
+                gen: 0,
+                seq: 0,
+                level,
+            };
+            gen0(0, h.level).write(header, &[])?;
+            for (prio, _, level) in &h.recomp {
+                gen0(*prio, *level).write(header, &[])?;
+            }
+            header.write_at(
+                MAGIC_V1.len() as u64 - 1,
+                &MAGIC_V2.as_bytes()[MAGIC_V1.len() - 1..],
+            )?;
+        }
+        if let Some(stat) = store.codecs_gen_stat(usize::from(new.prio)) {
+            for gen in (0..MAX_GENS as u8).filter(|&g| g != new.gen) {
+                if !stat.held.iter().any(|h| h.0 == gen) {
+                    header.punch(dict_record_offset(new.prio, gen), DICT_RECORD_BYTES)?;
+                }
+            }
+        }
+        let seq = self.dict_seq.load(Relaxed) + 1;
+        let meta = DictMeta {
+            prio: new.prio,
+            gen: new.gen,
+            seq,
+            level: new.level,
+        };
+        meta.write(header, new.dict)?;
+        self.dict_seq.store(seq, Relaxed);
+        Ok(())
     }
 
     /// The limits as they are now, under the next generation.
@@ -500,8 +888,10 @@ impl Device {
         let header = Header::decode(&files.header.read_at(0, HEADER_BYTES)?)?;
         let limits = Limits::read(&files.header)?;
         if let Some(what) = &header.unsupported {
+            // Only binaries from before the dictionary records wrote this (for a dictionary,
+            // which they did not keep).
             return Err(Error::invalid(format!(
-                "recovery: the device had {what}, whose state is not recoverable yet"
+                "recovery: the device had {what}, which the binary that saved it did not keep"
             )));
         }
         let reserve = with.swap_reserve.as_ref();
@@ -585,7 +975,11 @@ impl Device {
             )?),
             None => None,
         };
-        let codecs = Device::new_codecs(&settings)?;
+        let (codecs, dict_seq) = if header.dicts {
+            recovered_codecs(&files.header, &header, &mut settings)?
+        } else {
+            (Device::new_codecs(&settings)?, 0)
+        };
         let (pool_page_bytes, capacity, multi_pages) = dev.pool_shape(&settings, None);
         let (store, report) = Store::recover(
             header.page_size_bytes,
@@ -599,6 +993,8 @@ impl Device {
             target,
             Arc::clone(&dev.clock),
         )?;
+        dev.dict_seq
+            .store(dict_seq, std::sync::atomic::Ordering::Relaxed);
         if let Some(l) = limits {
             use std::sync::atomic::Ordering::Relaxed;
             dev.limits_gen.store(l.gen, Relaxed);
@@ -675,6 +1071,92 @@ mod tests {
     }
 
     #[test]
+    fn dict_records_round_trip_and_a_torn_one_is_told_from_an_empty_room() {
+        let file = ShmFile::create("dict-test").unwrap();
+        file.set_len(DICTS_OFFSET_BYTES).unwrap();
+        let dict: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let meta = DictMeta {
+            prio: 2,
+            gen: 5,
+            seq: 9,
+            level: Some(-3),
+        };
+        assert_eq!(DictMeta::read(&file, 2, 5).unwrap(), SavedDict::Empty);
+        meta.write(&file, &dict).unwrap();
+        assert_eq!(
+            DictMeta::read(&file, 2, 5).unwrap(),
+            SavedDict::Valid(meta, dict.clone())
+        );
+        // Its neighbours' rooms, the primary's among them, are untouched.
+        for (p, g) in [(2, 4), (2, 6), (0, 0), (1, 7), (3, 0)] {
+            assert_eq!(DictMeta::read(&file, p, g).unwrap(), SavedDict::Empty);
+        }
+        let at = dict_record_offset(2, 5);
+        let torn = |what: &str| match DictMeta::read(&file, 2, 5).unwrap() {
+            SavedDict::Torn(why) => why,
+            other => panic!("{what}: {other:?}"),
+        };
+        // One byte of the dictionary, then one of the text, changed.
+        for (off, what) in [(DICT_TEXT_BYTES as u64 + 5000, "dictionary"), (30, "text")] {
+            let byte = file.read_at(at + off, 1).unwrap()[0];
+            file.write_at(at + off, &[byte ^ 0x01]).unwrap();
+            assert!(torn(what).contains("checksum"), "{what}");
+            file.write_at(at + off, &[byte]).unwrap();
+        }
+        // The dictionary cut short (the file ends inside it).
+        file.set_len(at + DICT_TEXT_BYTES as u64 + 4096).unwrap();
+        assert!(torn("cut").contains("checksum"));
+        // Rewritten with a shorter dictionary and no level: nothing of the old one is left.
+        let short = DictMeta {
+            seq: 10,
+            level: None,
+            ..meta
+        };
+        short.write(&file, &dict[..100]).unwrap();
+        assert_eq!(
+            DictMeta::read(&file, 2, 5).unwrap(),
+            SavedDict::Valid(short, dict[..100].to_vec())
+        );
+        assert!(file
+            .read_at(at + DICT_TEXT_BYTES as u64 + 100, 4000)
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
+        // A record in another's room.
+        let text = file.read_at(at, DICT_TEXT_BYTES).unwrap();
+        file.write_at(dict_record_offset(2, 6), &text).unwrap();
+        assert!(matches!(
+            DictMeta::read(&file, 2, 6).unwrap(),
+            SavedDict::Torn(why) if why.contains("generation 5")
+        ));
+        // Without a dictionary: an empty one.
+        let none = DictMeta {
+            prio: 0,
+            gen: 0,
+            seq: 0,
+            level: Some(1),
+        };
+        none.write(&file, &[]).unwrap();
+        assert_eq!(
+            DictMeta::read(&file, 0, 0).unwrap(),
+            SavedDict::Valid(none, Vec::new())
+        );
+        assert_eq!(dict_record_offset(0, 0), DICTS_OFFSET_BYTES);
+        assert_eq!(
+            dict_record_offset(1, 0),
+            DICTS_OFFSET_BYTES + DICT_RECORD_BYTES
+        );
+    }
+
+    #[test]
+    fn magic_versions_differ_in_the_last_byte_only() {
+        assert_eq!(MAGIC_V1.len(), MAGIC_V2.len());
+        let n = MAGIC_V1.len() - 1;
+        assert_eq!(MAGIC_V1[..n], MAGIC_V2[..n]);
+        assert_ne!(MAGIC_V1.as_bytes()[n], MAGIC_V2.as_bytes()[n]);
+    }
+
+    #[test]
     fn header_round_trips_and_junk_is_refused() {
         let h = Header {
             page_size_bytes: 16384,
@@ -687,6 +1169,7 @@ mod tests {
             backing: None,
             recomp: Vec::new(),
             zoned: None,
+            dicts: false,
         };
         assert_eq!(Header::decode(h.encode().as_bytes()).unwrap(), h);
         // Headers of earlier binaries: no zoned line (the bitmap layout), then no recomp line
@@ -702,8 +1185,10 @@ mod tests {
             backing: Some(("/var/tmp/wb file".into(), 1 << 30, true)),
             recomp: vec![(1, "zstd".into(), Some(19)), (3, "lz4hc".into(), None)],
             zoned: Some(16 << 20),
+            dicts: true,
             ..h.clone()
         };
+        assert!(h2.encode().starts_with(MAGIC_V2));
         assert_eq!(Header::decode(h2.encode().as_bytes()).unwrap(), h2);
         for junk in [
             "recomp 0:zstd:1",
@@ -715,6 +1200,8 @@ mod tests {
             assert!(Header::decode(text.as_bytes()).is_err(), "{junk}");
         }
         assert!(Header::decode(b"uzram-device-state 2\n").is_err());
+        let text = h.encode().replacen(MAGIC_V1, "uzram-device-state 3", 1);
+        assert!(Header::decode(text.as_bytes()).is_err());
         assert!(Header::decode(&[0u8; 64]).is_err());
         let text = h.encode().replace("pages 12345", "pages x");
         assert!(Header::decode(text.as_bytes()).is_err());

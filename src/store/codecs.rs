@@ -21,6 +21,16 @@
 //! - A new generation is installed only under the device's `pp_lock` (no recompression runs
 //!   meanwhile), so recompression never publishes a slot with a generation that stopped being
 //!   current under it.
+//! - A new generation is saved (its dictionary written to the device's files by the closure
+//!   [`Codecs::install`] takes) before it becomes current, so no slot names a generation the
+//!   next process cannot find (`docs/restart.md`).
+//!
+//! # Recovery
+//! [`Codecs::recovered`] builds the codecs a previous process left (the generations its
+//! dictionary records hold, which one was current, and why a generation whose record is
+//! unusable is missing); the store's recovery then counts every slot's generation
+//! ([`Codecs::acquire`]) and [`Codecs::finish_recovery`] drops the generations no slot names,
+//! as [`Codecs::release`] would have.
 //!
 //! # Locks
 //! Each recompression priority's table is behind an `RwLock`: reads and recompression take it
@@ -72,6 +82,23 @@ struct GenTable {
     /// Dictionary bytes of each generation (0 without one).
     dict_bytes: [usize; MAX_GENS],
     current: u8,
+    /// Recovering: why a generation is missing (its saved record torn, say), for the error
+    /// naming a slot that names it; cleared by [`Codecs::finish_recovery`].
+    lost: [Option<Box<str>>; MAX_GENS],
+}
+
+/// One recompression priority's generations as a previous process left them, for
+/// [`Codecs::recovered`].
+#[derive(Debug)]
+pub(crate) struct SavedGens {
+    /// The parameters the priority was configured with at `disksize` (generation 0's).
+    pub(crate) params: CodecParams,
+    /// Each generation whose record was read: its codec and dictionary bytes.
+    pub(crate) gens: [Option<(Box<dyn Codec>, usize)>; MAX_GENS],
+    /// The current generation (one of `gens`).
+    pub(crate) current: u8,
+    /// Why a generation is missing from `gens`, where something was found in its place.
+    pub(crate) lost: [Option<String>; MAX_GENS],
 }
 
 /// What one priority holds (`dict_stat`).
@@ -98,21 +125,53 @@ impl Codecs {
         primary: Box<dyn Codec>,
         secondary: [Option<(Box<dyn Codec>, CodecParams)>; MAX_COMPS],
     ) -> Codecs {
+        Codecs::recovered(
+            primary,
+            secondary.map(|s| {
+                s.map(|(codec, params)| {
+                    let mut gens: [Option<(Box<dyn Codec>, usize)>; MAX_GENS] = Default::default();
+                    gens[0] = Some((codec, params.dict.as_ref().map_or(0, |d| d.len_bytes())));
+                    SavedGens {
+                        params,
+                        gens,
+                        current: 0,
+                        lost: Default::default(),
+                    }
+                })
+            }),
+        )
+    }
+
+    /// The codecs a previous process left: the primary and, for priorities 1..=3
+    /// (`secondary[0]` is ignored), the generations it held. The caller checked that each
+    /// priority's current generation is in its `gens`. Slots are counted by the store's
+    /// recovery, then [`finish_recovery`](Self::finish_recovery).
+    pub(crate) fn recovered(
+        primary: Box<dyn Codec>,
+        secondary: [Option<SavedGens>; MAX_COMPS],
+    ) -> Codecs {
         let [_, s1, s2, s3] = secondary;
-        let gens = |s: Option<(Box<dyn Codec>, CodecParams)>| {
-            s.map(|(codec, params)| {
+        let gens = |s: Option<SavedGens>| {
+            s.map(|saved| {
                 let mut codecs: [Option<Arc<dyn Codec>>; MAX_GENS] = Default::default();
                 let mut dict_bytes = [0; MAX_GENS];
-                dict_bytes[0] = params.dict.as_ref().map_or(0, |d| d.len_bytes());
-                let name = codec.name();
-                codecs[0] = Some(Arc::from(codec));
+                let mut name = "";
+                for (i, g) in saved.gens.into_iter().enumerate() {
+                    if let Some((codec, bytes)) = g {
+                        name = codec.name();
+                        codecs[i] = Some(Arc::from(codec));
+                        dict_bytes[i] = bytes;
+                    }
+                }
+                debug_assert!(codecs[usize::from(saved.current)].is_some());
                 Generations {
                     name,
-                    params,
+                    params: saved.params,
                     table: RwLock::new(GenTable {
                         codecs,
                         dict_bytes,
-                        current: 0,
+                        current: saved.current,
+                        lost: saved.lost.map(|w| w.map(String::into_boxed_str)),
                     }),
                     live: Default::default(),
                 }
@@ -121,6 +180,22 @@ impl Codecs {
         Codecs {
             primary,
             secondary: [None, gens(s1), gens(s2), gens(s3)],
+        }
+    }
+
+    /// Ends a recovery once every slot was counted: drops each generation no slot names
+    /// (but the current ones), as [`release`](Self::release) would have when its last slot
+    /// let go, and forgets why missing generations were missing.
+    pub(crate) fn finish_recovery(&self) {
+        for g in self.secondary.iter().flatten() {
+            let mut t = g.table.write();
+            for i in 0..MAX_GENS {
+                if usize::from(t.current) != i && g.live[i].load(Ordering::Relaxed) == 0 {
+                    t.codecs[i] = None;
+                    t.dict_bytes[i] = 0;
+                }
+            }
+            t.lost = Default::default();
         }
     }
 
@@ -148,15 +223,23 @@ impl Codecs {
         if prio == 0 {
             return Ok(CodecRef::Primary(self.primary.as_ref()));
         }
-        self.secondary[prio]
-            .as_ref()
-            .and_then(|g| g.table.read().codecs.get(gen)?.clone())
-            .map(CodecRef::Gen)
-            .ok_or_else(|| {
-                Error::io(format!(
-                    "no codec of priority {prio} generation {gen} for a stored object"
-                ))
-            })
+        let Some(g) = self.secondary[prio].as_ref() else {
+            return Err(Error::io(format!(
+                "no codec of priority {prio} generation {gen} for a stored object"
+            )));
+        };
+        let t = g.table.read();
+        if let Some(codec) = t.codecs.get(gen).and_then(Clone::clone) {
+            return Ok(CodecRef::Gen(codec));
+        }
+        Err(Error::io(
+            match t.lost.get(gen).and_then(Option::as_deref) {
+                Some(why) => {
+                    format!("priority {prio}'s dictionary generation {gen} is lost: {why}")
+                }
+                None => format!("no codec of priority {prio} generation {gen} for a stored object"),
+            },
+        ))
     }
 
     /// The current generation of recompression priority `prio`: its codec id and codec.
@@ -202,15 +285,20 @@ impl Codecs {
     }
 
     /// Installs `codec` (with a dictionary of `dict_bytes`) as the new current generation of
-    /// priority `prio`; the old current one is dropped at once if no slot names it. Returns
-    /// the new generation. `EBUSY` when all [`MAX_GENS`] generations are held by slots (rewrite
-    /// or recompress the pages of old generations first); `EINVAL` for a priority without a
-    /// recompression algorithm. The caller holds `pp_lock` (see the module docs).
+    /// priority `prio`, once `save(generation)` has saved it (its dictionary complete in the
+    /// device's files: an error from `save` installs nothing); the old current one is dropped
+    /// at once if no slot names it. Returns the new generation. `EBUSY` when all [`MAX_GENS`]
+    /// generations are held by slots (rewrite or recompress the pages of old generations
+    /// first); `EINVAL` for a priority without a recompression algorithm. The caller holds
+    /// `pp_lock` (see the module docs): no other install runs, so the free generation chosen
+    /// before `save` (under the table's lock shared, released while saving, so reads go on)
+    /// is still free after it (releases only free more).
     pub(crate) fn install(
         &self,
         prio: usize,
         codec: Box<dyn Codec>,
         dict_bytes: usize,
+        save: impl FnOnce(u8) -> Result<()>,
     ) -> Result<u8> {
         let g = self
             .secondary
@@ -219,16 +307,25 @@ impl Codecs {
             .ok_or_else(|| {
                 Error::invalid(format!("no recompression algorithm at priority {prio}"))
             })?;
+        let free = {
+            let t = g.table.read();
+            let cur = usize::from(t.current);
+            (0..MAX_GENS)
+                .find(|&i| i != cur && t.codecs[i].is_none())
+                .ok_or_else(|| {
+                    Error::busy(format!(
+                        "priority {prio} holds {MAX_GENS} dictionary generations, each still \
+                         used by pages: rewrite or recompress them first"
+                    ))
+                })?
+        };
+        save(free as u8)?;
         let mut t = g.table.write();
         let cur = usize::from(t.current);
-        let free = (0..MAX_GENS)
-            .find(|&i| i != cur && t.codecs[i].is_none())
-            .ok_or_else(|| {
-                Error::busy(format!(
-                    "priority {prio} holds {MAX_GENS} dictionary generations, each still used \
-                     by pages: rewrite or recompress them first"
-                ))
-            })?;
+        debug_assert!(
+            free != cur && t.codecs[free].is_none(),
+            "installs overlapped"
+        );
         t.codecs[free] = Some(Arc::from(codec));
         t.dict_bytes[free] = dict_bytes;
         t.current = free as u8;

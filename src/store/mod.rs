@@ -59,9 +59,10 @@ use multi::GroupWhere;
 pub(crate) use recompress::Outcome;
 pub use restore::{RecoveryReport, StoreFiles};
 pub use stats::{MetaStats, StatsSnapshot};
+pub(crate) use train_dict::NewGeneration;
 pub use train_dict::{TrainReport, TrainSpec};
 
-pub(crate) use codecs::Codecs;
+pub(crate) use codecs::{Codecs, SavedGens};
 pub use target::BackingLayout;
 
 pub(crate) use bitmap::BlockIndex;

@@ -121,7 +121,9 @@ impl Store {
     /// wrote back to; without one, written-back slots are refused): every WB slot's location
     /// is claimed in it, once. Every slot is checked:
     /// its handle live, of the slot's size, referenced by no other slot (a multi-page object:
-    /// only by slots of its group), its codec known; objects no slot references are freed. A
+    /// only by slots of its group), its codec known (for a recompression codec, a dictionary
+    /// generation `codecs` was recovered with: counted, and the generations no slot names
+    /// dropped at the end but the current ones); objects no slot references are freed. A
     /// failed check refuses the store, naming the slot or handle. `swap`: the store served
     /// swap, its pool under this tag in this swap reserve (being recovered); its slot table
     /// and handle table are then faulted in, as a new one's.
@@ -329,6 +331,8 @@ impl Store {
         if let Some(t) = &target {
             t.finish_recovery().map_err(corrupt)?;
         }
+        // Every slot's generation counted: the ones no slot names go, but the current ones.
+        codecs.finish_recovery();
         let total_pages = pool.total_pages();
         stats.update_max_used(total_pages);
         let report = RecoveryReport {

@@ -12,7 +12,9 @@
 //!    dictionary of at most `dict_size` bytes.
 //! 4. Write it to `path` when one is given (created or truncated, mode 0600) before anything
 //!    changes, so a write failure installs nothing.
-//! 5. Build a zstd codec with it (the priority's level, or `level=`) and install it as the
+//! 5. Build a zstd codec with it (the priority's level, or `level=`), have the device save it
+//!    (the `save` closure: its dictionary written whole into the device's files, so the next
+//!    process finds every generation a slot can name), and only then install it as the
 //!    priority's new current generation.
 
 use super::{Source, Store};
@@ -110,6 +112,20 @@ impl TrainSpec {
     }
 }
 
+/// A dictionary generation about to be installed: what the device saves of it before it
+/// becomes current (see [`Store::train_dict`]).
+#[derive(Debug)]
+pub(crate) struct NewGeneration<'a> {
+    /// The recompression priority.
+    pub(crate) prio: u8,
+    /// The generation it will be.
+    pub(crate) gen: u8,
+    /// Its codec's level (`None`: zstd's default).
+    pub(crate) level: Option<i32>,
+    /// The dictionary.
+    pub(crate) dict: &'a [u8],
+}
+
 /// What one training did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TrainReport {
@@ -124,11 +140,16 @@ pub struct TrainReport {
 }
 
 impl Store {
-    /// Trains and installs a dictionary (see the module docs); the caller holds `pp_lock`.
-    /// `EINVAL` for a priority without zstd, too many sample bytes, or pages the trainer
-    /// cannot learn from (too few or too alike); `EBUSY` when every generation is held; the
-    /// error of writing `path`.
-    pub(crate) fn train_dict(&self, spec: &TrainSpec) -> Result<TrainReport> {
+    /// Trains and installs a dictionary (see the module docs), `save` saving the new
+    /// generation before it becomes current; the caller holds `pp_lock`. `EINVAL` for a
+    /// priority without zstd, too many sample bytes, or pages the trainer cannot learn from
+    /// (too few or too alike); `EBUSY` when every generation is held; the error of writing
+    /// `path`, or of `save` (nothing installed then).
+    pub(crate) fn train_dict(
+        &self,
+        spec: &TrainSpec,
+        save: &dyn Fn(&NewGeneration<'_>) -> Result<()>,
+    ) -> Result<TrainReport> {
         let prio = match spec.priority {
             Some(p) => p as usize,
             None => (1..compress::MAX_COMPS)
@@ -169,12 +190,20 @@ impl Store {
         let dict_bytes = trained.len();
         let dict = Dictionary::from_bytes(trained)?;
         let base = self.codecs.params(prio).cloned().unwrap_or_default();
+        let level = spec.level.or(base.level);
         let params = CodecParams {
-            level: spec.level.or(base.level),
-            dict: Some(dict),
+            level,
+            dict: Some(dict.clone()),
         };
         let codec = compress::new_codec("zstd", params)?;
-        let generation = self.codecs.install(prio, codec, dict_bytes)?;
+        let generation = self.codecs.install(prio, codec, dict_bytes, |gen| {
+            save(&NewGeneration {
+                prio: prio as u8,
+                gen,
+                level,
+                dict: dict.bytes(),
+            })
+        })?;
         Ok(TrainReport {
             priority: prio as u8,
             generation,
