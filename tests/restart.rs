@@ -32,7 +32,7 @@ use uzram::memory::SwapReserve;
 use uzram::scm;
 use uzram::shm::ShmFile;
 use uzram_testkit::device::{bd, real_tmpdir, writeback_all, DeviceBuilder};
-use uzram_testkit::pages::{fill_page, Kind};
+use uzram_testkit::pages::{fill_page, program_pages, write_pages, Kind, Program, PAGE};
 
 // ------------------------------------------------------------------------------------------
 // Pages of the model: page `i`, version `v` (0: zeroes, never written or discarded).
@@ -165,10 +165,9 @@ fn recovers_multi_page_objects_and_large_pages() {
 /// Recompression codecs come back: pages recompressed with two secondary codecs (single pages
 /// and 64 KiB groups) read back after recovery, the codecs are the ones set before
 /// `disksize`, releasing and recompressing recovered pages works (the per-codec counts were
-/// rebuilt), and a device whose pages name a trained dictionary's generation is refused
-/// naming the slot.
+/// rebuilt).
 #[test]
-fn recovers_recompressed_pages_and_refuses_a_trained_dictionary() {
+fn recovers_recompressed_pages() {
     let page = 4096usize;
     for mps in ["4096", "64K"] {
         let n = 512u64;
@@ -210,21 +209,238 @@ fn recovers_recompressed_pages_and_refuses_a_trained_dictionary() {
         check_pages(&rec, page, &want, &[]).unwrap();
         exercise(&rec, page, n);
     }
+}
 
-    // A dictionary trained after disksize names a generation the header does not hold.
-    let n = 256u64;
-    let dev = DeviceBuilder::pages(n)
-        .attr("recomp_algorithm", "algo=zstd")
-        .build();
-    write_version(&dev, page, 0..n, 1, &mut vec![0; n as usize]);
-    dev.attr_store("train_dict", "dict_size=4K samples=64")
-        .unwrap();
+/// Where the dictionary record of recompression priority `prio`'s generation `gen` lives in
+/// the header file (docs/restart.md, "What lives where"): after the header page and the two
+/// limits pages, the primary's record, then 8 generations of each priority, each a page of
+/// text and room for 4 MiB of dictionary.
+fn dict_record_at(prio: u64, gen: u64) -> u64 {
+    let room = 4096 + (4u64 << 20);
+    3 * 4096 + (1 + (prio - 1) * 8 + gen) * room
+}
+
+/// Set `k` (of `SET` pages, from page `k × SET`) of [`recovers_dictionaries_and_their_generations`],
+/// version `v`: real program pages, written to `dev` and recorded in `want`; then, with
+/// `prio`, every page marked idle and the idle ones recompressed with that priority only.
+/// Returns the pages recompressed.
+fn put_set(dev: &Device, want: &mut [Vec<u8>], k: usize, v: u64, prio: Option<u32>) -> u64 {
+    const SET: usize = 64;
+    let pages = program_pages(SET, 10 * v + k as u64, Program::ZstdBeatsLz4);
+    write_pages(dev, k * SET, &pages);
+    want[k * SET..(k + 1) * SET].clone_from_slice(&pages);
+    let Some(prio) = prio else {
+        return 0;
+    };
     dev.attr_store("idle", "all").unwrap();
-    dev.attr_store("recompress", "type=idle").unwrap();
+    let spec = uzram::device::RecompressSpec {
+        idle: true,
+        priority: Some(prio),
+        ..Default::default()
+    };
+    dev.recompress(&spec).unwrap().recompressed
+}
+
+/// Every page of `dev` reads back as `want`'s.
+fn check_all(dev: &Device, want: &[Vec<u8>], what: &str) {
+    let mut buf = vec![0u8; PAGE];
+    for (i, w) in want.iter().enumerate() {
+        dev.read_at(&mut buf, (i * PAGE) as u64)
+            .unwrap_or_else(|e| panic!("{what}: page {i}: {e}"));
+        assert!(buf == *w, "{what}: page {i} differs");
+    }
+}
+
+/// What the codecs of `dev` hold: each recompression priority's generations (current, and
+/// pages and dictionary bytes of each) and `dict_stat`, `recomp_algorithm`.
+fn codec_state(dev: &Device) -> (Vec<Option<uzram::device::GenStat>>, String, String) {
+    (
+        (1..=3).map(|p| dev.dict_generations(p)).collect(),
+        dev.attr_show("dict_stat").unwrap(),
+        dev.attr_show("recomp_algorithm").unwrap(),
+    )
+}
+
+/// Dictionaries come back: a device whose primary codec (zstd) and recompression priority 2
+/// were given `dict=` files, and whose priority 1 holds three trained generations (five
+/// trainings: the second reuses generation 0, the one `disksize` made, and the fourth
+/// generation 1, their records replaced; generation 0 then dropped, its record left), is
+/// recovered from its files with every page identical and the same generations, current ones
+/// and page counts (`dict_stat`); it trains and recompresses again and is recovered again. A generation's record torn where no slot
+/// names it is ignored (and its room reused by the next training); torn where slots name it,
+/// the device is refused naming a slot, the generation and why.
+#[test]
+fn recovers_dictionaries_and_their_generations() {
+    let dir = tempfile::tempdir().unwrap();
+    let raw = |version: u64| -> Vec<u8> {
+        program_pages(64, version, Program::Any)
+            .iter()
+            .step_by(4)
+            .flatten()
+            .copied()
+            .collect()
+    };
+    let (primary_dict, prio2_dict) = (dir.path().join("primary"), dir.path().join("prio2"));
+    std::fs::write(&primary_dict, raw(900)).unwrap();
+    std::fs::write(&prio2_dict, raw(901)).unwrap();
+    let n = 7 * 64u64;
+    let dev = DeviceBuilder::pages(n)
+        .attr("comp_algorithm", "zstd")
+        .attr(
+            "algorithm_params",
+            &format!("level=1 dict={}", primary_dict.display()),
+        )
+        .attr("recomp_algorithm", "algo=zstd priority=1")
+        .attr("recomp_algorithm", "algo=zstd priority=2")
+        .attr("algorithm_params", "priority=1 level=19")
+        .attr(
+            "algorithm_params",
+            &format!("priority=2 level=19 dict={}", prio2_dict.display()),
+        )
+        .build();
+    let mut want = vec![vec![0u8; PAGE]; n as usize];
+    let train = |d: &Device| {
+        d.attr_store("train_dict", "priority=1 dict_size=8K samples=256")
+            .unwrap()
+    };
+    let current = |d: &Device| d.dict_generations(1).unwrap().current;
+    // Set 0: priority 2, its `dict=`.
+    assert!(put_set(&dev, &mut want, 0, 1, Some(2)) > 0);
+    // Training 1: generation 1 (dropping generation 0, which holds no page); training 2
+    // reuses generation 0 (its record from `disksize` replaced); training 3: generation 2.
+    // Each recompresses a set.
+    for (k, gen) in [(1, 1), (2, 0), (3, 2)] {
+        train(&dev);
+        assert_eq!(current(&dev), gen);
+        assert!(put_set(&dev, &mut want, k, 1, Some(1)) > 0, "set {k}");
+    }
+    // Set 1 overwritten drops generation 1, which training 4 reuses; training 5: generation
+    // 3. Then set 2 overwritten drops generation 0, whose record stays (valid, of an older
+    // install) until a training reuses or punches its room.
+    put_set(&dev, &mut want, 1, 2, None);
+    for (k, gen) in [(4, 1), (5, 3)] {
+        train(&dev);
+        assert_eq!(current(&dev), gen);
+        assert!(put_set(&dev, &mut want, k, 1, Some(1)) > 0, "set {k}");
+    }
+    put_set(&dev, &mut want, 2, 2, None);
+    // Set 6: the primary's `dict=` only.
+    put_set(&dev, &mut want, 6, 1, None);
+    let state = codec_state(&dev);
+    let gens = state.0[0].clone().unwrap();
+    assert_eq!(
+        gens.held.iter().map(|h| h.0).collect::<Vec<_>>(),
+        [1, 2, 3],
+        "{gens:?}"
+    );
+    assert!(gens.held.iter().all(|h| h.1 > 0 && h.2 > 0), "{gens:?}");
+    assert!(
+        state.0[1].as_ref().unwrap().held[0].2 > 0,
+        "{:?}",
+        state.0[1]
+    );
+
     dev.flush_deferred();
     let files = dev.state_files().unwrap();
-    let e = Device::recover(files).unwrap_err();
-    assert!(e.message().contains("generation 1"), "{}", e.message());
+    let keep = dup_files(&files);
+    let rec = recover_as_it_was(dev, "dictionaries");
+    assert_eq!(codec_state(&rec), state);
+    check_all(&rec, &want, "recovered");
+
+    // A torn record in a room no slot names (a training killed while writing generation
+    // 4's: its text written, its dictionary not, over the bytes of another record): ignored.
+    let header = &keep.header;
+    let text = header.read_at(dict_record_at(1, 2), 4096).unwrap();
+    let text = String::from_utf8(text)
+        .unwrap()
+        .replace("gen 2\n", "gen 4\n");
+    header
+        .write_at(dict_record_at(1, 4), text.as_bytes())
+        .unwrap();
+    drop(rec);
+    let (rec, _) = Device::recover(dup_files(&keep)).unwrap();
+    assert_eq!(codec_state(&rec), state);
+    check_all(&rec, &want, "a torn record no slot names");
+
+    // The recovered device trains (generation 0 again, its stale record replaced),
+    // recompresses, and is recovered again with everything.
+    train(&rec);
+    assert_eq!(current(&rec), 0);
+    assert!(put_set(&rec, &mut want, 6, 2, Some(1)) > 0);
+    let state = codec_state(&rec);
+    let rec = recover_as_it_was(rec, "trained again after recovery");
+    assert_eq!(codec_state(&rec), state);
+    check_all(&rec, &want, "recovered twice");
+    drop(rec);
+
+    // Generation 2's dictionary changed by one byte (of its content, which zstd would load
+    // all the same): its record fails its checksum, and set 3's pages name it.
+    let text = String::from_utf8(header.read_at(dict_record_at(1, 2), 4096).unwrap()).unwrap();
+    let len: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("bytes "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let at = dict_record_at(1, 2) + 4096 + len - 100;
+    let byte = header.read_at(at, 1).unwrap()[0];
+    header.write_at(at, &[byte ^ 0x10]).unwrap();
+    let e = Device::recover(dup_files(&keep)).unwrap_err();
+    let msg = e.message();
+    let slot: Option<usize> = msg
+        .split("slot ")
+        .nth(1)
+        .and_then(|t| t.split(':').next()?.parse().ok());
+    assert!(
+        slot.is_some_and(|s| (3 * 64..4 * 64).contains(&s))
+            && msg.contains("generation 2")
+            && msg.contains("torn")
+            && msg.contains("checksum"),
+        "{msg}"
+    );
+    header.write_at(at, &[byte]).unwrap();
+    Device::recover(keep).unwrap();
+}
+
+/// A header written by a binary from before the dictionary records (version 1: none after
+/// its limits slots) recovers as before, its codecs without dictionaries; a training then
+/// makes it keep its dictionaries (version 2, every codec's generation 0 recorded before the
+/// new generation), and the next recovery brings them back.
+#[test]
+fn a_header_from_before_dictionary_records_keeps_them_once_trained() {
+    let n = 3 * 64u64;
+    let dev = DeviceBuilder::pages(n)
+        .attr("recomp_algorithm", "algo=zstd priority=1")
+        .build();
+    let mut want = vec![vec![0u8; PAGE]; n as usize];
+    assert!(put_set(&dev, &mut want, 0, 1, Some(1)) > 0);
+    dev.flush_deferred();
+    let files = dev.state_files().unwrap();
+    drop(dev);
+    // What an earlier binary wrote: version 1, nothing after the limits pages.
+    files.header.write_at(19, b"1").unwrap();
+    files.header.set_len(3 * 4096).unwrap();
+    let (dev, _) = Device::recover(files).unwrap();
+    check_all(&dev, &want, "version 1");
+    dev.attr_store("train_dict", "dict_size=4K samples=64")
+        .unwrap();
+    assert!(put_set(&dev, &mut want, 1, 1, Some(1)) > 0);
+    let state = codec_state(&dev);
+    assert_eq!(
+        state.0[0].as_ref().unwrap().held.len(),
+        2,
+        "{:?}",
+        state.0[0]
+    );
+    let files = dev.state_files().unwrap();
+    assert_eq!(
+        files.header.read_at(0, 20).unwrap(),
+        b"uzram-device-state 2"
+    );
+    let rec = recover_as_it_was(dev, "version 1, trained");
+    assert_eq!(codec_state(&rec), state);
+    check_all(&rec, &want, "version 1, trained");
+    drop(files);
 }
 
 /// `zone_stat` as numbers (`empty open full live_bytes writeback_bytes gc_runs ...`).
