@@ -842,7 +842,11 @@ struct Config {
     writeback: bool,
     /// Recompressing: the device has two recompression codecs (zstd at priority 1, deflate
     /// at 2), and a thread marks every page idle and recompresses the idle ones with one or
-    /// the other, again and again.
+    /// the other, again and again, training a new dictionary generation of priority 1 before
+    /// every third pass from the second, which then recompresses with it (`train_dict`:
+    /// generations made, made current and reused while writers run, their records written
+    /// into the header file; not before the first pass, so that recompression starts as early
+    /// as without).
     recompress: bool,
     /// With `writeback`: the zoned layout (zones of 1 MiB over the file), GC run after each
     /// writeback pass.
@@ -1037,10 +1041,19 @@ fn crash_model_child() {
         let dev = Arc::clone(&dev);
         threads.push(std::thread::spawn(move || {
             let mut rng = SmallRng::seed_from_u64(seed ^ 0x7e);
-            loop {
+            for pass in 0u64.. {
                 std::thread::sleep(Duration::from_micros(rng.gen_range(100..2000)));
                 dev.attr_store("idle", "all").unwrap();
-                let prio = rng.gen_range(1..=2);
+                let mut prio = rng.gen_range(1..=2);
+                if pass % 3 == 1 {
+                    // Too few pages, or too alike, to learn from (EINVAL); every generation
+                    // held by pages (EBUSY): nothing installed.
+                    match dev.attr_store("train_dict", "priority=1 dict_size=1K samples=16") {
+                        Ok(()) => prio = 1,
+                        Err(e) if [libc::EINVAL, libc::EBUSY].contains(&e.errno()) => {}
+                        Err(e) => panic!("train_dict: {e}"),
+                    }
+                }
                 dev.attr_store("recompress", &format!("type=idle priority={prio}"))
                     .unwrap();
             }
@@ -1159,6 +1172,9 @@ struct Point {
     repointed: u64,
     /// Pages the recovered device held recompressed (a secondary codec's).
     recompressed: u64,
+    /// Dictionary generations trained by `train_dict` the recovered device held (the current
+    /// one among them even without pages), and pages naming them.
+    trained: (u64, u64),
 }
 
 /// One crash point: a child runs `cfg` with `seed` and is killed after `run`; the parent
@@ -1276,6 +1292,7 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
     let mut written_back = 0;
     let mut repointed = 0;
     let mut recompressed = 0;
+    let mut trained = (0, 0);
     let mismatches = match recovered {
         Err(e) => Err(format!("recovery refused: {e}")),
         Ok((dev, report)) => check_pages(&dev, cfg.page_size, &want, &in_flight).map(|()| {
@@ -1284,6 +1301,10 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
             recompressed = (0..cfg.pages)
                 .filter(|&i| dev.debug_slot_priority(i).unwrap_or(0) > 0)
                 .count() as u64;
+            if let Some(g) = dev.dict_generations(1) {
+                let held = g.held.iter().filter(|h| h.2 > 0);
+                trained = (held.clone().count() as u64, held.map(|h| h.1).sum());
+            }
             // The recovered allocator takes writes again.
             exercise(&dev, cfg.page_size, cfg.pages.min(64));
         }),
@@ -1294,6 +1315,7 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
         written_back,
         repointed,
         recompressed,
+        trained,
     }
 }
 
@@ -1314,13 +1336,20 @@ fn crash_model(cfg: &Config) {
     let mut acked = 0;
     let mut with_wb = 0;
     let mut with_recomp = 0;
+    let (mut with_trained, mut with_trained_pages) = (0, 0);
     let mut repointed = 0;
     let mut runs = SmallRng::seed_from_u64(base);
     for n in 0..points() {
         let seed = base + n;
-        // Mostly early (the first operations, fresh zspages), some later.
-        let run =
-            Duration::from_micros(runs.gen_range(200..if n % 4 == 0 { 60_000 } else { 8_000 }));
+        // Mostly early (the first operations, fresh zspages), some later; recompressing, one
+        // in eight late enough for a dictionary trained beside the writers (tens of
+        // milliseconds on a loaded machine) to be used by a recompression.
+        let micros = match n % 8 {
+            4 if cfg.recompress => 60_000..300_000,
+            0 | 4 => 200..60_000,
+            _ => 200..8_000,
+        };
+        let run = Duration::from_micros(runs.gen_range(micros));
         let p = crash_point(cfg, seed, run, false);
         if let Err(e) = p.mismatches {
             panic!(
@@ -1332,11 +1361,15 @@ fn crash_model(cfg: &Config) {
         acked += p.ops_acked;
         with_wb += u64::from(p.written_back > 0);
         with_recomp += u64::from(p.recompressed > 0);
+        with_trained += u64::from(p.trained.0 > 0);
+        with_trained_pages += u64::from(p.trained.1 > 0);
         repointed += p.repointed;
     }
     eprintln!(
         "{}: {} crash points, 0 mismatches, {acked} operations acknowledged, {with_wb} \
-         recovered with written-back pages, {with_recomp} with recompressed pages, {repointed} \
+         recovered with written-back pages, {with_recomp} with recompressed pages, \
+         {with_trained} with a trained dictionary ({with_trained_pages} with pages using one), \
+         {repointed} \
          slots of half-done group operations repointed (seeds from {base})",
         cfg.name,
         points()
@@ -1349,6 +1382,12 @@ fn crash_model(cfg: &Config) {
     assert!(
         !cfg.recompress || with_recomp > 0,
         "no crash point recovered a recompressed page"
+    );
+    // Pages using a trained dictionary are fewer: the writers overwrite every page within
+    // milliseconds, and 64 KiB groups seldom shrink by another size class with one.
+    assert!(
+        !cfg.recompress || with_trained > 0,
+        "no crash point recovered a trained dictionary"
     );
 }
 
