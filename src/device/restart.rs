@@ -113,7 +113,9 @@ struct Header {
     multi_page_size_bytes: usize,
     comp_algorithm: String,
     level: Option<i32>,
-    /// What recovery cannot rebuild yet, if anything (`None`: all of it).
+    /// What the binary that wrote the header did not keep, if anything: binaries from before
+    /// the dictionary records wrote `a dictionary` here (recovery refuses it); this one
+    /// writes none.
     unsupported: Option<String>,
     /// Serving swap: its pool's record tag in the server's swap reserve.
     swap_pool: Option<u16>,
@@ -437,19 +439,25 @@ fn dict_record_offset(prio: u8, gen: u8) -> u64 {
 ///   checksums cover everything. So a write stopped at any instruction leaves an empty room
 ///   (read as no record) or one that fails a checksum (a *torn* record), never a record that
 ///   reads as valid with other bytes.
-/// - A record is replaced only when its generation is reused (or punched out when it is
-///   dropped), and only a generation no slot names is (a slot lets go of its generation only
-///   once it is published elsewhere, or under `pp_lock` for a recompression, which the
-///   training holds).
+/// - A record is replaced (its generation reused by a training) or punched out (by the next
+///   training after its generation was dropped) only while no slot names its generation: a
+///   slot lets go of its generation only once it is published elsewhere, or under `pp_lock`
+///   for a recompression, which the training holds.
 /// - Install sequences grow: 0 for `disksize`'s generations, then one more for each training
 ///   of the device. A priority's current generation is the one installed last: its valid
 ///   record with the highest sequence (a record written by a training stopped before the
 ///   install is valid only once whole, and no slot names it yet: taking it as current is
 ///   the training done).
 ///
-/// Recovery builds every generation whose record is valid; a torn one is refused only if a
-/// slot names it (the store's recovery reports the slot and why), and then dropped like the
-/// valid ones no slot names but the current ones ([`Codecs::finish_recovery`]).
+/// # Locks
+/// Records are written under the init lock held exclusive (`disksize`) or under `pp_lock`
+/// (a training, the init lock shared), so never two at once; recovery reads them before the
+/// device exists. The limits slots, written meanwhile under `limits_write`, are other bytes.
+///
+/// Recovery builds every generation whose record is valid and keeps the ones some slot names
+/// and the current ones ([`Codecs::finish_recovery`]); a torn record is ignored unless a slot
+/// names its generation, which refuses the device (the store's recovery names the slot, the
+/// generation and why).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct DictMeta {
     prio: u8,
@@ -854,9 +862,11 @@ impl Device {
     }
 
     /// The initialised device a previous process left in `files`: the header's settings, then
-    /// the store rebuilt and checked (`docs/restart.md`, "Recovery"). `EINVAL` naming what is
-    /// wrong if any check fails, if the device had settings whose state cannot be recovered
-    /// yet, or if it served swap or wrote back (those take
+    /// the codecs with their dictionaries and generations ([`DictMeta`]), then the store
+    /// rebuilt and checked (`docs/restart.md`, "Recovery"). `EINVAL` naming what is wrong if
+    /// any check fails (a slot naming a dictionary generation whose record is torn, say), if
+    /// the binary that saved it did not keep all of its settings (a dictionary, before the
+    /// dictionary records), or if it served swap or wrote back (those take
     /// [`recover_with`](Device::recover_with)); the files are not changed then, except for
     /// garbage freed and the journal rolled forward, which a second recovery finds done.
     pub fn recover(files: DeviceFiles) -> Result<(Device, RecoveryReport)> {
