@@ -4,11 +4,15 @@
 //! - `recovers_a_quiet_device`: a device written, discarded, compacted, then recovered from
 //!   its files in the same process: every page reads back, the counters match, and the
 //!   recovered device takes writes again.
+//! - `recovers_*`: the same for multi-page objects and large pages, recompressed pages,
+//!   dictionaries and their trained generations, pages written back, devices serving swap,
+//!   the limits.
 //! - `refuses_*`: state that fails a check is refused with an error naming what is wrong.
 //! - The crash model (`crash_model_*`), in the spirit of TigerBeetle's simulator: a child
 //!   process (this test binary run again) builds a device, hands its files to the parent over
 //!   a unix socket (`SCM_RIGHTS`) and runs random writes, overwrites, discards, multi-page
-//!   writes and compaction from several threads, logging each operation before it starts and
+//!   writes and compaction from several threads (and, by configuration, recompression with
+//!   dictionary training, writeback, GC), logging each operation before it starts and
 //!   when it is acknowledged in shared memory; the parent kills it (`SIGKILL`) at a random
 //!   moment, recovers the device and checks every page against the log: an acknowledged write
 //!   reads back exactly, the one a thread had in flight reads as before or after, nothing
