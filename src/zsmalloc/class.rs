@@ -22,13 +22,13 @@
 
 use parking_lot::Mutex;
 
-use super::arena::SegArray;
+use super::arena::{ChunkVec, SegArray};
 use super::fullness::{group_of, FullnessLists, GROUP_EMPTY, NR_GROUPS};
 use super::handle::MAX_ZSPAGES_PER_CLASS;
 use super::page_alloc::{Frame, FrameAllocator};
 use super::record::FrameUse;
 use super::size_class::ClassInfo;
-use super::zspage::{Reserved, ZspageDesc, ZspageMeta};
+use super::zspage::{Reserved, Slots, ZspageDesc, ZspageMeta};
 use crate::error::{Error, Result};
 
 /// One merged size class. Aligned to a cache line pair so neighbouring class locks do not share
@@ -52,14 +52,14 @@ pub(crate) struct SizeClass {
 #[must_use = "the frame must go back to the frame allocator"]
 pub(crate) struct Detached {
     pub(crate) frame: Frame,
-    pub(crate) owners: Box<[u32]>,
+    pub(crate) owners: Slots,
 }
 
 /// Everything the class lock protects; see the module docs.
 #[derive(Debug, Default)]
 pub(crate) struct ClassState {
-    /// Slot metadata by zspage id.
-    metas: Vec<ZspageMeta>,
+    /// Slot metadata by zspage id (in chunks: growing it never copies the rest).
+    metas: ChunkVec<ZspageMeta>,
     /// Unused zspage ids below `metas.len()`, reused before new ids.
     free_ids: Vec<u32>,
     pub(crate) fullness: FullnessLists,
@@ -81,7 +81,7 @@ impl ClassState {
     /// unused ids, free handle indices (capacities, as allocated). Not the descriptors.
     pub(crate) fn heap_bytes(&self) -> usize {
         let u32_bytes = std::mem::size_of::<u32>();
-        self.metas.capacity() * std::mem::size_of::<ZspageMeta>()
+        self.metas.heap_bytes()
             + self.metas.iter().map(ZspageMeta::heap_bytes).sum::<usize>()
             + self.fullness.heap_bytes()
             + (self.free_ids.capacity() + self.free_handles.capacity()) * u32_bytes

@@ -104,12 +104,61 @@ const FREE: u32 = 1 << 31;
 /// End of the free list (in `first_free`, and in the link of the last free slot).
 const NIL: u32 = u32::MAX;
 
+/// A zspage's slot table: per slot, the owner handle index (< 2^31), or `FREE | next free
+/// slot`. A zspage of one slot (the huge class: every incompressible page) keeps it inline, so
+/// storing such a page allocates nothing on the heap.
+#[derive(Debug, Default)]
+pub(crate) enum Slots {
+    /// The zspage id is unused.
+    #[default]
+    Unused,
+    One(u32),
+    Many(Box<[u32]>),
+}
+
+impl Slots {
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            Slots::Unused => &[],
+            Slots::One(o) => std::slice::from_ref(o),
+            Slots::Many(b) => b,
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u32] {
+        match self {
+            Slots::Unused => &mut [],
+            Slots::One(o) => std::slice::from_mut(o),
+            Slots::Many(b) => b,
+        }
+    }
+
+    fn from_vec(v: Vec<u32>) -> Slots {
+        match v.len() {
+            0 => Slots::Unused,
+            1 => Slots::One(v[0]),
+            _ => Slots::Many(v.into_boxed_slice()),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        matches!(self, Slots::Unused)
+    }
+
+    /// Heap bytes held (only a table of several slots has any).
+    fn heap_bytes(&self) -> usize {
+        match self {
+            Slots::Many(b) => std::mem::size_of_val(&**b),
+            _ => 0,
+        }
+    }
+}
+
 /// Per-zspage bookkeeping, kept in the class state (protected by the class lock).
 #[derive(Debug, Default)]
 pub(crate) struct ZspageMeta {
-    /// Per slot: owner handle index (< 2^31), or `FREE | next free slot`. Empty while the
-    /// zspage id is unused.
-    owners: Box<[u32]>,
+    /// The slot table ([`Slots::Unused`] while the zspage id is unused).
+    owners: Slots,
     /// Head of the free-slot list, `NIL` if full.
     first_free: u32,
     /// Slots in use.
@@ -121,15 +170,21 @@ impl ZspageMeta {
     pub(crate) fn attach(&mut self, objs: usize) {
         assert!(self.owners.is_empty(), "zspage attached twice");
         assert!(objs >= 1 && objs < FREE as usize);
-        self.owners = (1..=objs as u32)
-            .map(|next| {
-                if next as usize == objs {
-                    NIL
-                } else {
-                    FREE | next
-                }
-            })
-            .collect();
+        self.owners = if objs == 1 {
+            Slots::One(NIL)
+        } else {
+            Slots::from_vec(
+                (1..=objs as u32)
+                    .map(|next| {
+                        if next as usize == objs {
+                            NIL
+                        } else {
+                            FREE | next
+                        }
+                    })
+                    .collect(),
+            )
+        };
         self.first_free = 0;
         self.inuse = 0;
     }
@@ -139,7 +194,7 @@ impl ZspageMeta {
     pub(crate) fn rebuild(&mut self, objs: usize, used: &[(u32, u32)]) {
         assert!(self.owners.is_empty(), "zspage attached twice");
         assert!(!used.is_empty() && objs < FREE as usize);
-        let mut owners = vec![NIL; objs].into_boxed_slice();
+        let mut owners = vec![NIL; objs];
         for &(obj, handle) in used {
             assert!(handle < FREE && owners[obj as usize] == NIL);
             owners[obj as usize] = handle;
@@ -153,14 +208,14 @@ impl ZspageMeta {
                 next = i as u32;
             }
         }
-        self.owners = owners;
+        self.owners = Slots::from_vec(owners);
         self.first_free = next;
         self.inuse = used.len() as u32;
     }
 
     /// Ends a zspage life (it must be empty), returning the slot table so the caller can drop
-    /// it (a heap free) after the class lock.
-    pub(crate) fn detach(&mut self) -> Box<[u32]> {
+    /// it (a heap free, for a table of several slots) after the class lock.
+    pub(crate) fn detach(&mut self) -> Slots {
         assert_eq!(self.inuse, 0, "detaching a zspage with live objects");
         self.first_free = NIL;
         std::mem::take(&mut self.owners)
@@ -168,7 +223,7 @@ impl ZspageMeta {
 
     /// Heap bytes of the slot table (0 while the id is unused).
     pub(crate) fn heap_bytes(&self) -> usize {
-        std::mem::size_of_val(&*self.owners)
+        self.owners.heap_bytes()
     }
 
     /// Whether the zspage id is in use.
@@ -189,10 +244,11 @@ impl ZspageMeta {
         if obj == NIL {
             return None;
         }
-        let link = self.owners[obj as usize];
+        let owners = self.owners.as_mut_slice();
+        let link = owners[obj as usize];
         debug_assert!(link & FREE != 0, "free list reached a used slot");
         self.first_free = if link == NIL { NIL } else { link & !FREE };
-        self.owners[obj as usize] = handle;
+        owners[obj as usize] = handle;
         self.inuse += 1;
         Some(Reserved { obj })
     }
@@ -200,12 +256,13 @@ impl ZspageMeta {
     /// Frees slot `obj`, which `handle` must own (checked: a mismatch is a double free or a
     /// corrupted handle).
     pub(crate) fn release(&mut self, obj: u32, handle: u32) {
-        let owner = self.owners[obj as usize];
+        let owners = self.owners.as_mut_slice();
+        let owner = owners[obj as usize];
         assert_eq!(
             owner, handle,
             "zsmalloc: slot {obj} is not owned by handle index {handle}"
         );
-        self.owners[obj as usize] = if self.first_free == NIL {
+        owners[obj as usize] = if self.first_free == NIL {
             NIL
         } else {
             FREE | self.first_free
@@ -217,6 +274,7 @@ impl ZspageMeta {
     /// Slots in use and their owner handle indices.
     pub(crate) fn used(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
         self.owners
+            .as_slice()
             .iter()
             .enumerate()
             .filter(|(_, &o)| o & FREE == 0)
