@@ -27,7 +27,7 @@
 //!    [`HEAP_RESERVE_BYTES`] (`M_TOP_PAD`) kept when the heap is trimmed, faulted in (hence
 //!    locked) at start: the zsmalloc bookkeeping that grows with the pages stored (handle
 //!    table segments, zspage lists, doubling vectors) comes from there. The swap reserve's
-//!    refiller faults it in again whenever the request paths have used half of it
+//!    refiller faults it in again whenever the request paths have used a quarter of it
 //!    ([`keep_heap_reserve`]): without that, a 1 GiB guest's hog grew the bookkeeping past
 //!    the pad and a queue thread hung in reclaim faulting in the heap's next page table. Seen in the VM before
 //!    this: a queue thread faulting in the header of a freshly mapped 132 KiB block (a handle
@@ -115,6 +115,10 @@ fn memlock_limit_bytes() -> Option<u64> {
 /// growth is far below this.
 pub const HEAP_RESERVE_BYTES: usize = 8 << 20;
 
+/// The top chunk left below which [`keep_heap_reserve`] faults the pad in again: three
+/// quarters of it.
+pub const HEAP_RESERVE_REFRESH_BYTES: usize = HEAP_RESERVE_BYTES * 3 / 4;
+
 /// malloc was tuned as step 1 of the module docs says ([`tune_malloc`]): the heap keeps a
 /// top pad of [`HEAP_RESERVE_BYTES`], which [`keep_heap_reserve`] keeps resident.
 static MALLOC_TUNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -188,7 +192,9 @@ pub fn fault_in_heap_reserve() {
     drop(std::hint::black_box(warm));
 }
 
-/// Faults the heap's reserve in again once the request paths have used half of it
+/// Faults the heap's reserve in again once the request paths have used a quarter of it
+/// ([`HEAP_RESERVE_REFRESH_BYTES`] left: the store path's bookkeeping grows in steps of up to
+/// a few MiB, the doubling of a large class's lists)
 /// (`mallinfo2().keepcost`, the top chunk, resident since it was last faulted in). Called by
 /// the swap reserve's refiller every tick ([`uzram::memory::SwapReserve::on_refill_tick`]),
 /// the one thread of the server that may wait for memory.
@@ -209,7 +215,7 @@ pub fn keep_heap_reserve() {
     // SAFETY: mallinfo2 takes no arguments and returns a struct by value; it takes the main
     // arena's lock itself.
     let top_bytes = unsafe { libc::mallinfo2() }.keepcost;
-    if top_bytes >= HEAP_RESERVE_BYTES / 2 {
+    if top_bytes >= HEAP_RESERVE_REFRESH_BYTES {
         return;
     }
     // SAFETY: `struct sysinfo` is plain integers, for which all zeroes is a valid value.
