@@ -174,6 +174,11 @@ pub struct Device {
     /// (restart.rs, `DictMeta`): set by `disksize` and recovery (the init lock exclusive),
     /// advanced by `train_dict` under `pp_lock`.
     dict_seq: AtomicU64,
+    /// The server's policy text as last saved or recovered, and its record's generation in
+    /// the header file (restart.rs, `PolicyRecord`). Taken after the init lock (shared by
+    /// `save_policy`, exclusive by `disksize`), held across each record's write so that
+    /// records reach the file in generation order. Kept by reset.
+    policy: Mutex<restart::SavedPolicy>,
     /// Held by the running writeback or recompression (zram's `pp_in_progress`).
     pp_lock: Mutex<()>,
     /// The block layer's `stat` counters (zeroed by reset, as the kernel's reset zeroes the
@@ -222,6 +227,7 @@ impl Device {
             limits_write: Mutex::new(()),
             limits_gen: AtomicU64::new(0),
             dict_seq: AtomicU64::new(0),
+            policy: Mutex::new(restart::SavedPolicy::default()),
             pp_lock: Mutex::new(()),
             block_stat: block_stat::BlockStat::default(),
             clock,

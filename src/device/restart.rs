@@ -5,7 +5,7 @@
 //! a magic line with the format's version, then `key value` lines (the last ones, which
 //! headers of earlier binaries lack, read as none). After the header page come the two limits
 //! slots ([`Limits`]), then the dictionary records ([`DictMeta`]: every codec generation and
-//! its dictionary). Recovery reads them, refuses settings whose state it cannot rebuild (a
+//! its dictionary), then the two policy slots ([`PolicyRecord`]: the server's `policy`). Recovery reads them, refuses settings whose state it cannot rebuild (a
 //! dictionary in a header of a binary from before the records), rebuilds the codecs (the
 //! primary and the recompression ones, with their dictionaries and generations) and then the
 //! store from its files, checking everything (`store::restore`, `zsmalloc::restore`).
@@ -15,6 +15,7 @@
 //! | 0..4 KiB | the header's text |
 //! | 4..12 KiB | the two limits slots, a page each |
 //! | 12 KiB.. | the dictionary records: the primary's, then 8 generations of each recompression priority, each 4 KiB of text and room for 4 MiB of dictionary (sparse: only what is written costs memory) |
+//! | after the last dictionary room (100 MiB + 112 KiB).. +8 KiB | the two policy slots, a page each ([`PolicyRecord`]; written once a policy is saved, in headers with dictionary records or without) |
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -578,6 +579,106 @@ impl DictMeta {
     }
 }
 
+/// The policy record's first line.
+const POLICY_MAGIC: &str = "uzram-device-policy 1";
+
+/// Where the two policy slots start: after the last dictionary record's room (the end of the
+/// dictionary records' address space, whether the header has them or not: sparse, so a
+/// header without dictionary records pays only the two pages), so no record before it moves.
+const POLICY_OFFSET_BYTES: u64 =
+    DICTS_OFFSET_BYTES + (1 + (MAX_COMPS as u64 - 1) * MAX_GENS as u64) * DICT_RECORD_BYTES;
+
+/// Bytes of each of the two policy slots (a page each).
+const POLICY_SLOT_BYTES: usize = 4096;
+
+/// The longest policy text a record holds (its slot less room for the magic, the generation
+/// and the checksum lines).
+pub const MAX_POLICY_TEXT_BYTES: usize = POLICY_SLOT_BYTES - 256;
+
+/// The server's policy settings (its `policy` attribute), kept for the next process in two
+/// slots at [`POLICY_OFFSET_BYTES`] of the header file, as the limits are ([`Limits`]): each
+/// save writes the slot of its generation's parity whole, zero-padded, its text closed by a
+/// checksum of the rest, so a save stopped at any instruction leaves the other slot (the
+/// previous generation) intact; recovery takes the valid slot of the highest generation. The
+/// text is the server's (the engine only keeps it): lines, no NUL, at most
+/// [`MAX_POLICY_TEXT_BYTES`].
+///
+/// A header without the slots (written by a binary from before the record, or by this one
+/// before any policy was saved) reads as no record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PolicyRecord {
+    gen: u64,
+    text: String,
+}
+
+impl PolicyRecord {
+    fn encode(&self) -> String {
+        let mut body = format!("{POLICY_MAGIC}\ngen {}\n{}", self.gen, self.text);
+        if !body.ends_with('\n') {
+            body.push('\n');
+        }
+        let sum = fnv1a(body.as_bytes());
+        format!("{body}sum {sum:016x}\n")
+    }
+
+    /// The record in `bytes`, or `None` if the slot holds none or a torn one.
+    fn decode(bytes: &[u8]) -> Option<PolicyRecord> {
+        let text = std::str::from_utf8(bytes.split(|&b| b == 0).next()?).ok()?;
+        let (body, sum_line) = text.trim_end_matches('\n').rsplit_once('\n')?;
+        let body = format!("{body}\n");
+        let sum = u64::from_str_radix(sum_line.strip_prefix("sum ")?, 16).ok()?;
+        if sum != fnv1a(body.as_bytes()) {
+            return None;
+        }
+        let rest = body.strip_prefix(POLICY_MAGIC)?.strip_prefix('\n')?;
+        let (gen_line, text) = rest.split_once('\n')?;
+        let gen = gen_line.strip_prefix("gen ")?.parse().ok()?;
+        Some(PolicyRecord {
+            gen,
+            text: text.to_string(),
+        })
+    }
+
+    /// The newest valid record of the two slots of `header` (`None`: none saved, or a header
+    /// from before the record; both slots torn, which one save cannot do).
+    fn read(header: &ShmFile) -> Result<Option<PolicyRecord>> {
+        let slots = header.read_at(POLICY_OFFSET_BYTES, 2 * POLICY_SLOT_BYTES)?;
+        Ok(slots
+            .chunks(POLICY_SLOT_BYTES)
+            .filter_map(PolicyRecord::decode)
+            .max_by_key(|r| r.gen))
+    }
+
+    /// Writes the record into its slot of `header`, zero-padded to the slot (the file grows
+    /// to the slots if it ends before them: sparse). `EINVAL` for a text too long or holding
+    /// a NUL, writing nothing.
+    fn write(&self, header: &ShmFile) -> Result<()> {
+        let mut slot = self.encode().into_bytes();
+        if self.text.len() > MAX_POLICY_TEXT_BYTES
+            || self.text.contains('\0')
+            || slot.len() > POLICY_SLOT_BYTES
+        {
+            return Err(Error::invalid(format!(
+                "a policy of {} bytes does not fit its saved record",
+                self.text.len()
+            )));
+        }
+        slot.resize(POLICY_SLOT_BYTES, 0);
+        header.write_at(
+            POLICY_OFFSET_BYTES + (self.gen % 2) * POLICY_SLOT_BYTES as u64,
+            &slot,
+        )
+    }
+}
+
+/// A device's policy text as last saved or recovered ([`Device::save_policy`]) and the
+/// generation of its last record; behind [`Device`]'s `policy` mutex.
+#[derive(Debug, Default)]
+pub(super) struct SavedPolicy {
+    gen: u64,
+    text: Option<String>,
+}
+
 /// Whether a device of `settings` can hold a dictionary: `dict=` given to a codec, or a
 /// zstd recompression priority (`train_dict` trains for those only). Its header is then of
 /// version 2, with dictionary records.
@@ -766,7 +867,54 @@ impl Device {
             }
         }
         self.dict_seq.store(0, std::sync::atomic::Ordering::Relaxed);
+        // The policy saved so far (before this `disksize`, or before a reset), in the new
+        // header's first slot; the `policy` mutex after the init lock, as in `save_policy`.
+        let mut policy = self.policy.lock();
+        if let Some(text) = policy.text.clone() {
+            policy.gen += 1;
+            PolicyRecord {
+                gen: policy.gen,
+                text,
+            }
+            .write(&file)?;
+        }
         Ok(file)
+    }
+
+    /// Keeps `text`, the server's policy settings for this device (its `policy` attribute, as
+    /// the server encodes it), for the next process: written now as the next generation of
+    /// the header file's policy record ([`PolicyRecord`]) if the device is initialised, and
+    /// into the header `disksize` makes otherwise (after a reset too). Takes the init lock
+    /// shared, then the `policy` mutex (which keeps saves apart and their generations in
+    /// order); call it with neither held. `EINVAL` for a text over
+    /// [`MAX_POLICY_TEXT_BYTES`] or holding a NUL, keeping nothing; a write the file refuses
+    /// (never seen: a memfd's page) leaves the previous record, which recovery then takes.
+    pub fn save_policy(&self, text: &str) -> Result<()> {
+        if text.len() > MAX_POLICY_TEXT_BYTES || text.contains('\0') {
+            return Err(Error::invalid(format!(
+                "a policy of {} bytes does not fit its saved record",
+                text.len()
+            )));
+        }
+        let st = self.state.read();
+        let mut policy = self.policy.lock();
+        policy.text = Some(text.to_string());
+        if let Some(header) = st.header.as_ref() {
+            policy.gen += 1;
+            PolicyRecord {
+                gen: policy.gen,
+                text: text.to_string(),
+            }
+            .write(header)?;
+        }
+        Ok(())
+    }
+
+    /// The policy text last kept by [`save_policy`](Device::save_policy), or recovered from
+    /// the header file's policy record ([`PolicyRecord`]); `None` when neither (a header
+    /// from before the record, or no policy ever saved).
+    pub fn saved_policy(&self) -> Option<String> {
+        self.policy.lock().text.clone()
     }
 
     /// Saves the dictionary generation `train_dict` is about to install into the device's
@@ -897,6 +1045,7 @@ impl Device {
     pub fn recover_with(files: DeviceFiles, with: Recover) -> Result<(Device, RecoveryReport)> {
         let header = Header::decode(&files.header.read_at(0, HEADER_BYTES)?)?;
         let limits = Limits::read(&files.header)?;
+        let policy = PolicyRecord::read(&files.header)?;
         if let Some(what) = &header.unsupported {
             // Only binaries from before the dictionary records wrote this (for a dictionary,
             // which they did not keep).
@@ -1013,6 +1162,12 @@ impl Device {
             dev.wb_limit.set_limit_units(l.wb_limit_units);
             dev.wb_batch_size.store(l.wb_batch_size, Relaxed);
         }
+        if let Some(p) = policy {
+            *dev.policy.lock() = SavedPolicy {
+                gen: p.gen,
+                text: Some(p.text),
+            };
+        }
         {
             let mut st = dev.state.write();
             st.settings = settings;
@@ -1078,6 +1233,112 @@ mod tests {
         let old = ShmFile::create("limits-old").unwrap();
         old.set_len(HEADER_BYTES as u64).unwrap();
         assert_eq!(Limits::read(&old).unwrap(), None);
+    }
+
+    #[test]
+    fn policy_round_trip_a_torn_slot_leaves_the_previous_record_newest_wins() {
+        // Headers without the slots: one of a binary from before the dictionary records (the
+        // header page and the limits slots), one with dictionary records.
+        let file = ShmFile::create("policy-test").unwrap();
+        file.set_len((HEADER_BYTES + 2 * LIMITS_SLOT_BYTES) as u64)
+            .unwrap();
+        assert_eq!(PolicyRecord::read(&file).unwrap(), None);
+        // The slots start after the last dictionary room, and move nothing before them.
+        assert_eq!(
+            POLICY_OFFSET_BYTES,
+            dict_record_offset(MAX_COMPS as u8 - 1, MAX_GENS as u8 - 1) + DICT_RECORD_BYTES
+        );
+        let limits = Limits {
+            gen: 3,
+            mem_limit_pages: 5,
+            wb_limit_enabled: false,
+            wb_limit_units: 0,
+            wb_batch_size: 1,
+        };
+        limits.write(&file).unwrap();
+        let first = PolicyRecord {
+            gen: 1,
+            text: "config none\npolicy idle_age_s=600 period_s=10\n".into(),
+        };
+        first.write(&file).unwrap();
+        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(first.clone()));
+        assert_eq!(Limits::read(&file).unwrap(), Some(limits));
+        let second = PolicyRecord {
+            gen: 2,
+            text: "config none\npolicy compact_ratio=1.05\n".into(),
+        };
+        second.write(&file).unwrap();
+        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(second.clone()));
+        // The third replaces the first (same parity); the newest wins whichever slot holds it.
+        let third = PolicyRecord {
+            gen: 3,
+            text: "anything\n".into(),
+        };
+        third.write(&file).unwrap();
+        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(third.clone()));
+        // A save stopped half way through the newer slot (generation 3's, the odd one): one
+        // byte of it changed, then the slot cut off after a few bytes.
+        let at = POLICY_OFFSET_BYTES + POLICY_SLOT_BYTES as u64;
+        let byte = file.read_at(at + 30, 1).unwrap()[0];
+        file.write_at(at + 30, &[byte ^ 0x01]).unwrap();
+        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(second.clone()));
+        file.write_at(at + 30, &[byte]).unwrap();
+        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(third.clone()));
+        let mut cut = third.encode().into_bytes();
+        cut.truncate(cut.len() - 10);
+        cut.resize(POLICY_SLOT_BYTES, 0);
+        file.write_at(at, &cut).unwrap();
+        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(second));
+        // Too long, or a NUL: refused, nothing written.
+        for text in ["x".repeat(MAX_POLICY_TEXT_BYTES + 1), "a\0b\n".to_string()] {
+            let r = PolicyRecord { gen: 4, text };
+            assert!(r.write(&file).is_err());
+        }
+        assert!(file.read_at(POLICY_OFFSET_BYTES, 1).unwrap()[0] != 0);
+        assert_eq!(
+            PolicyRecord::decode(
+                PolicyRecord {
+                    gen: 9,
+                    text: String::new()
+                }
+                .encode()
+                .as_bytes()
+            ),
+            Some(PolicyRecord {
+                gen: 9,
+                text: String::new()
+            })
+        );
+    }
+
+    #[test]
+    fn a_device_keeps_its_policy_across_disksize_and_recovery() {
+        let dev = Device::new_uninit(4096).unwrap();
+        assert_eq!(dev.saved_policy(), None);
+        // Saved before disksize: kept, and written into the header disksize makes.
+        dev.save_policy("before\n").unwrap();
+        dev.attr_store("disksize", "1M").unwrap();
+        let (back, _) = Device::recover(dev.state_files().unwrap()).unwrap();
+        assert_eq!(back.saved_policy().as_deref(), Some("before\n"));
+        // Saved on the live device, twice: the newest comes back, and again after a save on
+        // the recovered device (its generations go on from the recovered one's).
+        dev.save_policy("one\n").unwrap();
+        dev.save_policy("two\n").unwrap();
+        drop(back);
+        let (back, _) = Device::recover(dev.state_files().unwrap()).unwrap();
+        assert_eq!(back.saved_policy().as_deref(), Some("two\n"));
+        back.save_policy("three\n").unwrap();
+        let (again, _) = Device::recover(back.state_files().unwrap()).unwrap();
+        assert_eq!(again.saved_policy().as_deref(), Some("three\n"));
+        assert!(dev
+            .save_policy(&"x".repeat(MAX_POLICY_TEXT_BYTES + 1))
+            .is_err());
+        assert_eq!(dev.saved_policy().as_deref(), Some("two\n"));
+        // A device never given one recovers without one.
+        let plain = Device::new_uninit(4096).unwrap();
+        plain.attr_store("disksize", "1M").unwrap();
+        let (back, _) = Device::recover(plain.state_files().unwrap()).unwrap();
+        assert_eq!(back.saved_policy(), None);
     }
 
     #[test]
