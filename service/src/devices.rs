@@ -467,6 +467,12 @@ impl Devices {
             Arc::clone(&self.frontends.fd_store),
         ));
         let policy = Arc::new(DevicePolicy::new(name.clone(), Arc::clone(&device)));
+        // A device recovered has its settings saved by the previous process, if any (one
+        // added by hot_add: the configuration does not name it).
+        match policy.restore(false, None) {
+            Ok(restored) => restored.log(&name),
+            Err(e) => eprintln!("uzram: {how}: {name}: policy: {}", e.message()),
+        }
         let started = Arc::clone(&attach);
         let served = match attach
             .start_missing()

@@ -368,11 +368,13 @@ impl Host {
                 export: spec.name.clone(),
             });
             let policy = Arc::new(DevicePolicy::new(spec.name.clone(), Arc::clone(&device)));
-            if let Some(p) = &spec.policy {
-                policy
-                    .store(p)
-                    .with_context(|| format!("device {}: policy", spec.name))?;
-            }
+            // The settings saved by the previous process (set at runtime) if the
+            // configuration's are still the ones they were saved over; else the
+            // configuration's.
+            let restored = policy
+                .restore(true, spec.policy.as_deref())
+                .with_context(|| format!("device {}: policy", spec.name))?;
+            restored.log(&spec.name);
             policies.push(Arc::clone(&policy));
             devices.push((spec, device, dir, policy, recovered));
         }

@@ -24,7 +24,9 @@
 //!
 //! # Locks
 //! [`DevicePolicy::config`] (the settings, taken for a moment by the control socket and by
-//! the runner, which clones them), [`DevicePolicy::counters`] (a moment, by the runner and
+//! the runner, which clones them; a change holds it while it saves the settings in the
+//! device's state, taking the device's init lock shared and its policy record mutex under
+//! it), [`DevicePolicy::counters`] (a moment, by the runner and
 //! by readers) and [`DevicePolicy::schedule`] (the runner only; held across the device's
 //! calls, so it is taken before any device lock and nothing is taken under it but the
 //! device's own). Never two of them at once.
@@ -114,6 +116,52 @@ pub struct PolicyCounters {
     pub last_error: Option<String>,
 }
 
+/// Where a device's settings came from at the server's start ([`DevicePolicy::restore`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restored {
+    /// The settings the previous process saved (set at runtime, or the configuration's).
+    Saved,
+    /// The configuration's: nothing was saved.
+    Configured,
+    /// The configuration's, or none: the saved ones were not taken, for this reason.
+    Ignored(String),
+    /// None: nothing saved, nothing configured.
+    None,
+}
+
+impl Restored {
+    /// Logs where device `name`'s settings came from, when the previous process's saved
+    /// ones matter (taken, or not and why).
+    pub fn log(&self, name: &str) {
+        match self {
+            Restored::Saved => eprintln!("uzram: {name}: policy: the saved one, as it was set"),
+            Restored::Ignored(why) => eprintln!(
+                "uzram: {name}: policy: the saved one is not taken ({why}): the \
+                 configuration's, if any"
+            ),
+            Restored::Configured | Restored::None => {}
+        }
+    }
+}
+
+/// The words of `text` joined by one space.
+fn words(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The saved text's two lines ([`DevicePolicy`]'s documentation): the configured `policy`
+/// it was saved over (`None`: none) and the settings; `None` if it is not of that form.
+fn parse_saved(text: &str) -> Option<(Option<String>, String)> {
+    let mut lines = text.lines();
+    let base = lines.next()?.strip_prefix("config ")?;
+    let settings = lines.next()?.strip_prefix("policy ")?;
+    if lines.next().is_some() {
+        return None;
+    }
+    let base = (base != "none").then(|| base.to_string());
+    Some((base, settings.to_string()))
+}
+
 /// When the runner last did what (its clock's readings).
 #[derive(Debug, Default)]
 struct Schedule {
@@ -140,10 +188,24 @@ fn elapsed(last: Option<Duration>, now: Duration, period: Duration) -> bool {
 pub const PRESSURE_CHECK_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A device's policies: its settings, counters and schedule.
+///
+/// # Across a restart
+/// Every change of the settings ([`store`](Self::store), [`set_config`](Self::set_config))
+/// is saved in the device's state for the next process ([`Device::save_policy`]: the header
+/// file's policy record, two checksummed slots), under the `config` lock, so the records
+/// reach the file in the order of the changes. The text saved is two lines: `config` and the
+/// configuration's `policy` the device started with (its words, or `none`), then `policy` and
+/// the settings now (every key, as `policy` reads, on one line). At the next start
+/// [`restore`](Self::restore) brings the saved settings back, unless the configuration's
+/// `policy` is no longer the one they were saved over (see there).
 #[derive(Debug)]
 pub struct DevicePolicy {
     name: String,
     device: Arc<Device>,
+    /// The configuration's `policy` the device started with, its words joined by one space
+    /// (`None`: none, or a device the configuration does not name); set once by
+    /// [`restore`](Self::restore), read by every save.
+    configured: std::sync::OnceLock<Option<String>>,
     config: Mutex<PolicyConfig>,
     counters: Mutex<[PolicyCounters; 5]>,
     schedule: Mutex<Schedule>,
@@ -155,6 +217,7 @@ impl DevicePolicy {
         DevicePolicy {
             name: name.into(),
             device,
+            configured: std::sync::OnceLock::new(),
             config: Mutex::new(PolicyConfig::default()),
             counters: Mutex::new(Default::default()),
             schedule: Mutex::new(Schedule::default()),
@@ -176,9 +239,14 @@ impl DevicePolicy {
         self.config.lock().clone()
     }
 
-    /// Replaces the settings. The next period starts from the runner's next tick.
+    /// Replaces the settings, and saves them for the next process. The next period starts
+    /// from the runner's next tick.
     pub fn set_config(&self, config: PolicyConfig) {
-        *self.config.lock() = config;
+        let mut c = self.config.lock();
+        // Cannot fail: the text is far shorter than a record holds.
+        let saved = self.save(&config);
+        debug_assert!(saved.is_ok(), "{saved:?}");
+        *c = config;
     }
 
     /// `policy` read: every key, one per line.
@@ -186,11 +254,66 @@ impl DevicePolicy {
         self.config().show()
     }
 
-    /// `policy` write: applies `key=value` tokens (see [`config`]); `EINVAL` changes nothing.
+    /// `policy` write: applies `key=value` tokens (see [`config`]) and saves the result for
+    /// the next process; `EINVAL` changes nothing.
     pub fn store(&self, text: &str) -> Result<()> {
         let mut c = self.config.lock();
-        *c = c.with(text)?;
+        let new = c.with(text)?;
+        self.save(&new)?;
+        *c = new;
         Ok(())
+    }
+
+    /// Saves `config` in the device's state (see the type's documentation); the caller holds
+    /// the `config` lock, taken before the device's (its init lock and policy record mutex).
+    fn save(&self, config: &PolicyConfig) -> Result<()> {
+        let configured = self.configured.get().cloned().flatten();
+        let text = format!(
+            "config {}\npolicy {}\n",
+            configured.as_deref().unwrap_or("none"),
+            words(&config.show())
+        );
+        self.device.save_policy(&text)
+    }
+
+    /// The settings at the server's start, for a device whose state may have been recovered:
+    /// `configured` is the configuration's `policy` for the device (`None`: none, or a device
+    /// the configuration does not name, such as one added by `hot_add` in a previous
+    /// process). The settings saved by the previous process ([`Device::saved_policy`]) come
+    /// back, as they were set at runtime, if they were saved over the same configured
+    /// `policy` (compared word by word) or the configuration does not name the device
+    /// (`named` false); otherwise (none saved, or the configuration's `policy` edited since)
+    /// the configuration's are stored, and saved. Call it once, before the device's policies
+    /// run. `EINVAL` if the configuration's text is refused.
+    pub fn restore(&self, named: bool, configured: Option<&str>) -> Result<Restored> {
+        let configured = configured.map(words).filter(|w| !w.is_empty());
+        let _ = self.configured.set(configured.clone());
+        let saved = self.device.saved_policy().map(|t| parse_saved(&t));
+        let mut ignored = None;
+        match saved {
+            Some(Some((base, settings))) if !named || base == configured => {
+                match PolicyConfig::default().with(&settings) {
+                    Ok(c) => {
+                        *self.config.lock() = c;
+                        return Ok(Restored::Saved);
+                    }
+                    Err(e) => ignored = Some(e.message().to_string()),
+                }
+            }
+            Some(Some(_)) => {
+                ignored = Some("the configuration's policy changed since it was saved".into())
+            }
+            Some(None) => ignored = Some("it does not parse".into()),
+            None => {}
+        }
+        if let Some(text) = &configured {
+            self.store(text)?;
+        }
+        Ok(match ignored {
+            Some(why) => Restored::Ignored(why),
+            None if configured.is_some() => Restored::Configured,
+            None => Restored::None,
+        })
     }
 
     /// The counters of `kind`.
@@ -509,5 +632,80 @@ impl PolicyRunner {
 impl Drop for PolicyRunner {
     fn drop(&mut self) {
         self.stop_inner();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device with `disksize` set, its policies and a second process's view: the device
+    /// recovered from its files.
+    fn recovered(dev: &Device) -> Arc<Device> {
+        Arc::new(Device::recover(dev.state_files().unwrap()).unwrap().0)
+    }
+
+    fn new_device() -> Arc<Device> {
+        let dev = Device::new_uninit(4096).unwrap();
+        dev.attr_store("disksize", "1M").unwrap();
+        Arc::new(dev)
+    }
+
+    #[test]
+    fn saved_settings_come_back_unless_the_configuration_changed() {
+        // Configured, changed at runtime: the runtime settings come back over the same
+        // configuration (its words spaced otherwise), the configuration's over an edited one.
+        let dev = new_device();
+        let p = DevicePolicy::new("zram0", Arc::clone(&dev));
+        assert_eq!(
+            p.restore(true, Some("idle_age_s=600")).unwrap(),
+            Restored::Configured
+        );
+        p.store("compact_ratio=1.5 idle_age_s=off").unwrap();
+        let runtime = p.config();
+        let again = DevicePolicy::new("zram0", recovered(&dev));
+        assert_eq!(
+            again.restore(true, Some("  idle_age_s=600 ")).unwrap(),
+            Restored::Saved
+        );
+        assert_eq!(again.config(), runtime);
+
+        // Not named by the configuration (added by hot_add): its saved settings, whatever
+        // they were saved over; `off` at runtime comes back off.
+        // (The files are the same: a second process of the first.)
+        let hot = DevicePolicy::new("zram1", recovered(&dev));
+        assert_eq!(hot.restore(false, None).unwrap(), Restored::Saved);
+        assert_eq!(hot.config(), runtime);
+        // The configuration edited: its settings, saved in turn.
+        let edited = DevicePolicy::new("zram0", recovered(&dev));
+        assert!(matches!(
+            edited.restore(true, Some("idle_age_s=60")).unwrap(),
+            Restored::Ignored(_)
+        ));
+        assert_eq!(edited.config().idle_age_secs, Some(60));
+        assert_eq!(edited.config().compact_ratio, None);
+        let hot_again = DevicePolicy::new("zram1", recovered(&dev));
+        assert_eq!(hot_again.restore(false, None).unwrap(), Restored::Saved);
+        assert_eq!(hot_again.config().idle_age_secs, Some(60));
+        hot_again.store("off").unwrap();
+        let hot_again = DevicePolicy::new("zram1", recovered(&dev));
+        assert_eq!(hot_again.restore(false, None).unwrap(), Restored::Saved);
+        assert_eq!(hot_again.config(), PolicyConfig::default());
+
+        // Nothing saved: the configuration's, or nothing.
+        let fresh = new_device();
+        let p = DevicePolicy::new("zram2", recovered(&fresh));
+        assert_eq!(p.restore(false, None).unwrap(), Restored::None);
+        assert_eq!(p.config(), PolicyConfig::default());
+        // A saved text this binary does not read: ignored.
+        fresh
+            .save_policy("config none\npolicy no_such_key=1\n")
+            .unwrap();
+        let p = DevicePolicy::new("zram2", recovered(&fresh));
+        assert!(matches!(
+            p.restore(true, Some("gc_free_zones=2")).unwrap(),
+            Restored::Ignored(_)
+        ));
+        assert_eq!(p.config().gc_free_zones, Some(2));
     }
 }
