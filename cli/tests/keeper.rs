@@ -714,3 +714,70 @@ fn written_back_pages_come_back_after_a_kill() {
     let log = k.r.log();
     assert!(!log.contains("refused"), "{log}");
 }
+
+/// The runs of `policy` in `dev`'s `policy_stat`.
+fn policy_runs(r: &Running, dev: &str, policy: &str) -> u64 {
+    let text = r.show(dev, "policy_stat");
+    let line = text
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(policy))
+        .unwrap_or_else(|| panic!("{dev}: no {policy} in {text:?}"));
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+/// A device's `policy` set at runtime comes back after a kill and acts again: one added by
+/// `hot_add`, and a configured one (the runtime settings over the configuration's, until the
+/// configuration's `policy` is edited: then the configuration's).
+#[test]
+fn policies_set_at_runtime_come_back_after_a_kill() {
+    let k = Kept::start(Serve::config(
+        "[[device]]\nname = \"zram0\"\ndisksize = \"16M\"\n\
+         socket = \"{dir}/zram0.sock\"\npolicy = \"idle_age_s=600\"\n",
+    ));
+    let dir = k.r.dir().to_path_buf();
+    let o = k.r.ctl(&["hot_add"]);
+    assert!(o.status.success(), "{o:?}");
+    let added = format!("zram{}", String::from_utf8_lossy(&o.stdout).trim());
+    k.r.set(&added, "disksize", "16M");
+    // Idle aging every second: its runs count up while the device serves.
+    k.r.set(&added, "policy", "idle_age_s=0 period_s=1");
+    k.r.set("zram0", "policy", "compact_ratio=1.5 idle_age_s=off");
+    let added_policy = k.r.show(&added, "policy");
+    let zram0_policy = k.r.show("zram0", "policy");
+    assert!(added_policy.contains("idle_age_s=0\n"), "{added_policy}");
+    assert!(
+        zram0_policy.contains("compact_ratio=1.5\n"),
+        "{zram0_policy}"
+    );
+    k.kill_child_now();
+    assert_eq!(k.r.show(&added, "policy"), added_policy);
+    assert_eq!(k.r.show("zram0", "policy"), zram0_policy);
+    // The new process's counters start at 0: runs counted now are its own.
+    wait_for(
+        "the recovered device's idle policy to run",
+        Duration::from_secs(20),
+        || policy_runs(&k.r, &added, "idle") >= 2,
+    );
+    // Kept by the next kill too (saved again by the recovered device).
+    k.r.set(&added, "policy", "period_s=2");
+    let added_policy = k.r.show(&added, "policy");
+    assert!(added_policy.contains("period_s=2\n"), "{added_policy}");
+    // The configuration's policy for zram0 edited: the configuration's comes back.
+    let config = dir.join("uzram.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("idle_age_s=600", "idle_age_s=900")).unwrap();
+    k.kill_child_now();
+    assert_eq!(k.r.show(&added, "policy"), added_policy);
+    let zram0_policy = k.r.show("zram0", "policy");
+    assert!(zram0_policy.contains("idle_age_s=900\n"), "{zram0_policy}");
+    assert!(
+        zram0_policy.contains("compact_ratio=off\n"),
+        "{zram0_policy}"
+    );
+    let log = k.r.log();
+    assert!(
+        log.contains("uzram: zram0: policy: the saved one is not taken"),
+        "{log}"
+    );
+    assert!(!log.contains("refused"), "{log}");
+}
