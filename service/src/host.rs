@@ -262,7 +262,7 @@ impl Host {
                 reserve.on_refill_tick(Box::new(crate::frontend::swap::keep_heap_reserve));
                 match crate::frontend::swap::spawn_reclaim_watchdog() {
                     Ok(()) => report.push(
-                        "a thread of the server stuck in reclaim for 2 s (memory run out) asks \
+                        "a thread of the server stuck in reclaim for 10 s with no swap I/O (memory run out) asks \
                          the kernel's OOM killer to act (sysrq f)"
                             .into(),
                     ),

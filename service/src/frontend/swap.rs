@@ -328,16 +328,17 @@ pub fn oom_trigger() -> Option<Box<dyn Fn() + Send + Sync>> {
 
 /// How often the reclaim watchdog ([`spawn_reclaim_watchdog`]) looks at the server's threads.
 const RECLAIM_WATCH_PERIOD: std::time::Duration = std::time::Duration::from_millis(500);
-/// Looks in a row a thread must be found in direct reclaim before the watchdog acts (about
-/// two seconds).
-const RECLAIM_STUCK_LOOKS: u32 = 4;
+/// Looks in a row a thread must be found in direct reclaim, with no swap-in or swap-out
+/// started anywhere meanwhile, before the watchdog acts (ten seconds).
+const RECLAIM_STUCK_LOOKS: u32 = 20;
 /// Least time between two OOM kills the watchdog asks for.
 const RECLAIM_COOLDOWN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Serving swap, a last resort against a stall the server cannot otherwise end: a thread of
 /// the server (other than the swap reserve's refiller, which may wait for memory) that sits in
-/// direct reclaim (`__alloc_pages_slowpath` on its kernel stack) for two seconds is faulting
-/// in a page the server did not get ahead of need (the heap past its pad, when free memory
+/// direct reclaim (`__alloc_pages_slowpath` on its kernel stack) for ten seconds while the
+/// machine starts no swap-in or swap-out at all (`/proc/vmstat`'s `pswpin` and `pswpout` stand
+/// still) is faulting in a page the server did not get ahead of need (the heap past its pad, when free memory
 /// stayed below `min` so long that the refiller could not fault the pad in again). As an I/O
 /// flusher its reclaim cannot swap anything out, and the kernel calls no OOM killer for
 /// I/O-less reclaim: it loops, while every other reclaimer waits for the swap-outs it would
@@ -369,8 +370,15 @@ pub fn spawn_reclaim_watchdog() -> Result<(), String> {
             let mut last_kill: Option<std::time::Instant> = None;
             let mut dents = [0u8; 8192];
             let mut stack = [0u8; 8192];
+            let mut vmstat = [0u8; 16384];
+            let mut swapped = swap_events(&mut vmstat);
             loop {
                 std::thread::sleep(RECLAIM_WATCH_PERIOD);
+                // Swap I/O started since the last look: the machine makes progress, and a
+                // thread in reclaim now waits for it rather than for nothing.
+                let now_swapped = swap_events(&mut vmstat);
+                let moved = now_swapped != swapped;
+                swapped = now_swapped;
                 let mut now_seen = [(0i32, 0u32); 64];
                 let mut n_now = 0;
                 let mut stuck = false;
@@ -378,7 +386,8 @@ pub fn spawn_reclaim_watchdog() -> Result<(), String> {
                     if tid == self_tid || !in_reclaim(tid, &mut stack) {
                         return;
                     }
-                    let looks = seen.iter().find(|(t, _)| *t == tid).map_or(0, |&(_, n)| n) + 1;
+                    let before = seen.iter().find(|(t, _)| *t == tid).map_or(0, |&(_, n)| n);
+                    let looks = if moved { 1 } else { before + 1 };
                     if looks >= RECLAIM_STUCK_LOOKS {
                         stuck = true;
                     }
@@ -391,9 +400,9 @@ pub fn spawn_reclaim_watchdog() -> Result<(), String> {
                 if stuck && !last_kill.is_some_and(|t| t.elapsed() < RECLAIM_COOLDOWN) {
                     last_kill = Some(std::time::Instant::now());
                     eprintln!(
-                        "uzram: --swap: a thread of the server has been in reclaim for 2 s \
-                         (a page it did not get ahead of need): memory has run out; asking the \
-                         kernel's OOM killer to act (sysrq f)"
+                        "uzram: --swap: a thread of the server has been in reclaim for 10 s \
+                         with no swap I/O anywhere (a page it did not get ahead of need): memory \
+                         has run out; asking the kernel's OOM killer to act (sysrq f)"
                     );
                     use std::io::Write;
                     let _ = (&trigger).write_all(b"f");
@@ -402,6 +411,26 @@ pub fn spawn_reclaim_watchdog() -> Result<(), String> {
         })
         .map_err(|e| format!("starting its thread: {e}"))?;
     Ok(())
+}
+
+/// The swap-ins and swap-outs started so far (`/proc/vmstat`'s `pswpin` + `pswpout`), read
+/// into `buf`; 0 if unreadable.
+fn swap_events(buf: &mut [u8]) -> u64 {
+    let n = read_file(b"/proc/vmstat\0", buf);
+    let text = &buf[..n];
+    [&b"\npswpin "[..], &b"\npswpout "[..]]
+        .iter()
+        .map(|key| {
+            text.windows(key.len())
+                .position(|w| w == *key)
+                .map_or(0, |at| {
+                    text[at + key.len()..]
+                        .iter()
+                        .take_while(|b| b.is_ascii_digit())
+                        .fold(0u64, |v, &d| v * 10 + u64::from(d - b'0'))
+                })
+        })
+        .sum()
 }
 
 /// This thread's id.
@@ -596,6 +625,18 @@ mod tests {
         let mut buf = [0u8; 8192];
         assert!(read_file(&path[..len], &mut buf) > 0);
         assert!(!in_reclaim(other, &mut buf));
+        // The machine's swap counters, as /proc/vmstat has them.
+        let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap();
+        let field = |k: &str| -> u64 {
+            vmstat
+                .lines()
+                .find_map(|l| l.strip_prefix(k)?.strip_prefix(' ')?.parse().ok())
+                .unwrap()
+        };
+        let before = field("pswpin") + field("pswpout");
+        let mut big = [0u8; 16384];
+        let got = swap_events(&mut big);
+        assert!(got >= before, "{got} < {before}");
         stop_tx.send(()).unwrap();
         sleeper.join().unwrap();
     }
