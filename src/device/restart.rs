@@ -33,6 +33,22 @@ pub use crate::store::RecoveryReport;
 use crate::store::{BackingLayout, Codecs, NewGeneration, SavedGens, Store, StoreFiles, WbTarget};
 use crate::zsmalloc::PoolFiles;
 
+/// A slot record's text: `body` (whole lines) then a last line with its FNV-1a checksum.
+fn seal(body: &str) -> String {
+    let sum = fnv1a(body.as_bytes());
+    format!("{body}sum {sum:016x}\n")
+}
+
+/// The body of a record [`seal`]ed into `bytes` (zero-padded to its slot), or `None` if the
+/// slot holds none or a torn one (its checksum fails).
+fn unseal(bytes: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(bytes.split(|&b| b == 0).next()?).ok()?;
+    let (body, sum_line) = text.trim_end_matches('\n').rsplit_once('\n')?;
+    let body = format!("{body}\n");
+    let sum = u64::from_str_radix(sum_line.strip_prefix("sum ")?, 16).ok()?;
+    (sum == fnv1a(body.as_bytes())).then_some(body)
+}
+
 /// The header's first line without dictionary records: the format and its version 1, every
 /// codec as the header's lines say, without a dictionary. Written for a device that cannot
 /// hold a dictionary (no `dict=`, no zstd recompression priority for `train_dict`), so a
@@ -336,19 +352,12 @@ impl Limits {
             self.wb_limit_units,
             self.wb_batch_size
         );
-        let sum = fnv1a(body.as_bytes());
-        format!("{body}sum {sum:016x}\n")
+        seal(&body)
     }
 
     /// The record in `bytes`, or `None` if the slot holds none or a torn one.
     fn decode(bytes: &[u8]) -> Option<Limits> {
-        let text = std::str::from_utf8(bytes.split(|&b| b == 0).next()?).ok()?;
-        let (body, sum_line) = text.trim_end_matches('\n').rsplit_once('\n')?;
-        let body = format!("{body}\n");
-        let sum = u64::from_str_radix(sum_line.strip_prefix("sum ")?, 16).ok()?;
-        if sum != fnv1a(body.as_bytes()) {
-            return None;
-        }
+        let body = unseal(bytes)?;
         let mut lines = body.lines();
         if lines.next()? != LIMITS_MAGIC {
             return None;
@@ -490,8 +499,7 @@ impl DictMeta {
             dict.len(),
             crc32c_of(&[dict]),
         );
-        let sum = fnv1a(body.as_bytes());
-        format!("{body}sum {sum:016x}\n")
+        seal(&body)
     }
 
     /// Writes the record with `dict` (at most [`MAX_DICT_BYTES`]) into its room of `header`,
@@ -617,19 +625,12 @@ impl PolicyRecord {
         if !body.ends_with('\n') {
             body.push('\n');
         }
-        let sum = fnv1a(body.as_bytes());
-        format!("{body}sum {sum:016x}\n")
+        seal(&body)
     }
 
     /// The record in `bytes`, or `None` if the slot holds none or a torn one.
     fn decode(bytes: &[u8]) -> Option<PolicyRecord> {
-        let text = std::str::from_utf8(bytes.split(|&b| b == 0).next()?).ok()?;
-        let (body, sum_line) = text.trim_end_matches('\n').rsplit_once('\n')?;
-        let body = format!("{body}\n");
-        let sum = u64::from_str_radix(sum_line.strip_prefix("sum ")?, 16).ok()?;
-        if sum != fnv1a(body.as_bytes()) {
-            return None;
-        }
+        let body = unseal(bytes)?;
         let rest = body.strip_prefix(POLICY_MAGIC)?.strip_prefix('\n')?;
         let (gen_line, text) = rest.split_once('\n')?;
         let gen = gen_line.strip_prefix("gen ")?.parse().ok()?;
