@@ -781,3 +781,43 @@ fn policies_set_at_runtime_come_back_after_a_kill() {
     );
     assert!(!log.contains("refused"), "{log}");
 }
+
+/// A configured device whose `dict=` file is deleted, then replaced by another, after its
+/// pages were written with it: each kill recovers it with the dictionary its saved state
+/// holds, its pages read back, the log says which dictionary serves.
+#[test]
+fn a_deleted_dictionary_file_does_not_refuse_the_saved_state() {
+    require("qemu-img");
+    let dir = tempfile::tempdir().unwrap();
+    let dict = dir.path().join("zram0.dict");
+    std::fs::write(&dict, program_pages(16, 7, Program::Any).concat()).unwrap();
+    let k = Kept::start(
+        Serve::config(&format!(
+            "[[device]]\nname = \"zram0\"\ndisksize = \"16M\"\nsocket = \"{{dir}}/zram0.sock\"\n\
+             comp_algorithm = \"zstd\"\nalgorithm_params = \"level=3 dict={}\"\n",
+            dict.display()
+        ))
+        .in_dir(dir),
+    );
+    let a = pages_file(k.r.dir(), "a", 1024, 8);
+    write_file(&k.r, "zram0", &a);
+    std::fs::remove_file(&dict).unwrap();
+    k.kill_child_now();
+    check_file(&k.r, "zram0", &a);
+    let log = k.r.log();
+    assert!(
+        log.contains("zram0: algorithm_params = ")
+            && log.contains("the dictionary its saved state holds serves"),
+        "{log}"
+    );
+    // Another file in its place: the saved dictionary still serves.
+    std::fs::write(&dict, program_pages(4, 9, Program::Any).concat()).unwrap();
+    k.kill_child_now();
+    check_file(&k.r, "zram0", &a);
+    let log = k.r.log();
+    assert!(
+        log.contains("zram0: comp_algorithm's dictionary in the configuration (16384 bytes)"),
+        "{log}"
+    );
+    assert!(!log.contains("refused"), "{log}");
+}

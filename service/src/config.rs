@@ -425,12 +425,19 @@ impl DeviceSpec {
     /// ...) stored again. `EINVAL` naming what differs or what is wrong; a write-only
     /// attribute that can only be set before `disksize` (`algorithm_params`) keeps the saved
     /// state's value.
+    ///
+    /// Dictionaries: the saved state's always serve (its pages were compressed with them, and
+    /// it holds every generation), so a `dict=` file of the configuration that is gone or
+    /// does not load does not refuse the device: its `algorithm_params` is compared without
+    /// the `dict=`. Each such file, and each codec whose configured dictionary is not the
+    /// saved one (the file changed since), gives a line of the returned notes, for the log;
+    /// the configuration's dictionary is taken at the next start without saved state.
     pub fn recover(
         &self,
         files: uzram::device::restart::DeviceFiles,
         ram_bytes: u64,
         swap_reserve: Option<&std::sync::Arc<uzram::memory::SwapReserve>>,
-    ) -> Result<(Device, uzram::device::restart::RecoveryReport)> {
+    ) -> Result<(Device, uzram::device::restart::RecoveryReport, Vec<String>)> {
         let differs = |what: &str, saved: &dyn std::fmt::Display, cfg: &dyn std::fmt::Display| {
             Error::invalid(format!(
                 "its saved state has {what} {saved}, the configuration {cfg}"
@@ -439,10 +446,28 @@ impl DeviceSpec {
         // The configuration's device before its disksize: what the settings fixed at
         // disksize read as there, and its backing device, opened again for the recovery.
         let template = Device::new_uninit(self.page_size_bytes)?;
-        for (k, v) in &self.attrs {
-            template
-                .attr_store(k, v)
-                .map_err(|e| Error::new(e.kind(), format!("{k} = {v:?}: {}", e.message())))?;
+        let mut notes = Vec::new();
+        // The `algorithm_params` whose dictionary file did not load (indices into `attrs`).
+        let mut unread = Vec::new();
+        for (i, (k, v)) in self.attrs.iter().enumerate() {
+            let Err(e) = template.attr_store(k, v) else {
+                continue;
+            };
+            let retried = match without_dict(k, v) {
+                Some(rest) => template.attr_store(k, &rest).is_ok(),
+                None => false,
+            };
+            if !retried {
+                return Err(Error::new(
+                    e.kind(),
+                    format!("{k} = {v:?}: {}", e.message()),
+                ));
+            }
+            notes.push(format!(
+                "{k} = {v:?}: {}: the dictionary its saved state holds serves",
+                e.message()
+            ));
+            unread.push(i);
         }
         let with = uzram::device::restart::Recover {
             swap_reserve: swap_reserve.cloned(),
@@ -466,7 +491,39 @@ impl DeviceSpec {
                 &format!("{want} ({})", self.disksize),
             ));
         }
-        for (k, v) in &self.attrs {
+        for prio in 0..uzram::compress::MAX_COMPS {
+            let dict = |d: &Device| d.algorithm_params(prio).and_then(|p| p.dict);
+            let (cfg, saved) = (dict(&template), dict(&dev));
+            // A codec whose file did not load is in the notes already.
+            if cfg == saved || (cfg.is_none() && !unread.is_empty()) {
+                continue;
+            }
+            let bytes = |d: &Option<uzram::compress::Dictionary>| match d {
+                Some(d) => format!("{} bytes", d.bytes().len()),
+                None => "none".to_string(),
+            };
+            notes.push(format!(
+                "{}'s dictionary in the configuration ({}) is not the one its saved state holds \
+                 ({}{}): the saved one serves, as the stored pages need it (the \
+                 configuration's is taken at the next start without saved state)",
+                if prio == 0 {
+                    "comp_algorithm".to_string()
+                } else {
+                    format!("recompression priority {prio}")
+                },
+                bytes(&cfg),
+                bytes(&saved),
+                if prio > 0 && saved.is_none() {
+                    ", or trained over since"
+                } else {
+                    ""
+                },
+            ));
+        }
+        for (i, (k, v)) in self.attrs.iter().enumerate() {
+            if unread.contains(&i) {
+                continue;
+            }
             match dev.attr_store(k, v) {
                 Ok(()) => {}
                 Err(e) if e.kind() == uzram::ErrorKind::Busy => {
@@ -485,8 +542,23 @@ impl DeviceSpec {
                 }
             }
         }
-        Ok((dev, report))
+        Ok((dev, report, notes))
     }
+}
+
+/// An `algorithm_params` value `v` (attribute `k`) without its `dict=` words; `None` for
+/// another attribute, or a value without one.
+fn without_dict(k: &str, v: &str) -> Option<String> {
+    if k != "algorithm_params" {
+        return None;
+    }
+    let words: Vec<&str> = v.split_ascii_whitespace().collect();
+    let kept: Vec<&str> = words
+        .iter()
+        .copied()
+        .filter(|w| !w.starts_with("dict="))
+        .collect();
+    (kept.len() < words.len()).then(|| kept.join(" "))
 }
 
 /// Evaluates a `disksize`: a size with zram's suffixes (`4G`), or an expression of `ram`
@@ -636,5 +708,81 @@ mod tests {
             ServeConfig::parse("[[device]\n", "t").is_err(),
             "TOML syntax"
         );
+    }
+
+    /// Pages written with a `dict=` file's dictionary read back after a recovery whatever
+    /// became of the file: gone, or changed (the saved dictionary serves, each said in a
+    /// note), or as it was (no note).
+    #[test]
+    fn a_dictionary_file_gone_or_changed_does_not_refuse_the_saved_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dict");
+        let words = |seed: u64, n: usize| -> Vec<u8> {
+            let w = [
+                "page ",
+                "slot ",
+                "zspage ",
+                "handle ",
+                "idle ",
+                "huge ",
+                "writeback ",
+            ];
+            (0..)
+                .flat_map(|i: u64| w[((i * 7 + seed) % w.len() as u64) as usize].bytes())
+                .take(n)
+                .collect()
+        };
+        let dict = words(1, 16384);
+        std::fs::write(&path, &dict).unwrap();
+        let text = format!(
+            "[[device]]\nname = \"zram0\"\ndisksize = \"1M\"\ncomp_algorithm = \"zstd\"\n\
+             algorithm_params = \"level=3 dict={}\"\n",
+            path.display()
+        );
+        let spec = ServeConfig::parse(&text, "t").unwrap().devices.remove(0);
+        let dev = spec.build(G).unwrap();
+        let pages: Vec<Vec<u8>> = (0..32).map(|i| words(i, 4096)).collect();
+        for (i, p) in pages.iter().enumerate() {
+            dev.write_at(p, i as u64 * 4096).unwrap();
+        }
+        let check = |back: &Device| {
+            for (i, p) in pages.iter().enumerate() {
+                let mut got = vec![0u8; 4096];
+                back.read_at(&mut got, i as u64 * 4096).unwrap();
+                assert!(got == *p, "page {i}");
+            }
+            let saved = back.algorithm_params(0).unwrap().dict.unwrap();
+            assert_eq!(saved.bytes(), &dict[..]);
+        };
+        // Gone.
+        std::fs::remove_file(&path).unwrap();
+        let (back, _, notes) = spec.recover(dev.state_files().unwrap(), G, None).unwrap();
+        check(&back);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("dict=") && notes[0].contains("saved state holds serves"),
+            "{notes:?}"
+        );
+        drop(back);
+        // Changed.
+        std::fs::write(&path, words(2, 8192)).unwrap();
+        let (back, _, notes) = spec.recover(dev.state_files().unwrap(), G, None).unwrap();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("comp_algorithm's dictionary in the configuration (8192 bytes)")
+                && notes[0].contains("(16384 bytes)"),
+            "{notes:?}"
+        );
+        drop(back);
+        // As it was.
+        std::fs::write(&path, &dict).unwrap();
+        let (back, _, notes) = spec.recover(dev.state_files().unwrap(), G, None).unwrap();
+        check(&back);
+        assert!(notes.is_empty(), "{notes:?}");
+        // Any other attribute that does not store still refuses the device.
+        let bad = text.replace("level=3", "level=x");
+        let spec = ServeConfig::parse(&bad, "t").unwrap().devices.remove(0);
+        std::fs::remove_file(&path).unwrap();
+        assert!(spec.recover(dev.state_files().unwrap(), G, None).is_err());
     }
 }

@@ -340,8 +340,11 @@ impl Host {
                     spec.recover(f, ram, swap_reserve.as_ref())
                         .map_err(|e| e.message().to_string())
                 }) {
-                    Ok((device, report)) => {
+                    Ok((device, report, notes)) => {
                         log_recovered(&spec.name, &report, started.elapsed());
+                        for note in notes {
+                            eprintln!("uzram: {}: {note}", spec.name);
+                        }
                         device
                     }
                     Err(e) => {
