@@ -203,7 +203,8 @@ impl Store {
     /// `target`; aligned groups of `multi_pages` pages written at once are stored as one object
     /// (`multi_page_size`; 1: off). The pool must take objects of a group's size. Access times
     /// are seconds of `clock` since now. A pool serving swap (`ZsPool::with_swap_reserve`)
-    /// makes the slot table and the handle table's words for its pages faulted in now.
+    /// makes the slot table faulted in now, and the first of the handle table's words (the
+    /// reserve's refiller faults in the others ahead of need).
     pub(crate) fn with_multi_pages(
         page_size_bytes: usize,
         multi_pages: usize,
@@ -215,8 +216,8 @@ impl Store {
     ) -> Result<Store> {
         let slots = SlotTable::with_faulting(nr_pages, pool.serves_swap())?;
         if pool.serves_swap() {
-            // Likewise the handle table, for an object per page.
-            pool.populate_handles(nr_pages);
+            // The handle table's words are faulted in ahead of need as objects are stored.
+            pool.keep_handles_ahead();
         }
         let multi_pages = multi_pages.max(1);
         if multi_pages > 1 && pool.page_size_bytes() < multi_pages * page_size_bytes {

@@ -210,7 +210,7 @@ impl Store {
         let (pool, pool_report) =
             ZsPool::restore(pool_page_bytes, capacity, files.pool, swap, &wanted)?;
         if swap.is_some() {
-            pool.populate_handles(nr_pages);
+            pool.keep_handles_ahead();
         }
         // 3. Each slot against its object; the counters.
         let groups = if multi_pages > 1 {

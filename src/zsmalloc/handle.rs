@@ -20,6 +20,17 @@
 //!   (and its lock) from an unlocked load.
 //! - Free handle indices are kept on a free list per class (under the class lock); new indices
 //!   come from an atomic counter. The free path never takes a pool-wide lock.
+//!
+//! # Serving swap: words faulted in ahead of need
+//!
+//! A pool serving swap must not fault a page of the table in on a writer's path (the request
+//! path never waits for memory: `crate::memory`). Its table is *bounded*
+//! ([`HandleTable::keep_ahead`]): a fresh index is handed out only below `limit`, the words
+//! faulted in so far, and the swap reserve's refiller keeps `limit` ahead of the indices handed
+//! out by [`HANDLES_AHEAD_MIN`] or [`HANDLES_AHEAD_TICKS`] ticks of the last tick's use, if more
+//! (watermarks that follow the write rate, as the reserve's own). So the table holds words in
+//! proportion to the objects the pool has held, not to its device's size. `limit` only grows,
+//! and only after the words below it are resident.
 
 #![allow(unsafe_code)]
 
@@ -116,7 +127,21 @@ pub(crate) struct HandleTable {
     /// Bytes of the file faulted in ahead of need by [`populate`](HandleTable::populate)
     /// (serving swap), counted by [`allocated_bytes`](HandleTable::allocated_bytes).
     populated_bytes: AtomicU64,
+    /// Fresh indices are handed out only below this: [`MAX_HANDLES`], or for a bounded table
+    /// (serving swap) the words resident now. Only grows, and only after the words below it
+    /// were faulted in (module docs).
+    limit: AtomicU64,
+    /// Bounded tables: indices handed out at the refiller's last tick, and the indices kept
+    /// faulted in beyond those handed out (moved at each tick). Written by the refiller only.
+    ahead_at_tick: AtomicU64,
+    ahead: AtomicU64,
 }
+
+/// Serving swap, the fewest handle indices kept faulted in beyond those handed out: 64 KiB of
+/// words (a burst of writes between two of the refiller's looks).
+pub(crate) const HANDLES_AHEAD_MIN: u64 = 8192;
+/// ... or this many refiller ticks of the indices handed out in the last tick, if more.
+pub(crate) const HANDLES_AHEAD_TICKS: u64 = 4;
 
 impl HandleTable {
     /// The file's size: the header and a word per possible handle.
@@ -149,18 +174,76 @@ impl HandleTable {
             map,
             file,
             populated_bytes: AtomicU64::new(0),
+            limit: AtomicU64::new(MAX_HANDLES),
+            ahead_at_tick: AtomicU64::new(0),
+            ahead: AtomicU64::new(HANDLES_AHEAD_MIN),
         })
     }
 
-    /// Faults in the header and the words of the first `indices` handle indices (call it on a
-    /// fresh table: a pool serving swap, so that handing out an index under memory pressure
-    /// faults no page of the table).
+    /// Faults in the header and the words of the first `indices` handle indices (those not
+    /// faulted in by an earlier call).
     pub(crate) fn populate(&self, indices: u64) {
         let words = indices.min(MAX_HANDLES) as usize;
         let bytes = (HEADER_BYTES + words * 8).next_multiple_of(4096);
-        self.map.populate(bytes);
-        self.populated_bytes
-            .fetch_max(bytes as u64, Ordering::Relaxed);
+        let done = self.populated_bytes.load(Ordering::Relaxed) as usize;
+        if bytes > done {
+            self.map.populate_range(done, bytes - done);
+            self.populated_bytes
+                .fetch_max(bytes as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Words resident ahead of need: those on the pages [`populate`](Self::populate) faulted in.
+    pub(crate) fn resident_words(&self) -> u64 {
+        (self.populated_bytes.load(Ordering::Relaxed) as usize).saturating_sub(HEADER_BYTES) as u64
+            / 8
+    }
+
+    /// Makes the table bounded (module docs, "Serving swap") if it is not yet, and faults in
+    /// the words its use asks for: at a `tick` of the refiller, the window ahead follows the
+    /// indices handed out since the last tick. Returns whether a fresh index can be had now.
+    /// Only the swap reserve's refiller calls this (it is the thread that may wait for
+    /// memory), and once as a pool serving swap is made.
+    pub(crate) fn keep_ahead(&self, tick: bool) -> bool {
+        let next = self.indices();
+        if tick {
+            let used = next.saturating_sub(self.ahead_at_tick.swap(next, Ordering::Relaxed));
+            self.ahead.store(
+                used.saturating_mul(HANDLES_AHEAD_TICKS)
+                    .max(HANDLES_AHEAD_MIN),
+                Ordering::Relaxed,
+            );
+        }
+        let want = next
+            .saturating_add(self.ahead.load(Ordering::Relaxed))
+            .min(MAX_HANDLES);
+        // Whole pages of words: the last one faulted in is used to its end.
+        if want > self.resident_words() || self.limit.load(Ordering::Relaxed) == MAX_HANDLES {
+            self.populate(want);
+            let resident = self.resident_words();
+            // Release: a writer that sees the new limit finds its word's page resident.
+            if self.limit.load(Ordering::Relaxed) == MAX_HANDLES {
+                self.limit.store(resident, Ordering::Release);
+            } else {
+                self.limit.fetch_max(resident, Ordering::Release);
+            }
+        }
+        self.headroom() > 0
+    }
+
+    /// Fresh indices that can be handed out now without faulting a page of the table in
+    /// (bounded tables); `MAX_HANDLES` less those handed out otherwise.
+    pub(crate) fn headroom(&self) -> u64 {
+        self.limit
+            .load(Ordering::Acquire)
+            .saturating_sub(self.indices())
+    }
+
+    /// A bounded table whose headroom fell below half its window ahead: the refiller is
+    /// asked to look now rather than at its next tick.
+    pub(crate) fn wants_refill(&self) -> bool {
+        self.limit.load(Ordering::Relaxed) < MAX_HANDLES
+            && self.headroom() < self.ahead.load(Ordering::Relaxed) / 2
     }
 
     /// The memfd holding the table.
@@ -204,15 +287,29 @@ impl HandleTable {
         used.max(self.populated_bytes.load(Ordering::Relaxed) as usize)
     }
 
-    /// A never-used index (its word is 0). Callers first try their class's free list.
+    /// A never-used index (its word is 0). Callers first try their class's free list. `ENOMEM`
+    /// when the table is full, or bounded (serving swap) and no word is resident beyond those
+    /// handed out ([`keep_ahead`](Self::keep_ahead)): then [`headroom`](Self::headroom) is 0.
     pub(crate) fn grow(&self) -> Result<u32> {
         let next = self.header(HEADER_NEXT_INDEX);
-        let index = next.fetch_add(1, Ordering::Relaxed);
-        if index >= MAX_HANDLES {
-            next.fetch_sub(1, Ordering::Relaxed);
-            return Err(Error::no_memory("zsmalloc: handle table full"));
+        // Acquire: pairs with `keep_ahead`'s Release (the words below the limit are resident).
+        let limit = self.limit.load(Ordering::Acquire).min(MAX_HANDLES);
+        let mut index = next.load(Ordering::Relaxed);
+        loop {
+            if index >= MAX_HANDLES {
+                return Err(Error::no_memory("zsmalloc: handle table full"));
+            }
+            if index >= limit {
+                return Err(Error::no_memory(
+                    "zsmalloc: no handle word faulted in ahead of need (serving swap)",
+                ));
+            }
+            match next.compare_exchange_weak(index, index + 1, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return Ok(index as u32),
+                Err(now) => index = now,
+            }
         }
-        Ok(index as u32)
     }
 
     /// The location word of an index handed out by [`grow`](Self::grow).
@@ -297,6 +394,46 @@ mod tests {
             assert_eq!(t.word_at(i).load(Ordering::Relaxed), 0);
         }
         assert_eq!(t.indices(), 10_000);
+    }
+
+    /// A bounded table hands out only indices whose words are resident, and the refiller's
+    /// window ahead follows the indices handed out per tick.
+    #[test]
+    fn a_bounded_table_hands_out_only_resident_words() {
+        let t = HandleTable::new().unwrap();
+        assert!(t.keep_ahead(true));
+        let limit = t.headroom();
+        assert!(limit >= HANDLES_AHEAD_MIN, "{limit}");
+        // The header page and the words below the limit, no more.
+        let pages = 1 + (limit * 8).div_ceil(4096) as usize;
+        assert_eq!(t.map.resident_pages(1 << 30), pages);
+        for i in 0..limit {
+            assert_eq!(u64::from(t.grow().unwrap()), i);
+        }
+        assert_eq!(t.headroom(), 0);
+        assert!(t.grow().is_err(), "past the resident words");
+        assert_eq!(t.indices(), limit, "a refused index is not handed out");
+        assert!(t.wants_refill());
+        // A tick after `limit` indices were used keeps 4 ticks of that use ahead.
+        assert!(t.keep_ahead(true));
+        assert_eq!(t.headroom(), limit * HANDLES_AHEAD_TICKS);
+        assert!(!t.wants_refill());
+        assert_eq!(u64::from(t.grow().unwrap()), limit);
+        // A quiet tick shrinks the window (resident words stay).
+        assert!(t.keep_ahead(true));
+        assert_eq!(t.ahead.load(Ordering::Relaxed), HANDLES_AHEAD_MIN);
+        assert_eq!(t.headroom(), limit * HANDLES_AHEAD_TICKS - 1);
+    }
+
+    /// Unbounded tables (not serving swap) grow by fault, as far as the table goes.
+    #[test]
+    fn an_unbounded_table_grows_past_its_resident_words() {
+        let t = HandleTable::new().unwrap();
+        t.populate(10);
+        for i in 0..HANDLES_AHEAD_MIN as u32 * 2 {
+            assert_eq!(t.grow().unwrap(), i);
+        }
+        assert!(!t.wants_refill());
     }
 
     #[test]

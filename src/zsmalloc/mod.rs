@@ -258,6 +258,23 @@ impl PoolCore {
     /// unspecified until written. `ENOMEM` only if the kernel refuses address space (or the
     /// 2^31-handle table is full).
     pub fn malloc(&self, size_bytes: usize) -> Result<Handle> {
+        let mut got = self.malloc_once(size_bytes);
+        // Serving swap: no handle word was resident ahead of need; the refiller faults more in
+        // (the writer must not), waited for as a reserve frame is.
+        if got.is_err()
+            && self.handles.headroom() == 0
+            && self.frames.wait_ahead(|| self.handles.headroom() > 0)
+        {
+            got = self.malloc_once(size_bytes);
+        }
+        if self.handles.wants_refill() {
+            self.frames.want_ahead();
+        }
+        got
+    }
+
+    /// [`malloc`](Self::malloc), once.
+    fn malloc_once(&self, size_bytes: usize) -> Result<Handle> {
         if size_bytes == 0 || size_bytes > self.page_size_bytes() {
             return Err(Error::invalid(format!(
                 "zsmalloc: cannot allocate {size_bytes} bytes (1..={})",
@@ -337,7 +354,7 @@ impl PoolCore {
         let tail = if tail_bytes == 0 {
             None
         } else {
-            match self.malloc(tail_bytes) {
+            match self.malloc_once(tail_bytes) {
                 Ok(h) => Some(h),
                 Err(e) => {
                     self.frames.release(frame, pages);
@@ -896,23 +913,14 @@ impl ZsPool {
         )?))
     }
 
-    /// Faults in the handle table's words for `objects` objects and the default deferred-free
-    /// queue's worth beyond (handles of freed objects not yet returned): a pool serving swap,
-    /// for the pages of its device (`Store`), so that handing out a handle under memory
-    /// pressure does not fault a page of the table in on a writer's path. Pages over 4 KiB
-    /// count twice (an object larger than a pool page is a span and its tail). Past that count
-    /// (handles kept on other classes' free lists), the table still grows by fault, a page per
-    /// 512 handles.
-    pub fn populate_handles(&self, objects: u64) {
-        let per_object = if self.core.page_size_bytes > POOL_PAGE_BYTES {
-            2
-        } else {
-            1
-        };
-        let queued = deferred_free::default_capacity(self.core.page_size_bytes) as u64;
-        self.core
-            .handles
-            .populate(objects.saturating_mul(per_object).saturating_add(queued));
+    /// A pool serving swap: its handle table's words are faulted in ahead of need, by the swap
+    /// reserve's refiller, in proportion to the objects it holds and the rate it takes new ones
+    /// (`handle`, "Serving swap"), so that handing out a handle under memory pressure faults no
+    /// page of the table in on a writer's path; this faults in the first ones. A writer that
+    /// finds none left waits for the refiller as for a reserve frame (at most a tenth of a
+    /// second, then `ENOMEM`).
+    pub fn keep_handles_ahead(&self) {
+        self.core.handles.keep_ahead(false);
     }
 
     /// Whether the pool serves swap ([`with_swap_reserve`](Self::with_swap_reserve)).
@@ -1037,6 +1045,10 @@ impl page_alloc::Shrinker for PoolCore {
             freed_pages += freed;
         }
         freed_pages
+    }
+
+    fn keep_ahead(&self, tick: bool) {
+        self.handles.keep_ahead(tick);
     }
 }
 
@@ -1255,6 +1267,57 @@ pub(crate) mod tests {
 
     pub(crate) fn heavy() -> std::sync::MutexGuard<'static, ()> {
         HEAVY.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A pool serving swap keeps its handle table's words ahead of need, in proportion to the
+    /// objects it took rather than to a device's pages: every index handed out has its word
+    /// resident (a writer never faults one in), a burst past the window waits for the
+    /// refiller, and what is held stays near the objects taken.
+    #[test]
+    fn handle_words_are_kept_ahead_of_need_serving_swap() {
+        let _heavy = heavy();
+        let reserve = crate::memory::SwapReserve::new(8 << 20).unwrap();
+        let pool = ZsPool::with_swap_reserve(4096, None, &reserve).unwrap();
+        pool.keep_handles_ahead();
+        let t = &pool.core.handles;
+        assert!(t.headroom() >= handle::HANDLES_AHEAD_MIN);
+        assert!(
+            t.headroom() < 2 * handle::HANDLES_AHEAD_MIN,
+            "a window, not a device"
+        );
+        // Three windows of small objects, as fast as one thread goes; a write the refiller
+        // could not keep up with (a loaded machine) fails with ENOMEM and is made again, as
+        // the kernel issues a swap-out again.
+        let n = 3 * handle::HANDLES_AHEAD_MIN;
+        let mut held = Vec::new();
+        let mut refused = 0;
+        while (held.len() as u64) < n {
+            match pool.malloc(100) {
+                Ok(h) => {
+                    assert!(
+                        t.indices() <= t.resident_words(),
+                        "index {} handed out past the resident words {}",
+                        t.indices(),
+                        t.resident_words()
+                    );
+                    pool.write(h, &pattern(held.len() as u64, 100));
+                    held.push(h);
+                }
+                Err(e) => {
+                    assert_eq!(e.kind(), ErrorKind::NoMemory, "{e}");
+                    refused += 1;
+                    assert!(refused < 1000, "the refiller never kept up");
+                }
+            }
+        }
+        for (i, h) in held.iter().enumerate() {
+            assert!(pool.read(*h, |b| b == pattern(i as u64, 100)));
+        }
+        let words = t.resident_words();
+        assert!(
+            words <= n * (1 + handle::HANDLES_AHEAD_TICKS) + handle::HANDLES_AHEAD_MIN + 512,
+            "{words} words resident for {n} objects"
+        );
     }
 
     /// Position- and seed-dependent bytes: a misplaced or shifted object is caught.

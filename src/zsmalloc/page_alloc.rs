@@ -389,14 +389,19 @@ enum Wake {
     Spawn,
 }
 
-/// A pool that can give frames back by compacting itself: the kernel's zsmalloc registers a
-/// shrinker that reclaim calls; serving swap, the refiller asks every pool sharing the
-/// reserve before it takes fresh pages from the kernel ([`FrameAllocator::add_shrinker`]).
+/// A pool sharing the swap reserve ([`FrameAllocator::add_shrinker`]). It can give frames back
+/// by compacting itself: the kernel's zsmalloc registers a shrinker that reclaim calls; the
+/// refiller asks every pool sharing the reserve before it takes fresh pages from the kernel.
+/// And the refiller keeps the pool's other memory ahead of need (its handle table's words).
 pub(crate) trait Shrinker: Send + Sync {
     /// Pages compaction could free now (the sum of `zs_can_compact` over the classes).
     fn freeable_pages(&self) -> u64;
     /// Compacts the classes that can free a zspage; returns the pages freed.
     fn shrink(&self) -> u64;
+    /// Faults in what the pool's writers will need next, outside the reserve's frames (the
+    /// handle table's words: `handle`, "Serving swap"); at a `tick`, the amount follows the
+    /// pool's use since the last. Called by the refiller only, no lock held.
+    fn keep_ahead(&self, tick: bool);
 }
 
 /// Serving swap, the refiller compacts a pool only when compaction could free at least this
@@ -493,6 +498,9 @@ struct SwapMarks {
     in_use: Vec<bool>,
     /// A writer asked the refiller to run (cleared by the refiller when it starts filling).
     kicked: bool,
+    /// A writer asked the refiller to keep the pools' other memory ahead of need
+    /// ([`Shrinker::keep_ahead`]) now rather than at its next tick.
+    ahead_wanted: bool,
     /// When the reserve last gained a frame (refilled or released into it).
     added_at: std::time::Instant,
     /// When a writer last called the starved hook ([`FrameAllocator::on_starved`]).
@@ -526,6 +534,7 @@ impl SwapMarks {
             demand_pages: vec![0; frame_pages + 1],
             in_use: vec![false; frame_pages + 1],
             kicked: false,
+            ahead_wanted: false,
             added_at: std::time::Instant::now(),
             starved_at: None,
         }
@@ -1578,11 +1587,14 @@ impl FrameAllocator {
                 taken_at_tick = st.swap.taken_pages;
                 shrink |= filling;
                 Self::swap_tick(&mut st, taken);
+                st.swap.ahead_wanted = false;
+                drop(st);
                 if let Some(Hook(hook)) = self.tick_hook.get() {
-                    drop(st);
                     hook();
-                    st = self.state.lock();
                 }
+                self.pools_ahead(true);
+                st = self.state.lock();
+                self.reserve_cond.notify_all();
                 // A list left empty under a target (a page count first asked for since the
                 // last tick) is filled now: the kick of the writer that asked came before the
                 // target, and no other writer may ask again soon.
@@ -1591,6 +1603,13 @@ impl FrameAllocator {
                 {
                     filling = true;
                 }
+            }
+            if std::mem::take(&mut st.swap.ahead_wanted) {
+                drop(st);
+                self.pools_ahead(false);
+                st = self.state.lock();
+                self.reserve_cond.notify_all();
+                continue;
             }
             if st.swap.kicked || st.reserve_pages <= st.swap.low_pages {
                 st.swap.kicked = false;
@@ -1658,6 +1677,59 @@ impl FrameAllocator {
     /// to get frames back before it takes fresh pages ([`Shrinker`]).
     pub(crate) fn add_shrinker(&self, pool: std::sync::Weak<dyn Shrinker>) {
         self.shrinkers.lock().push(pool);
+    }
+
+    /// Serving swap: a writer's pool ran low on memory kept ahead of need
+    /// ([`Shrinker::keep_ahead`]); the refiller looks now rather than at its next tick.
+    pub(crate) fn want_ahead(&self) {
+        let mut st = self.state.lock();
+        if st.reserve_resident && !st.swap.ahead_wanted {
+            st.swap.ahead_wanted = true;
+            self.refill_cond.notify_one();
+        }
+    }
+
+    /// Serving swap: a writer found none of its pool's memory kept ahead of need
+    /// ([`Shrinker::keep_ahead`]) left; it asks the refiller and waits for it at most
+    /// [`SWAP_MISS_WAIT`] until `ready` (checked under the state mutex, which the refiller
+    /// takes to signal), as an allocation the reserve cannot serve does. `false` (counted in
+    /// the misses) when it is still not ready; `true` at once when not serving swap or when
+    /// the refiller has stopped (nobody keeps memory ahead then: the writer faults it in).
+    pub(crate) fn wait_ahead(&self, ready: impl Fn() -> bool) -> bool {
+        let mut st = self.state.lock();
+        if !st.reserve_resident || st.refill_stop {
+            return true;
+        }
+        let deadline = std::time::Instant::now() + SWAP_MISS_WAIT;
+        while !ready() {
+            if st.refill_stop {
+                return true;
+            }
+            if !st.swap.ahead_wanted {
+                st.swap.ahead_wanted = true;
+                self.refill_cond.notify_one();
+            }
+            if self.reserve_cond.wait_until(&mut st, deadline).timed_out() {
+                if ready() {
+                    break;
+                }
+                st.swap.misses += 1;
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The refiller's look at the memory each pool keeps ahead of need ([`Shrinker::keep_ahead`]);
+    /// no lock held.
+    fn pools_ahead(&self, tick: bool) {
+        let pools: Vec<Arc<dyn Shrinker>> = {
+            let list = self.shrinkers.lock();
+            list.iter().filter_map(|w| w.upgrade()).collect()
+        };
+        for pool in pools {
+            pool.keep_ahead(tick);
+        }
     }
 
     /// The refiller's compaction of the pools ([`Shrinker`]): each one that could free at
