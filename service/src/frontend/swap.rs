@@ -46,13 +46,14 @@
 //!    dirty pages it does not own (`PF_LOCAL_THROTTLE`). Threads created afterwards inherit
 //!    it, which is why this runs first; the swap reserve's refiller alone clears it for itself
 //!    (step 5).
-//! 4. The NBD server preallocates request buffers (8 MiB server-wide, faulted in, hence
-//!    locked, inside its request memory budget:
-//!    [`ServerConfig::for_swap`](super::nbd::ServerConfig::for_swap)) and recycles them, so the
-//!    request path of a swap client takes no fresh memory from the kernel in the steady state.
-//!    Not when every device is a ublk block device (`uzram serve --ublk`): swap goes through
-//!    ublk's own buffers, locked at start, and 8 MiB held for NBD would only be memory the
-//!    pages swapped out cannot use.
+//! 4. The NBD server preallocates request buffers (4 MiB server-wide, 256 of a page and 15 of
+//!    128 KiB, faulted in, hence locked, inside its request memory budget:
+//!    [`ServerConfig::for_swap`](super::nbd::ServerConfig::for_swap)) and recycles them; a
+//!    request takes any free one before it maps a new buffer, so the request path of a swap
+//!    client takes no fresh memory from the kernel while fewer requests than that are in
+//!    flight. Not when every device is a ublk block device (`uzram serve --ublk`): swap goes
+//!    through ublk's own buffers, locked at start, and buffers held for NBD would only be
+//!    memory the pages swapped out cannot use.
 //!
 //! 5. The devices' memory is got ahead of need, not on a write under pressure
 //!    (`uzram::memory`): each device's slot table whole when it is initialised, and zsmalloc's

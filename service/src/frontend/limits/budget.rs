@@ -9,7 +9,9 @@
 //!   given back; `held` the capacity of the buffers kept for reuse in `classes`.
 //! - A buffer kept for reuse is released (unmapped) when a charge needs its room, or by
 //!   [`MemoryBudget::release_idle`] once unused for the idle time, except the floor: as many
-//!   buffers of the floor's class as were preallocated (for `--swap`) stay.
+//!   buffers of each class as were preallocated (for `--swap`) stay.
+//! - With a floor, a request takes any free buffer of the floor before it maps a new one
+//!   (serving swap, the request path takes no fresh memory while a preallocated buffer is free).
 //!
 //! Buffers come in power-of-two size classes (4 KiB << k of data plus a page for a reply
 //! header, k = 0..=14, up to the 64 MiB maximum payload), so a lookup is a few vector pops and
@@ -50,9 +52,8 @@ pub struct MemoryBudget {
     /// `notify_all` is a system call even with no waiter, and this is every request's path).
     refunded: Condvar,
     max_bytes: u64,
-    /// The floor: this many buffers of this class are never released when idle.
-    floor_class: usize,
-    floor_count: usize,
+    /// The floor: this many buffers of each class are never released when idle.
+    floor_counts: [usize; CLASSES],
     idle_release: Duration,
 }
 
@@ -81,38 +82,48 @@ pub struct BudgetStats {
 }
 
 impl MemoryBudget {
-    /// A budget of `max_bytes`, with about `floor_bytes` preallocated in buffers of
-    /// `floor_buffer_bytes` and kept for good; recycled buffers idle for `idle_release` are
-    /// released.
+    /// A budget of `max_bytes`, with about `floor_bytes` preallocated and kept for good: half
+    /// in buffers of one page of data (most swap requests), half in buffers of
+    /// `floor_buffer_bytes` (the largest usual request). Recycled buffers idle for
+    /// `idle_release` are released.
     pub fn new(
         max_bytes: u64,
         floor_bytes: u64,
         floor_buffer_bytes: usize,
         idle_release: Duration,
     ) -> io::Result<MemoryBudget> {
-        let k = class_of(floor_buffer_bytes);
-        let b = MemoryBudget {
+        let mut b = MemoryBudget {
             state: Mutex::new(State::default()),
             refunded: Condvar::new(),
             max_bytes,
-            floor_class: k,
-            floor_count: 0,
+            floor_counts: [0; CLASSES],
             idle_release,
         };
+        let large = class_of(floor_buffer_bytes);
+        let shares = if large == 0 {
+            [(0, floor_bytes), (0, 0)]
+        } else {
+            [(0, floor_bytes / 2), (large, floor_bytes - floor_bytes / 2)]
+        };
         let mut st = b.lock();
-        while st.held + class_capacity(k) as u64 <= floor_bytes {
-            let mut buf = ReqBuf::with_capacity(class_capacity(k))?;
-            // Touch every page now, so it is mapped (and, under mlockall, locked) up front.
-            for page in buf.whole_mut().chunks_mut(4096) {
-                page[0] = 0;
-                std::hint::black_box(&page[0]);
+        for (k, bytes) in shares {
+            let mut made = 0u64;
+            while made + class_capacity(k) as u64 <= bytes {
+                let mut buf = ReqBuf::with_capacity(class_capacity(k))?;
+                // Touch every page now, so it is mapped (and, under mlockall, locked) up front.
+                for page in buf.whole_mut().chunks_mut(4096) {
+                    page[0] = 0;
+                    std::hint::black_box(&page[0]);
+                }
+                made += buf.capacity() as u64;
+                st.held += buf.capacity() as u64;
+                st.classes[k].push((buf, Instant::now()));
             }
-            st.held += buf.capacity() as u64;
-            st.classes[k].push((buf, Instant::now()));
         }
-        let floor_count = st.classes[k].len();
+        let counts = std::array::from_fn(|k| st.classes[k].len());
         drop(st);
-        Ok(MemoryBudget { floor_count, ..b })
+        b.floor_counts = counts;
+        Ok(b)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -132,7 +143,12 @@ impl MemoryBudget {
                 return Ok(None);
             }
             let found = (want..(want + REUSE_CLASSES_ABOVE + 1).min(CLASSES))
-                .find(|&k| !st.classes[k].is_empty());
+                .find(|&k| !st.classes[k].is_empty())
+                .or_else(|| {
+                    // Any free buffer of the floor, however large, before a new mapping.
+                    ((want + REUSE_CLASSES_ABOVE + 1)..CLASSES)
+                        .find(|&k| self.floor_counts[k] > 0 && !st.classes[k].is_empty())
+                });
             let cap = class_capacity(found.unwrap_or(want)) as u64;
             if st.charged == 0 || st.charged + cap <= self.max_bytes {
                 let pooled = found.and_then(|k| st.classes[k].pop()).map(|(b, _)| b);
@@ -208,11 +224,7 @@ impl MemoryBudget {
 
     /// How many buffers of class `k` are the floor's.
     fn floor_of(&self, k: usize) -> usize {
-        if k == self.floor_class {
-            self.floor_count
-        } else {
-            0
-        }
+        self.floor_counts[k]
     }
 
     /// Releases recycled buffers given back more than the idle time ago (all of them with
@@ -319,6 +331,36 @@ mod tests {
         let s = b.stats();
         assert!(s.held_bytes < 2 * MIB, "{s:?}");
         assert!(!b.has_idle_buffers());
+    }
+
+    /// With a floor, a page-sized request takes a small buffer of the floor, then a large one,
+    /// and maps a new buffer only once every buffer of the floor is taken.
+    #[test]
+    fn requests_take_the_floor_before_a_new_mapping() {
+        let b = MemoryBudget::new(64 * MIB, 2 * MIB, 128 << 10, Duration::ZERO).unwrap();
+        let small = b.floor_of(0);
+        let large = b.floor_of(class_of(128 << 10));
+        assert_eq!(small, MIB as usize / class_capacity(0));
+        assert!(large >= 7, "{large}");
+        let floor = b.stats().held_bytes;
+        let never = || false;
+        let mut taken = Vec::new();
+        for i in 0..small + large {
+            let buf = b.take(4096, &never).unwrap().unwrap();
+            let want = if i < small { 0 } else { class_of(128 << 10) };
+            assert_eq!(buf.capacity(), class_capacity(want), "request {i}");
+            taken.push(buf);
+        }
+        assert_eq!(b.stats().held_bytes, 0, "the whole floor is in use");
+        // Then a new mapping, of the request's own class.
+        let extra = b.take(4096, &never).unwrap().unwrap();
+        assert_eq!(extra.capacity(), class_capacity(0));
+        taken.push(extra);
+        for buf in taken {
+            b.give(buf);
+        }
+        b.release_idle(true);
+        assert_eq!(b.stats().held_bytes, floor, "back to the floor");
     }
 
     #[test]

@@ -93,9 +93,11 @@ pub struct Limits {
 /// header), so every request the server allows can be served.
 pub const MIN_INFLIGHT_BYTES: u64 = (64 << 20) + 4096;
 
-/// The buffers `--swap` preallocates: 64 of 128 KiB (the kernel's usual largest swap request,
-/// `max_sectors_kb`), 8 MiB server-wide.
-pub const SWAP_PREALLOCATED_BYTES: u64 = 64 * (128 << 10);
+/// The buffers `--swap` preallocates, 4 MiB server-wide: half in buffers of one page of data
+/// (a swap-out of one page, the most common request: 256 of them), half in buffers of 128 KiB
+/// (the kernel's usual largest swap request, `max_sectors_kb`: 15 of them). A request takes
+/// any free one of them before it maps a new buffer.
+pub const SWAP_PREALLOCATED_BYTES: u64 = 4 << 20;
 
 impl Default for Limits {
     fn default() -> Limits {
