@@ -715,14 +715,19 @@ fn written_back_pages_come_back_after_a_kill() {
     assert!(!log.contains("refused"), "{log}");
 }
 
-/// The runs of `policy` in `dev`'s `policy_stat`.
-fn policy_runs(r: &Running, dev: &str, policy: &str) -> u64 {
+/// Column `n` of `policy`'s line in `dev`'s `policy_stat` (2: runs, 3: pages).
+fn policy_column(r: &Running, dev: &str, policy: &str, n: usize) -> u64 {
     let text = r.show(dev, "policy_stat");
     let line = text
         .lines()
         .find(|l| l.split_whitespace().next() == Some(policy))
         .unwrap_or_else(|| panic!("{dev}: no {policy} in {text:?}"));
-    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+    line.split_whitespace().nth(n).unwrap().parse().unwrap()
+}
+
+/// The runs of `policy` in `dev`'s `policy_stat`.
+fn policy_runs(r: &Running, dev: &str, policy: &str) -> u64 {
+    policy_column(r, dev, policy, 2)
 }
 
 /// A device's `policy` set at runtime comes back after a kill and acts again: one added by
@@ -752,11 +757,11 @@ fn policies_set_at_runtime_come_back_after_a_kill() {
     k.kill_child_now();
     assert_eq!(k.r.show(&added, "policy"), added_policy);
     assert_eq!(k.r.show("zram0", "policy"), zram0_policy);
-    // The new process's counters start at 0: runs counted now are its own.
+    let runs = policy_runs(&k.r, &added, "idle");
     wait_for(
         "the recovered device's idle policy to run",
         Duration::from_secs(20),
-        || policy_runs(&k.r, &added, "idle") >= 2,
+        || policy_runs(&k.r, &added, "idle") >= runs + 2,
     );
     // Kept by the next kill too (saved again by the recovered device).
     k.r.set(&added, "policy", "period_s=2");
@@ -819,5 +824,53 @@ fn a_deleted_dictionary_file_does_not_refuse_the_saved_state() {
         log.contains("zram0: comp_algorithm's dictionary in the configuration (16384 bytes)"),
         "{log}"
     );
+    assert!(!log.contains("refused"), "{log}");
+}
+
+/// A writeback budget spent before a kill stays spent after it (its budget period goes on),
+/// and `policy_stat`'s counters go on from where they were.
+#[test]
+fn a_spent_writeback_budget_and_the_policy_counters_survive_a_kill() {
+    require("qemu-img");
+    let tmp = uzram_testkit::device::real_tmpdir();
+    let backing = tmp.path().join("backing");
+    std::fs::File::create(&backing)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    // Every page idle at once, written back within a budget of 16 pages an hour.
+    let k = Kept::start(Serve::zram0_over(
+        "32M",
+        &backing,
+        "policy = \"idle_age_s=0 writeback_age_s=0 period_s=1 writeback_budget=64K \
+         writeback_budget_period_s=3600\"",
+    ));
+    let a = pages_file(k.r.dir(), "a", 1024, 1);
+    write_file(&k.r, "zram0", &a);
+    let bd_count = || k.r.columns("zram0", "bd_stat")[0];
+    wait_for("the budget spent", Duration::from_secs(30), || {
+        bd_count() == 16
+    });
+    assert_eq!(k.r.show("zram0", "writeback_limit"), "0\n");
+    assert_eq!(policy_column(&k.r, "zram0", "writeback", 3), 16);
+    for round in 0..2 {
+        let idle = policy_runs(&k.r, "zram0", "idle");
+        k.kill_child_now();
+        // Two periods of the new process: its runs counted on from the saved ones.
+        wait_for(
+            "the recovered device's policies to run",
+            Duration::from_secs(30),
+            || policy_runs(&k.r, "zram0", "idle") >= idle + 2,
+        );
+        assert_eq!(bd_count(), 16, "round {round}: a new budget after the kill");
+        assert_eq!(k.r.show("zram0", "writeback_limit"), "0\n");
+        assert_eq!(
+            policy_column(&k.r, "zram0", "writeback", 3),
+            16,
+            "round {round}: the pages the policy wrote back"
+        );
+    }
+    check_file(&k.r, "zram0", &a);
+    let log = k.r.log();
     assert!(!log.contains("refused"), "{log}");
 }

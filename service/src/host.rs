@@ -32,7 +32,7 @@ use anyhow::{bail, Context, Result};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use uzram::clock::SystemClock;
+use uzram::clock::BootClock;
 use uzram::shm::ShmFile;
 use uzram::BlockDevice;
 
@@ -492,7 +492,7 @@ impl Host {
         // One thread runs every device's policies (all off unless configured or stored).
         let runner = PolicyRunner::start_shared(
             policy_set,
-            Arc::new(SystemClock::new()),
+            Arc::new(BootClock),
             Arc::new(ProcPressure::new()),
             crate::policy::TICK,
         )

@@ -119,6 +119,68 @@ fn idle_aging_marks_what_went_unread_for_the_age_each_period() {
     assert!(r.policy.show_stat().starts_with("writeback  off"));
 }
 
+/// A second process's view of `dev` (recovered from its files over the same backing file)
+/// and its policies, restored from what the device saved.
+fn restarted(dev: &Device) -> Arc<DevicePolicy> {
+    let with = uzram::device::restart::Recover {
+        backing: dev.backing(),
+        ..Default::default()
+    };
+    let dev = Device::recover_with(dev.state_files().unwrap(), with)
+        .unwrap()
+        .0;
+    let policy = Arc::new(DevicePolicy::new("zram0", Arc::new(dev)));
+    policy.restore(false, None).unwrap();
+    policy
+}
+
+#[test]
+fn the_budget_period_and_the_counters_go_on_across_a_restart() {
+    let r = Rig::new(PAGES, &[]);
+    fill(&r.dev, PAGES, 1);
+    r.policy
+        .store(
+            "writeback_age_s=300 period_s=60 writeback_budget=64K writeback_budget_period_s=3600 \
+             idle_age_s=30",
+        )
+        .unwrap();
+    r.tick();
+    r.advance_secs(400);
+    r.tick();
+    assert_eq!(r.bd_count(), 16, "budget: 16 pages");
+    assert_eq!(r.dev.attr_show("writeback_limit").unwrap(), "0\n");
+    let stat = r.policy.show_stat();
+    assert!(stat.contains("writeback  on         2       16"), "{stat}");
+    // The next process: the counters as they were, the budget still spent.
+    let again = restarted(&r.dev);
+    assert_eq!(again.show_stat(), stat);
+    let tick = |p: &Arc<DevicePolicy>| {
+        policy::run_due(std::slice::from_ref(p), &*r.clock, &r.pressure, &|| false)
+    };
+    r.advance_secs(120);
+    tick(&again);
+    assert_eq!(again.device().stats().bd_count, 16);
+    assert_eq!(again.device().attr_show("writeback_limit").unwrap(), "0\n");
+    assert_eq!(
+        again.counters(PolicyKind::Writeback),
+        r.policy.counters(PolicyKind::Writeback)
+    );
+    // Its idle policy ran (due: a period passed since the last run), counted on from the
+    // saved runs; and saved its state in turn, for a third process.
+    assert_eq!(again.counters(PolicyKind::Idle).runs, 3);
+    let third = restarted(again.device());
+    assert_eq!(third.counters(PolicyKind::Idle).runs, 3);
+    // Within the period, nothing runs; once the budget period is over, a new budget.
+    r.advance_secs(30);
+    tick(&third);
+    assert_eq!(third.counters(PolicyKind::Idle).runs, 3);
+    r.advance_secs(3600);
+    tick(&third);
+    assert_eq!(third.counters(PolicyKind::Writeback).runs, 3);
+    assert_eq!(third.counters(PolicyKind::Idle).runs, 4);
+    check_all(third.device(), PAGES, 1);
+}
+
 #[test]
 fn writeback_takes_pages_older_than_the_age_within_the_budget() {
     let r = Rig::new(PAGES, &[]);

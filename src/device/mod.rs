@@ -174,10 +174,11 @@ pub struct Device {
     /// (restart.rs, `DictMeta`): set by `disksize` and recovery (the init lock exclusive),
     /// advanced by `train_dict` under `pp_lock`.
     dict_seq: AtomicU64,
-    /// The server's policy text as last saved or recovered, and its record's generation in
-    /// the header file (restart.rs, `PolicyRecord`). Taken after the init lock (shared by
-    /// `save_policy`, exclusive by `disksize`), held across each record's write so that
-    /// records reach the file in generation order. Kept by reset.
+    /// The server's policy texts (its settings, and its policies' state) as last saved or
+    /// recovered, and each one's record generation in the header file (restart.rs,
+    /// `PolicyRecord`). Taken after the init lock (shared by `save_policy` and
+    /// `save_policy_state`, exclusive by `disksize`), held across each record's write so
+    /// that each kind's records reach the file in generation order. Kept by reset.
     policy: Mutex<restart::SavedPolicy>,
     /// Held by the running writeback or recompression (zram's `pp_in_progress`).
     pp_lock: Mutex<()>,

@@ -5,7 +5,9 @@
 //! a magic line with the format's version, then `key value` lines (the last ones, which
 //! headers of earlier binaries lack, read as none). After the header page come the two limits
 //! slots ([`Limits`]), then the dictionary records ([`DictMeta`]: every codec generation and
-//! its dictionary), then the two policy slots ([`PolicyRecord`]: the server's `policy`). Recovery reads them, refuses settings whose state it cannot rebuild (a
+//! its dictionary), then the two policy slots and the two policy state slots
+//! ([`PolicyRecord`]: the server's `policy`, and what its policies did and when). Recovery
+//! reads them, refuses settings whose state it cannot rebuild (a
 //! dictionary in a header of a binary from before the records), rebuilds the codecs (the
 //! primary and the recompression ones, with their dictionaries and generations) and then the
 //! store from its files, checking everything (`store::restore`, `zsmalloc::restore`).
@@ -16,6 +18,7 @@
 //! | 4..12 KiB | the two limits slots, a page each |
 //! | 12 KiB.. | the dictionary records: the primary's, then 8 generations of each recompression priority, each 4 KiB of text and room for 4 MiB of dictionary (sparse: only what is written costs memory) |
 //! | after the last dictionary room (100 MiB + 112 KiB).. +8 KiB | the two policy slots, a page each ([`PolicyRecord`]; written once a policy is saved, in headers with dictionary records or without) |
+//! | +8 KiB.. +16 KiB | the two policy state slots, a page each (the same, for [`PolicyText::State`]: written once the server's policy thread has acted) |
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -587,32 +590,66 @@ impl DictMeta {
     }
 }
 
-/// The policy record's first line.
-const POLICY_MAGIC: &str = "uzram-device-policy 1";
-
 /// Where the two policy slots start: after the last dictionary record's room (the end of the
 /// dictionary records' address space, whether the header has them or not: sparse, so a
 /// header without dictionary records pays only the two pages), so no record before it moves.
 const POLICY_OFFSET_BYTES: u64 =
     DICTS_OFFSET_BYTES + (1 + (MAX_COMPS as u64 - 1) * MAX_GENS as u64) * DICT_RECORD_BYTES;
 
-/// Bytes of each of the two policy slots (a page each).
+/// Bytes of each of the two policy slots, and of each of the policy state's (a page each).
 const POLICY_SLOT_BYTES: usize = 4096;
 
 /// The longest policy text a record holds (its slot less room for the magic, the generation
 /// and the checksum lines).
 pub const MAX_POLICY_TEXT_BYTES: usize = POLICY_SLOT_BYTES - 256;
 
-/// The server's policy settings (its `policy` attribute), kept for the next process in two
-/// slots at [`POLICY_OFFSET_BYTES`] of the header file, as the limits are ([`Limits`]): each
-/// save writes the slot of its generation's parity whole, zero-padded, its text closed by a
-/// checksum of the rest, so a save stopped at any instruction leaves the other slot (the
-/// previous generation) intact; recovery takes the valid slot of the highest generation. The
-/// text is the server's (the engine only keeps it): lines, no NUL, at most
-/// [`MAX_POLICY_TEXT_BYTES`].
+/// Which of the server's two texts a [`PolicyRecord`] keeps: each has two slots of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PolicyText {
+    /// The settings (the `policy` attribute): changed by the user.
+    Settings,
+    /// What the policies did and when (`policy_stat`'s counters, their schedule): changed
+    /// by the server's policy thread after it acts.
+    State,
+}
+
+impl PolicyText {
+    /// The record's first line.
+    fn magic(self) -> &'static str {
+        match self {
+            PolicyText::Settings => "uzram-device-policy 1",
+            PolicyText::State => "uzram-device-policy-state 1",
+        }
+    }
+
+    /// Where its two slots start: the settings' right after the last dictionary room, the
+    /// state's after those.
+    fn offset(self) -> u64 {
+        match self {
+            PolicyText::Settings => POLICY_OFFSET_BYTES,
+            PolicyText::State => POLICY_OFFSET_BYTES + 2 * POLICY_SLOT_BYTES as u64,
+        }
+    }
+
+    /// Its name in errors.
+    fn what(self) -> &'static str {
+        match self {
+            PolicyText::Settings => "policy",
+            PolicyText::State => "policy state",
+        }
+    }
+}
+
+/// One of the server's texts about a device's policies ([`PolicyText`]: its settings, or
+/// what the policies did and when), kept for the next process in two slots of the header
+/// file (at [`PolicyText::offset`]), as the limits are ([`Limits`]): each save writes the
+/// slot of its generation's parity whole, zero-padded, its text closed by a checksum of the
+/// rest ([`seal`]), so a save stopped at any instruction leaves the other slot (the previous
+/// generation) intact; recovery takes the valid slot of the highest generation. The text is
+/// the server's (the engine only keeps it): lines, no NUL, at most [`MAX_POLICY_TEXT_BYTES`].
 ///
 /// A header without the slots (written by a binary from before the record, or by this one
-/// before any policy was saved) reads as no record.
+/// before any such text was saved) reads as no record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct PolicyRecord {
     gen: u64,
@@ -620,18 +657,18 @@ struct PolicyRecord {
 }
 
 impl PolicyRecord {
-    fn encode(&self) -> String {
-        let mut body = format!("{POLICY_MAGIC}\ngen {}\n{}", self.gen, self.text);
+    fn encode(&self, kind: PolicyText) -> String {
+        let mut body = format!("{}\ngen {}\n{}", kind.magic(), self.gen, self.text);
         if !body.ends_with('\n') {
             body.push('\n');
         }
         seal(&body)
     }
 
-    /// The record in `bytes`, or `None` if the slot holds none or a torn one.
-    fn decode(bytes: &[u8]) -> Option<PolicyRecord> {
+    /// The record of `kind` in `bytes`, or `None` if the slot holds none or a torn one.
+    fn decode(bytes: &[u8], kind: PolicyText) -> Option<PolicyRecord> {
         let body = unseal(bytes)?;
-        let rest = body.strip_prefix(POLICY_MAGIC)?.strip_prefix('\n')?;
+        let rest = body.strip_prefix(kind.magic())?.strip_prefix('\n')?;
         let (gen_line, text) = rest.split_once('\n')?;
         let gen = gen_line.strip_prefix("gen ")?.parse().ok()?;
         Some(PolicyRecord {
@@ -640,44 +677,71 @@ impl PolicyRecord {
         })
     }
 
-    /// The newest valid record of the two slots of `header` (`None`: none saved, or a header
-    /// from before the record; both slots torn, which one save cannot do).
-    fn read(header: &ShmFile) -> Result<Option<PolicyRecord>> {
-        let slots = header.read_at(POLICY_OFFSET_BYTES, 2 * POLICY_SLOT_BYTES)?;
+    /// The newest valid record of `kind`'s two slots of `header` (`None`: none saved, or a
+    /// header from before the record; both slots torn, which one save cannot do).
+    fn read(header: &ShmFile, kind: PolicyText) -> Result<Option<PolicyRecord>> {
+        let slots = header.read_at(kind.offset(), 2 * POLICY_SLOT_BYTES)?;
         Ok(slots
             .chunks(POLICY_SLOT_BYTES)
-            .filter_map(PolicyRecord::decode)
+            .filter_map(|slot| PolicyRecord::decode(slot, kind))
             .max_by_key(|r| r.gen))
     }
 
-    /// Writes the record into its slot of `header`, zero-padded to the slot (the file grows
-    /// to the slots if it ends before them: sparse). `EINVAL` for a text too long or holding
-    /// a NUL, writing nothing.
-    fn write(&self, header: &ShmFile) -> Result<()> {
-        let mut slot = self.encode().into_bytes();
-        if self.text.len() > MAX_POLICY_TEXT_BYTES
-            || self.text.contains('\0')
-            || slot.len() > POLICY_SLOT_BYTES
-        {
-            return Err(Error::invalid(format!(
-                "a policy of {} bytes does not fit its saved record",
-                self.text.len()
-            )));
+    /// Writes the record into its slot of `kind` in `header`, zero-padded to the slot (the
+    /// file grows to the slots if it ends before them: sparse). `EINVAL` for a text too long
+    /// or holding a NUL, writing nothing.
+    fn write(&self, header: &ShmFile, kind: PolicyText) -> Result<()> {
+        check_policy_text(&self.text, kind)?;
+        let mut slot = self.encode(kind).into_bytes();
+        if slot.len() > POLICY_SLOT_BYTES {
+            return Err(too_long(&self.text, kind));
         }
         slot.resize(POLICY_SLOT_BYTES, 0);
         header.write_at(
-            POLICY_OFFSET_BYTES + (self.gen % 2) * POLICY_SLOT_BYTES as u64,
+            kind.offset() + (self.gen % 2) * POLICY_SLOT_BYTES as u64,
             &slot,
         )
     }
 }
 
-/// A device's policy text as last saved or recovered ([`Device::save_policy`]) and the
-/// generation of its last record; behind [`Device`]'s `policy` mutex.
+fn too_long(text: &str, kind: PolicyText) -> Error {
+    Error::invalid(format!(
+        "a {} of {} bytes does not fit its saved record",
+        kind.what(),
+        text.len()
+    ))
+}
+
+/// `EINVAL` unless `text` fits a [`PolicyRecord`]: at most [`MAX_POLICY_TEXT_BYTES`], no NUL.
+fn check_policy_text(text: &str, kind: PolicyText) -> Result<()> {
+    if text.len() > MAX_POLICY_TEXT_BYTES || text.contains('\0') {
+        return Err(too_long(text, kind));
+    }
+    Ok(())
+}
+
+/// One of a device's policy texts as last saved or recovered, and the generation of its
+/// last record.
 #[derive(Debug, Default)]
-pub(super) struct SavedPolicy {
+pub(super) struct SavedText {
     gen: u64,
     text: Option<String>,
+}
+
+/// A device's policy texts ([`PolicyText`]), behind [`Device`]'s `policy` mutex.
+#[derive(Debug, Default)]
+pub(super) struct SavedPolicy {
+    settings: SavedText,
+    state: SavedText,
+}
+
+impl SavedPolicy {
+    fn text(&mut self, kind: PolicyText) -> &mut SavedText {
+        match kind {
+            PolicyText::Settings => &mut self.settings,
+            PolicyText::State => &mut self.state,
+        }
+    }
 }
 
 /// Whether a device of `settings` can hold a dictionary: `dict=` given to a codec, or a
@@ -868,16 +932,19 @@ impl Device {
             }
         }
         self.dict_seq.store(0, std::sync::atomic::Ordering::Relaxed);
-        // The policy saved so far (before this `disksize`, or before a reset), in the new
-        // header's first slot; the `policy` mutex after the init lock, as in `save_policy`.
+        // The policy texts saved so far (before this `disksize`, or before a reset), in the
+        // new header's slots; the `policy` mutex after the init lock, as in `save_policy`.
         let mut policy = self.policy.lock();
-        if let Some(text) = policy.text.clone() {
-            policy.gen += 1;
-            PolicyRecord {
-                gen: policy.gen,
-                text,
+        for kind in [PolicyText::Settings, PolicyText::State] {
+            let saved = policy.text(kind);
+            if let Some(text) = saved.text.clone() {
+                saved.gen += 1;
+                PolicyRecord {
+                    gen: saved.gen,
+                    text,
+                }
+                .write(&file, kind)?;
             }
-            .write(&file)?;
         }
         Ok(file)
     }
@@ -891,31 +958,45 @@ impl Device {
     /// [`MAX_POLICY_TEXT_BYTES`] or holding a NUL, keeping nothing; a write the file refuses
     /// (never seen: a memfd's page) leaves the previous record, which recovery then takes.
     pub fn save_policy(&self, text: &str) -> Result<()> {
-        if text.len() > MAX_POLICY_TEXT_BYTES || text.contains('\0') {
-            return Err(Error::invalid(format!(
-                "a policy of {} bytes does not fit its saved record",
-                text.len()
-            )));
-        }
-        let st = self.state.read();
-        let mut policy = self.policy.lock();
-        policy.text = Some(text.to_string());
-        if let Some(header) = st.header.as_ref() {
-            policy.gen += 1;
-            PolicyRecord {
-                gen: policy.gen,
-                text: text.to_string(),
-            }
-            .write(header)?;
-        }
-        Ok(())
+        self.save_policy_text(PolicyText::Settings, text)
     }
 
     /// The policy text last kept by [`save_policy`](Device::save_policy), or recovered from
     /// the header file's policy record ([`PolicyRecord`]); `None` when neither (a header
     /// from before the record, or no policy ever saved).
     pub fn saved_policy(&self) -> Option<String> {
-        self.policy.lock().text.clone()
+        self.policy.lock().settings.text.clone()
+    }
+
+    /// As [`save_policy`](Device::save_policy), for the server's other text about the
+    /// device's policies: what they did and when (`policy_stat`'s counters, their schedule),
+    /// in two slots of its own, so that saving it never touches the settings' record. Called
+    /// by the policy thread after it acts (never on a request's path).
+    pub fn save_policy_state(&self, text: &str) -> Result<()> {
+        self.save_policy_text(PolicyText::State, text)
+    }
+
+    /// The text last kept by [`save_policy_state`](Device::save_policy_state), or recovered;
+    /// `None` when neither.
+    pub fn saved_policy_state(&self) -> Option<String> {
+        self.policy.lock().state.text.clone()
+    }
+
+    fn save_policy_text(&self, kind: PolicyText, text: &str) -> Result<()> {
+        check_policy_text(text, kind)?;
+        let st = self.state.read();
+        let mut policy = self.policy.lock();
+        let saved = policy.text(kind);
+        saved.text = Some(text.to_string());
+        if let Some(header) = st.header.as_ref() {
+            saved.gen += 1;
+            PolicyRecord {
+                gen: saved.gen,
+                text: text.to_string(),
+            }
+            .write(header, kind)?;
+        }
+        Ok(())
     }
 
     /// Saves the dictionary generation `train_dict` is about to install into the device's
@@ -1046,7 +1127,8 @@ impl Device {
     pub fn recover_with(files: DeviceFiles, with: Recover) -> Result<(Device, RecoveryReport)> {
         let header = Header::decode(&files.header.read_at(0, HEADER_BYTES)?)?;
         let limits = Limits::read(&files.header)?;
-        let policy = PolicyRecord::read(&files.header)?;
+        let policy = PolicyRecord::read(&files.header, PolicyText::Settings)?;
+        let policy_state = PolicyRecord::read(&files.header, PolicyText::State)?;
         if let Some(what) = &header.unsupported {
             // Only binaries from before the dictionary records wrote this (for a dictionary,
             // which they did not keep).
@@ -1163,11 +1245,19 @@ impl Device {
             dev.wb_limit.set_limit_units(l.wb_limit_units);
             dev.wb_batch_size.store(l.wb_batch_size, Relaxed);
         }
-        if let Some(p) = policy {
-            *dev.policy.lock() = SavedPolicy {
-                gen: p.gen,
-                text: Some(p.text),
-            };
+        {
+            let mut saved = dev.policy.lock();
+            for (kind, record) in [
+                (PolicyText::Settings, policy),
+                (PolicyText::State, policy_state),
+            ] {
+                if let Some(r) = record {
+                    *saved.text(kind) = SavedText {
+                        gen: r.gen,
+                        text: Some(r.text),
+                    };
+                }
+            }
         }
         {
             let mut st = dev.state.write();
@@ -1237,78 +1327,94 @@ mod tests {
     }
 
     #[test]
-    fn policy_round_trip_a_torn_slot_leaves_the_previous_record_newest_wins() {
+    fn policy_round_trip_a_torn_slot_leaves_the_previous_record_newest_wins_each_kind_apart() {
+        // The settings' slots, then the state's: each kind round trips in its own slots,
+        // the settings' records left in place reading as no state record.
         // Headers without the slots: one of a binary from before the dictionary records (the
         // header page and the limits slots), one with dictionary records.
         let file = ShmFile::create("policy-test").unwrap();
         file.set_len((HEADER_BYTES + 2 * LIMITS_SLOT_BYTES) as u64)
             .unwrap();
-        assert_eq!(PolicyRecord::read(&file).unwrap(), None);
-        // The slots start after the last dictionary room, and move nothing before them.
-        assert_eq!(
-            POLICY_OFFSET_BYTES,
-            dict_record_offset(MAX_COMPS as u8 - 1, MAX_GENS as u8 - 1) + DICT_RECORD_BYTES
-        );
-        let limits = Limits {
-            gen: 3,
-            mem_limit_pages: 5,
-            wb_limit_enabled: false,
-            wb_limit_units: 0,
-            wb_batch_size: 1,
-        };
-        limits.write(&file).unwrap();
-        let first = PolicyRecord {
-            gen: 1,
-            text: "config none\npolicy idle_age_s=600 period_s=10\n".into(),
-        };
-        first.write(&file).unwrap();
-        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(first.clone()));
-        assert_eq!(Limits::read(&file).unwrap(), Some(limits));
-        let second = PolicyRecord {
-            gen: 2,
-            text: "config none\npolicy compact_ratio=1.05\n".into(),
-        };
-        second.write(&file).unwrap();
-        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(second.clone()));
-        // The third replaces the first (same parity); the newest wins whichever slot holds it.
-        let third = PolicyRecord {
-            gen: 3,
-            text: "anything\n".into(),
-        };
-        third.write(&file).unwrap();
-        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(third.clone()));
-        // A save stopped half way through the newer slot (generation 3's, the odd one): one
-        // byte of it changed, then the slot cut off after a few bytes.
-        let at = POLICY_OFFSET_BYTES + POLICY_SLOT_BYTES as u64;
-        let byte = file.read_at(at + 30, 1).unwrap()[0];
-        file.write_at(at + 30, &[byte ^ 0x01]).unwrap();
-        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(second.clone()));
-        file.write_at(at + 30, &[byte]).unwrap();
-        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(third.clone()));
-        let mut cut = third.encode().into_bytes();
-        cut.truncate(cut.len() - 10);
-        cut.resize(POLICY_SLOT_BYTES, 0);
-        file.write_at(at, &cut).unwrap();
-        assert_eq!(PolicyRecord::read(&file).unwrap(), Some(second));
-        // Too long, or a NUL: refused, nothing written.
-        for text in ["x".repeat(MAX_POLICY_TEXT_BYTES + 1), "a\0b\n".to_string()] {
-            let r = PolicyRecord { gen: 4, text };
-            assert!(r.write(&file).is_err());
-        }
-        assert!(file.read_at(POLICY_OFFSET_BYTES, 1).unwrap()[0] != 0);
-        assert_eq!(
-            PolicyRecord::decode(
-                PolicyRecord {
+        for k in [PolicyText::Settings, PolicyText::State] {
+            let other = match k {
+                PolicyText::Settings => PolicyText::State,
+                PolicyText::State => PolicyText::Settings,
+            };
+            let others = file.read_at(other.offset(), 2 * POLICY_SLOT_BYTES).unwrap();
+            assert_eq!(PolicyRecord::read(&file, k).unwrap(), None);
+            // The slots start after the last dictionary room, and move nothing before them.
+            assert_eq!(
+                POLICY_OFFSET_BYTES,
+                dict_record_offset(MAX_COMPS as u8 - 1, MAX_GENS as u8 - 1) + DICT_RECORD_BYTES
+            );
+            let limits = Limits {
+                gen: 3,
+                mem_limit_pages: 5,
+                wb_limit_enabled: false,
+                wb_limit_units: 0,
+                wb_batch_size: 1,
+            };
+            limits.write(&file).unwrap();
+            let first = PolicyRecord {
+                gen: 1,
+                text: "config none\npolicy idle_age_s=600 period_s=10\n".into(),
+            };
+            first.write(&file, k).unwrap();
+            assert_eq!(PolicyRecord::read(&file, k).unwrap(), Some(first.clone()));
+            assert_eq!(Limits::read(&file).unwrap(), Some(limits));
+            let second = PolicyRecord {
+                gen: 2,
+                text: "config none\npolicy compact_ratio=1.05\n".into(),
+            };
+            second.write(&file, k).unwrap();
+            assert_eq!(PolicyRecord::read(&file, k).unwrap(), Some(second.clone()));
+            // The third replaces the first (same parity); the newest wins whichever slot holds it.
+            let third = PolicyRecord {
+                gen: 3,
+                text: "anything\n".into(),
+            };
+            third.write(&file, k).unwrap();
+            assert_eq!(PolicyRecord::read(&file, k).unwrap(), Some(third.clone()));
+            // A save stopped half way through the newer slot (generation 3's, the odd one): one
+            // byte of it changed, then the slot cut off after a few bytes.
+            let at = k.offset() + POLICY_SLOT_BYTES as u64;
+            let byte = file.read_at(at + 30, 1).unwrap()[0];
+            file.write_at(at + 30, &[byte ^ 0x01]).unwrap();
+            assert_eq!(PolicyRecord::read(&file, k).unwrap(), Some(second.clone()));
+            file.write_at(at + 30, &[byte]).unwrap();
+            assert_eq!(PolicyRecord::read(&file, k).unwrap(), Some(third.clone()));
+            let mut cut = third.encode(k).into_bytes();
+            cut.truncate(cut.len() - 10);
+            cut.resize(POLICY_SLOT_BYTES, 0);
+            file.write_at(at, &cut).unwrap();
+            assert_eq!(PolicyRecord::read(&file, k).unwrap(), Some(second));
+            // Too long, or a NUL: refused, nothing written.
+            for text in ["x".repeat(MAX_POLICY_TEXT_BYTES + 1), "a\0b\n".to_string()] {
+                let r = PolicyRecord { gen: 4, text };
+                assert!(r.write(&file, k).is_err());
+            }
+            assert!(file.read_at(k.offset(), 1).unwrap()[0] != 0);
+            assert_eq!(
+                PolicyRecord::decode(
+                    PolicyRecord {
+                        gen: 9,
+                        text: String::new()
+                    }
+                    .encode(k)
+                    .as_bytes(),
+                    k
+                ),
+                Some(PolicyRecord {
                     gen: 9,
                     text: String::new()
-                }
-                .encode()
-                .as_bytes()
-            ),
-            Some(PolicyRecord {
-                gen: 9,
-                text: String::new()
-            })
+                })
+            );
+            // The other kind's slots are as they were.
+            assert!(file.read_at(other.offset(), 2 * POLICY_SLOT_BYTES).unwrap() == others);
+        }
+        assert_eq!(
+            PolicyText::State.offset(),
+            PolicyText::Settings.offset() + 2 * POLICY_SLOT_BYTES as u64
         );
     }
 
@@ -1340,6 +1446,36 @@ mod tests {
         plain.attr_store("disksize", "1M").unwrap();
         let (back, _) = Device::recover(plain.state_files().unwrap()).unwrap();
         assert_eq!(back.saved_policy(), None);
+        assert_eq!(back.saved_policy_state(), None);
+    }
+
+    #[test]
+    fn a_device_keeps_its_policy_state_apart_from_its_settings() {
+        let dev = Device::new_uninit(4096).unwrap();
+        // Saved before disksize, then kept through a reset into the next header.
+        dev.save_policy_state("runs 1\n").unwrap();
+        dev.attr_store("disksize", "1M").unwrap();
+        dev.reset();
+        dev.attr_store("disksize", "1M").unwrap();
+        let (back, _) = Device::recover(dev.state_files().unwrap()).unwrap();
+        assert_eq!(back.saved_policy_state().as_deref(), Some("runs 1\n"));
+        assert_eq!(back.saved_policy(), None);
+        // Saves of one never change the other.
+        dev.save_policy("settings\n").unwrap();
+        for n in 2..6 {
+            dev.save_policy_state(&format!("runs {n}\n")).unwrap();
+        }
+        let (back, _) = Device::recover(dev.state_files().unwrap()).unwrap();
+        assert_eq!(back.saved_policy_state().as_deref(), Some("runs 5\n"));
+        assert_eq!(back.saved_policy().as_deref(), Some("settings\n"));
+        back.save_policy_state("runs 6\n").unwrap();
+        back.save_policy("settings 2\n").unwrap();
+        let (again, _) = Device::recover(back.state_files().unwrap()).unwrap();
+        assert_eq!(again.saved_policy_state().as_deref(), Some("runs 6\n"));
+        assert_eq!(again.saved_policy().as_deref(), Some("settings 2\n"));
+        assert!(dev
+            .save_policy_state(&"x".repeat(MAX_POLICY_TEXT_BYTES + 1))
+            .is_err());
     }
 
     #[test]

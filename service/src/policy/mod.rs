@@ -27,9 +27,11 @@
 //! the runner, which clones them; a change holds it while it saves the settings in the
 //! device's state, taking the device's init lock shared and its policy record mutex under
 //! it), [`DevicePolicy::counters`] (a moment, by the runner and
-//! by readers) and [`DevicePolicy::schedule`] (the runner only; held across the device's
-//! calls, so it is taken before any device lock and nothing is taken under it but the
-//! device's own). Never two of them at once.
+//! by readers) and [`DevicePolicy::schedule`] (the runner, and the start's restore; held
+//! across the device's calls, so it is taken before any device lock and nothing is taken
+//! under it but the device's own and `counters`, for a moment: to count a run, and to save
+//! the counters with it). Nothing is taken under `counters`; `config` is never held with
+//! either.
 
 pub mod config;
 pub mod pressure;
@@ -175,6 +177,104 @@ struct Schedule {
     budget_start: Option<Duration>,
 }
 
+impl Schedule {
+    /// Forgets every reading later than `now`: one the runner's clock cannot have made
+    /// (saved with another clock), which would hold a policy back until that time.
+    fn forget_future(&mut self, now: Duration) {
+        for t in [
+            &mut self.last_period,
+            &mut self.last_pressure,
+            &mut self.last_check,
+            &mut self.budget_start,
+        ] {
+            if t.is_some_and(|t| t > now) {
+                *t = None;
+            }
+        }
+    }
+}
+
+/// The longest last error a saved state keeps of each policy (its text is cut there, at a
+/// character's boundary): five of them and the rest fit a record
+/// ([`uzram::device::restart::MAX_POLICY_TEXT_BYTES`]) with room to spare.
+const SAVED_ERROR_BYTES: usize = 512;
+
+/// The text [`DevicePolicy`] saves of its counters and schedule: a line `schedule` with the
+/// last periodic run, the last writeback on pressure and the budget period's start (the
+/// runner's clock's readings in nanoseconds, or `none`), then a line per policy in
+/// [`PolicyKind::ALL`]'s order: its name, runs, pages, errors and the last error (`-`: none).
+fn encode_state(sched: &Schedule, counters: &[PolicyCounters; 5]) -> String {
+    let reading = |t: Option<Duration>| t.map_or("none".to_string(), |t| t.as_nanos().to_string());
+    let mut text = format!(
+        "schedule {} {} {}\n",
+        reading(sched.last_period),
+        reading(sched.last_pressure),
+        reading(sched.budget_start)
+    );
+    for k in PolicyKind::ALL {
+        let c = &counters[k as usize];
+        let error = match &c.last_error {
+            None => "-".to_string(),
+            Some(e) => {
+                let mut cut = SAVED_ERROR_BYTES.min(e.len());
+                while !e.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                e[..cut].replace(['\n', '\0'], " ")
+            }
+        };
+        text.push_str(&format!(
+            "{} {} {} {} {error}\n",
+            k.name(),
+            c.runs,
+            c.pages,
+            c.errors
+        ));
+    }
+    text
+}
+
+/// The schedule and counters of a text [`encode_state`] made; `None` if it is not one.
+fn decode_state(text: &str) -> Option<(Schedule, [PolicyCounters; 5])> {
+    let mut lines = text.lines();
+    let mut words = lines.next()?.strip_prefix("schedule ")?.split(' ');
+    let mut reading = || -> Option<Option<Duration>> {
+        match words.next()? {
+            "none" => Some(None),
+            n => Some(Some(Duration::from_nanos(n.parse().ok()?))),
+        }
+    };
+    let sched = Schedule {
+        last_period: reading()?,
+        last_pressure: reading()?,
+        last_check: None,
+        budget_start: reading()?,
+    };
+    if words.next().is_some() {
+        return None;
+    }
+    let mut counters: [PolicyCounters; 5] = Default::default();
+    for k in PolicyKind::ALL {
+        let mut w = lines.next()?.splitn(5, ' ');
+        if w.next()? != k.name() {
+            return None;
+        }
+        let mut num = || w.next()?.parse::<u64>().ok();
+        let (runs, pages, errors) = (num()?, num()?, num()?);
+        let last_error = match w.next()? {
+            "-" => None,
+            e => Some(e.to_string()),
+        };
+        counters[k as usize] = PolicyCounters {
+            runs,
+            pages,
+            errors,
+            last_error,
+        };
+    }
+    lines.next().is_none().then_some((sched, counters))
+}
+
 /// True when `period` has passed since `last` (or nothing happened yet).
 fn elapsed(last: Option<Duration>, now: Duration, period: Duration) -> bool {
     match last {
@@ -198,6 +298,17 @@ pub const PRESSURE_CHECK_INTERVAL: Duration = Duration::from_secs(10);
 /// the settings now (every key, as `policy` reads, on one line). At the next start
 /// [`restore`](Self::restore) brings the saved settings back, unless the configuration's
 /// `policy` is no longer the one they were saved over (see there).
+///
+/// What the policies did and when is saved too, apart ([`Device::save_policy_state`]: two
+/// slots of its own): `policy_stat`'s counters and the schedule (the last periodic run, the
+/// last writeback on pressure, the writeback budget period's start), written by the runner
+/// after each time it acts (never on a request's path), under the `schedule` lock, so the
+/// records reach the file in order. The schedule's readings are the runner's clock's: the
+/// server's is [`uzram::clock::BootClock`], whose readings every process of a boot shares,
+/// so a budget period goes on across a restart (its use so far is the device's
+/// `writeback_limit`, kept with the device's limits, saved before the schedule that starts
+/// a period). [`restore`](Self::restore) brings both back, whichever settings come back
+/// (as a change of settings on a running server keeps them).
 #[derive(Debug)]
 pub struct DevicePolicy {
     name: String,
@@ -283,9 +394,20 @@ impl DevicePolicy {
     /// back, as they were set at runtime, if they were saved over the same configured
     /// `policy` (compared word by word) or the configuration does not name the device
     /// (`named` false); otherwise (none saved, or the configuration's `policy` edited since)
-    /// the configuration's are stored, and saved. Call it once, before the device's policies
-    /// run. `EINVAL` if the configuration's text is refused.
+    /// the configuration's are stored, and saved. The counters and the schedule saved come
+    /// back in either case (see the type's documentation). Call it once, before the
+    /// device's policies run. `EINVAL` if the configuration's text is refused.
     pub fn restore(&self, named: bool, configured: Option<&str>) -> Result<Restored> {
+        // A text not understood (a later binary's) leaves them as new: nothing is lost but
+        // the counts.
+        if let Some((sched, counters)) = self
+            .device
+            .saved_policy_state()
+            .and_then(|t| decode_state(&t))
+        {
+            *self.schedule.lock() = sched;
+            *self.counters.lock() = counters;
+        }
         let configured = configured.map(words).filter(|w| !w.is_empty());
         let _ = self.configured.set(configured.clone());
         let saved = self.device.saved_policy().map(|t| parse_saved(&t));
@@ -364,6 +486,25 @@ impl DevicePolicy {
             return;
         }
         let mut sched = self.schedule.lock();
+        sched.forget_future(now);
+        if self.act(&config, &mut sched, now, pressure, quit) {
+            let text = encode_state(&sched, &self.counters.lock().clone());
+            // Cannot fail: the text is cut to fit a record (SAVED_ERROR_BYTES).
+            let saved = self.device.save_policy_state(&text);
+            debug_assert!(saved.is_ok(), "{saved:?}");
+        }
+    }
+
+    /// [`run_due`](Self::run_due)'s work, `sched` held: true if anything was due (and so
+    /// the schedule or the counters may have changed).
+    fn act(
+        &self,
+        config: &PolicyConfig,
+        sched: &mut Schedule,
+        now: Duration,
+        pressure: &dyn PressureSource,
+        quit: &dyn Fn() -> bool,
+    ) -> bool {
         let period = Duration::from_secs(config.period_secs);
         let periodic = elapsed(sched.last_period, now, period);
         let mut short = None;
@@ -371,11 +512,11 @@ impl DevicePolicy {
             && (periodic || elapsed(sched.last_check, now, PRESSURE_CHECK_INTERVAL))
         {
             sched.last_check = Some(now);
-            short = self.memory_short(&config, pressure);
+            short = self.memory_short(config, pressure);
         }
         let pressured = short.is_some() && elapsed(sched.last_pressure, now, period);
         if !periodic && !pressured {
-            return;
+            return false;
         }
         if periodic {
             sched.last_period = Some(now);
@@ -395,20 +536,20 @@ impl DevicePolicy {
                     self.device.set_writeback_limit(budget / 4096);
                 }
             }
-            self.writeback(&config, age);
+            self.writeback(config, age);
         }
         if !periodic || quit() {
-            return;
+            return true;
         }
         if let Some(age) = config.recompress_age_secs {
-            self.recompress(&config, age);
+            self.recompress(config, age);
         }
         if let Some(age) = config.idle_age_secs {
             self.device.mark_idle(IdleCutoff::OlderThanSecs(age));
             self.record(PolicyKind::Idle, Ok(self.device.idle_pages()));
         }
         if quit() {
-            return;
+            return true;
         }
         if let Some(ratio) = config.compact_ratio {
             let s = self.device.stats();
@@ -427,6 +568,7 @@ impl DevicePolicy {
                 }
             }
         }
+        true
     }
 
     /// Why memory is short, if it is: PSI above `pressure_avg10`, or `mem_used_total` above
@@ -707,5 +849,53 @@ mod tests {
             Restored::Ignored(_)
         ));
         assert_eq!(p.config().gc_free_zones, Some(2));
+    }
+
+    #[test]
+    fn the_saved_state_round_trips_cut_to_fit_and_junk_is_not_taken() {
+        let sched = Schedule {
+            last_period: Some(Duration::from_nanos(123_456_789_012)),
+            last_pressure: None,
+            last_check: Some(Duration::from_secs(5)),
+            budget_start: Some(Duration::ZERO),
+        };
+        let mut counters: [PolicyCounters; 5] = Default::default();
+        counters[PolicyKind::Writeback as usize] = PolicyCounters {
+            runs: 7,
+            pages: 1 << 40,
+            errors: 2,
+            last_error: Some("EIO: a line\nand another".into()),
+        };
+        // The longest errors, of characters of several bytes: cut at a boundary.
+        for k in [PolicyKind::Recompress, PolicyKind::Gc, PolicyKind::Compact] {
+            counters[k as usize].last_error = Some(format!("x{}", "é".repeat(SAVED_ERROR_BYTES)));
+        }
+        let text = encode_state(&sched, &counters);
+        assert!(text.len() <= uzram::device::restart::MAX_POLICY_TEXT_BYTES);
+        let (back, got) = decode_state(&text).unwrap();
+        assert_eq!(back.last_period, sched.last_period);
+        assert_eq!(back.last_pressure, None);
+        assert_eq!(back.last_check, None, "not saved");
+        assert_eq!(back.budget_start, Some(Duration::ZERO));
+        let w = &got[PolicyKind::Writeback as usize];
+        assert_eq!((w.runs, w.pages, w.errors), (7, 1 << 40, 2));
+        assert_eq!(w.last_error.as_deref(), Some("EIO: a line and another"));
+        let cut = got[PolicyKind::Gc as usize].last_error.clone().unwrap();
+        assert_eq!(cut, format!("x{}", "é".repeat(SAVED_ERROR_BYTES / 2 - 1)));
+        assert_eq!(got[PolicyKind::Idle as usize], PolicyCounters::default());
+        for junk in [
+            "",
+            "schedule 1 2\n",
+            &text.replace("writeback 7", "writeback x"),
+            &text.replace("idle", "idol"),
+            &format!("{text}more\n"),
+        ] {
+            assert!(decode_state(junk).is_none(), "{junk:?}");
+        }
+        // A reading from another clock, later than the runner's now: forgotten.
+        let mut s = back;
+        s.forget_future(Duration::from_secs(100));
+        assert_eq!(s.last_period, None);
+        assert_eq!(s.budget_start, Some(Duration::ZERO));
     }
 }
