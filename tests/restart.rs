@@ -12,11 +12,14 @@
 //!   process (this test binary run again) builds a device, hands its files to the parent over
 //!   a unix socket (`SCM_RIGHTS`) and runs random writes, overwrites, discards, multi-page
 //!   writes and compaction from several threads (and, by configuration, recompression with
-//!   dictionary training, writeback, GC), logging each operation before it starts and
-//!   when it is acknowledged in shared memory; the parent kills it (`SIGKILL`) at a random
-//!   moment, recovers the device and checks every page against the log: an acknowledged write
-//!   reads back exactly, the one a thread had in flight reads as before or after, nothing
-//!   else. Many crash points per configuration; the seed of a failing one is printed.
+//!   dictionary training, writeback, GC), with a thread changing the limits (`mem_limit`,
+//!   `writeback_limit`) and the policy texts at random, logging each operation before it
+//!   starts and when it is acknowledged in shared memory; the parent kills it (`SIGKILL`) at
+//!   a random moment, recovers the device and checks every page against the log: an
+//!   acknowledged write reads back exactly, the one a thread had in flight reads as before or
+//!   after, nothing else; and each setting is its last acknowledged value or the one in
+//!   flight, never an older or a torn one. Many crash points per configuration; the seed of
+//!   a failing one is printed.
 //! - `crash_model_canary`: the same with the store publishing a slot before its object's bytes
 //!   are copied (a testing switch): it must find a mismatch, or the harness proves nothing.
 
@@ -965,6 +968,60 @@ fn op_word(kind: u64, target: u64, version: u64) -> u64 {
     kind << 56 | target << 32 | version
 }
 
+/// Log entries of the settings thread, after the writers' (it stops once they are used).
+const SETTINGS_ENTRIES: usize = 1 << 14;
+/// The settings thread's operations: `mem_limit`, `writeback_limit`, the `policy` text
+/// (`Device::save_policy`) and the policies' state text (`Device::save_policy_state`), each
+/// set to the value of its entry's version ([`setting_value`]).
+const OP_MEM_LIMIT: u64 = 4;
+const OP_WB_LIMIT: u64 = 5;
+const OP_POLICY: u64 = 6;
+const OP_POLICY_STATE: u64 = 7;
+const SETTINGS: [u64; 4] = [OP_MEM_LIMIT, OP_WB_LIMIT, OP_POLICY, OP_POLICY_STATE];
+
+/// The value the settings thread sets for `kind` at version `v`, as the device shows it
+/// (`mem_limit` in bytes as `mm_stat` shows it: 0 or 64 MiB and more, never reached by the
+/// model's 4 MiB of pages; `writeback_limit` in 4 KiB units, never enabled, so nothing
+/// uses it; the texts of lengths up to most of a record's slot).
+fn setting_value(kind: u64, v: u64) -> String {
+    let text = |what: &str| {
+        let pad = "x".repeat((v * 131 % 3500) as usize);
+        format!("{what} {v}\npad {pad}\n")
+    };
+    match kind {
+        OP_MEM_LIMIT if v % 5 == 0 => "0".to_string(),
+        OP_MEM_LIMIT => ((64 + v % 512) << 20).to_string(),
+        OP_WB_LIMIT => (v * 7919 % 1_000_000).to_string(),
+        OP_POLICY => text("policy"),
+        _ => text("state"),
+    }
+}
+
+/// Sets `kind` to `value` ([`setting_value`]) on `dev`.
+fn set_setting(dev: &Device, kind: u64, value: &str) {
+    match kind {
+        OP_MEM_LIMIT => dev.attr_store("mem_limit", value).unwrap(),
+        OP_WB_LIMIT => dev.attr_store("writeback_limit", value).unwrap(),
+        OP_POLICY => dev.save_policy(value).unwrap(),
+        _ => dev.save_policy_state(value).unwrap(),
+    }
+}
+
+/// What `dev` shows of `kind`, as [`setting_value`] gives it (`None`: no text saved).
+fn shown_setting(dev: &Device, kind: u64) -> Option<String> {
+    match kind {
+        OP_MEM_LIMIT => dev
+            .attr_show("mm_stat")
+            .unwrap()
+            .split_whitespace()
+            .nth(3)
+            .map(str::to_string),
+        OP_WB_LIMIT => Some(dev.attr_show("writeback_limit").unwrap().trim().to_string()),
+        OP_POLICY => dev.saved_policy(),
+        _ => dev.saved_policy_state(),
+    }
+}
+
 /// The child's fds, at fixed numbers.
 const CHILD_SOCK_FD: RawFd = 100;
 const CHILD_LOG_FD: RawFd = 101;
@@ -1039,6 +1096,24 @@ fn crash_model_child() {
                 )
             };
             writer(&dev, &cfg, t, seed, entries);
+        }));
+    }
+    {
+        let (dev, log_map) = (Arc::clone(&dev), Arc::clone(&log_map));
+        threads.push(std::thread::spawn(move || {
+            // SAFETY: the settings thread's `SETTINGS_ENTRIES` pairs of words follow the
+            // writers' in the log; shared memory of atomics, written only by this thread.
+            let entries = unsafe {
+                std::slice::from_raw_parts(
+                    log_map
+                        .base()
+                        .as_ptr()
+                        .cast::<[AtomicU64; 2]>()
+                        .add(cfg.threads as usize * LOG_ENTRIES),
+                    SETTINGS_ENTRIES,
+                )
+            };
+            settings(&dev, seed, entries);
         }));
     }
     if cfg.writeback && !cfg.zoned {
@@ -1165,7 +1240,73 @@ fn write_retrying(dev: &Device, buf: &[u8], offset: u64) {
 }
 
 fn log_bytes(cfg: &Config) -> usize {
-    cfg.threads as usize * LOG_ENTRIES * 16
+    (cfg.threads as usize * LOG_ENTRIES + SETTINGS_ENTRIES) * 16
+}
+
+/// The settings thread: random changes of the limits and the policy texts, each logged before
+/// it starts and when it returns, as the writers' operations are.
+fn settings(dev: &Device, seed: u64, log: &[[AtomicU64; 2]]) {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x5e7);
+    for (n, entry) in log.iter().enumerate() {
+        std::thread::sleep(Duration::from_micros(rng.gen_range(0..300)));
+        let version = n as u64 + 1;
+        let kind = SETTINGS[rng.gen_range(0..SETTINGS.len())];
+        entry[0].store(op_word(kind, 0, version), Ordering::Relaxed);
+        entry[1].store(BEGUN, Ordering::Release);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        set_setting(dev, kind, &setting_value(kind, version));
+        std::sync::atomic::fence(Ordering::SeqCst);
+        entry[1].store(ACKED, Ordering::Release);
+    }
+}
+
+/// Checks the settings `dev` recovered against the settings thread's log `entries`: each is
+/// the value of its last acknowledged change (`defaults`' before any), or of the change in
+/// flight at the kill, never another (an older one, a torn one). Returns how many of them
+/// came back changed and whether a change was in flight.
+fn check_settings(
+    dev: &Device,
+    entries: &[[AtomicU64; 2]],
+    defaults: &[Option<String>; 4],
+) -> Result<(u64, bool), String> {
+    let mut acked = defaults.clone();
+    let mut in_flight = None;
+    for e in entries {
+        let state = e[1].load(Ordering::Acquire);
+        if state == 0 {
+            break;
+        }
+        let w = e[0].load(Ordering::Relaxed);
+        let (kind, version) = (w >> 56, w & 0xffff_ffff);
+        let i = SETTINGS.iter().position(|&k| k == kind).unwrap();
+        if state == ACKED {
+            acked[i] = Some(setting_value(kind, version));
+        } else {
+            in_flight = Some((i, setting_value(kind, version)));
+        }
+    }
+    let mut changed = 0;
+    for (i, &kind) in SETTINGS.iter().enumerate() {
+        let got = shown_setting(dev, kind);
+        let flying = in_flight.as_ref().filter(|f| f.0 == i).map(|f| &f.1);
+        if got != acked[i] && got.as_ref() != flying {
+            let short = |v: Option<&String>| {
+                v.map_or("none".to_string(), |v| {
+                    v.replace('\n', " ").chars().take(40).collect()
+                })
+            };
+            let name = ["mem_limit", "writeback_limit", "policy", "policy state"][i];
+            return Err(format!(
+                "{name}: recovered {}, neither the last acknowledged {} nor the one in \
+                 flight {}",
+                short(got.as_ref()),
+                short(acked[i].as_ref()),
+                short(flying)
+            ));
+        }
+        changed += u64::from(got != defaults[i]);
+    }
+    Ok((changed, in_flight.is_some()))
 }
 
 /// Sends the device's files to the parent (one message, `uzram::scm`).
@@ -1196,6 +1337,9 @@ struct Point {
     /// Dictionary generations trained by `train_dict` the recovered device held (the current
     /// one among them even without pages), and pages naming them.
     trained: (u64, u64),
+    /// Settings (limits, policy texts) the recovered device held changed, and whether a
+    /// change was in flight at the kill.
+    settings: (u64, bool),
 }
 
 /// One crash point: a child runs `cfg` with `seed` and is killed after `run`; the parent
@@ -1254,13 +1398,16 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
     child.wait().unwrap();
     // The log, as the child left it.
     let map = log.map(0, log_bytes(cfg)).unwrap();
-    // SAFETY: the log is `threads × LOG_ENTRIES` pairs of words; the child is dead.
+    // SAFETY: the log is `threads × LOG_ENTRIES + SETTINGS_ENTRIES` pairs of words; the
+    // child is dead.
     let entries = unsafe {
         std::slice::from_raw_parts(
             map.base().as_ptr().cast::<[AtomicU64; 2]>(),
-            cfg.threads as usize * LOG_ENTRIES,
+            cfg.threads as usize * LOG_ENTRIES + SETTINGS_ENTRIES,
         )
     };
+    let (entries, settings_log) = entries.split_at(cfg.threads as usize * LOG_ENTRIES);
+    let settings_log = &settings_log[..SETTINGS_ENTRIES];
     let mut want = vec![0u64; cfg.pages as usize];
     let mut in_flight = Vec::new();
     let mut ops_acked = 0;
@@ -1314,21 +1461,30 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
     let mut repointed = 0;
     let mut recompressed = 0;
     let mut trained = (0, 0);
+    let mut settings = (0, false);
+    // What a device shows of each setting before any change.
+    let fresh = DeviceBuilder::pages(1).page_size(cfg.page_size).build();
+    let defaults = SETTINGS.map(|k| shown_setting(&fresh, k));
     let mismatches = match recovered {
         Err(e) => Err(format!("recovery refused: {e}")),
-        Ok((dev, report)) => check_pages(&dev, cfg.page_size, &want, &in_flight).map(|()| {
-            repointed = report.group_repointed;
-            written_back = bd(&dev)[0];
-            recompressed = (0..cfg.pages)
-                .filter(|&i| dev.debug_slot_priority(i).unwrap_or(0) > 0)
-                .count() as u64;
-            if let Some(g) = dev.dict_generations(1) {
-                let held = g.held.iter().filter(|h| h.2 > 0);
-                trained = (held.clone().count() as u64, held.map(|h| h.1).sum());
-            }
-            // The recovered allocator takes writes again.
-            exercise(&dev, cfg.page_size, cfg.pages.min(64));
-        }),
+        Ok((dev, report)) => check_pages(&dev, cfg.page_size, &want, &in_flight)
+            .and_then(|()| {
+                settings = check_settings(&dev, settings_log, &defaults)?;
+                Ok(())
+            })
+            .map(|()| {
+                repointed = report.group_repointed;
+                written_back = bd(&dev)[0];
+                recompressed = (0..cfg.pages)
+                    .filter(|&i| dev.debug_slot_priority(i).unwrap_or(0) > 0)
+                    .count() as u64;
+                if let Some(g) = dev.dict_generations(1) {
+                    let held = g.held.iter().filter(|h| h.2 > 0);
+                    trained = (held.clone().count() as u64, held.map(|h| h.1).sum());
+                }
+                // The recovered allocator takes writes again.
+                exercise(&dev, cfg.page_size, cfg.pages.min(64));
+            }),
     };
     Point {
         mismatches,
@@ -1337,6 +1493,7 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
         repointed,
         recompressed,
         trained,
+        settings,
     }
 }
 
@@ -1359,6 +1516,7 @@ fn crash_model(cfg: &Config) {
     let mut with_recomp = 0;
     let (mut with_trained, mut with_trained_pages) = (0, 0);
     let mut repointed = 0;
+    let (mut with_settings, mut settings_in_flight) = (0, 0);
     let mut runs = SmallRng::seed_from_u64(base);
     for n in 0..points() {
         let seed = base + n;
@@ -1385,17 +1543,24 @@ fn crash_model(cfg: &Config) {
         with_trained += u64::from(p.trained.0 > 0);
         with_trained_pages += u64::from(p.trained.1 > 0);
         repointed += p.repointed;
+        with_settings += u64::from(p.settings.0 > 0);
+        settings_in_flight += u64::from(p.settings.1);
     }
     eprintln!(
         "{}: {} crash points, 0 mismatches, {acked} operations acknowledged, {with_wb} \
          recovered with written-back pages, {with_recomp} with recompressed pages, \
          {with_trained} with a trained dictionary ({with_trained_pages} with pages using one), \
-         {repointed} \
-         slots of half-done group operations repointed (seeds from {base})",
+         {repointed} slots of half-done group operations repointed, {with_settings} with \
+         limits or policy texts changed ({settings_in_flight} killed while changing one) \
+         (seeds from {base})",
         cfg.name,
         points()
     );
     assert!(acked > 0, "no operation ever completed before a kill");
+    assert!(
+        with_settings > 0,
+        "no crash point recovered a limit or a policy text changed"
+    );
     assert!(
         !cfg.writeback || with_wb > 0,
         "no crash point recovered a page written back"
