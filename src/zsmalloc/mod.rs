@@ -802,7 +802,12 @@ impl PoolCore {
         for class in self.classes.iter() {
             zspage_meta_bytes += class.descs.allocated_bytes() + class.state.lock().heap_bytes();
         }
-        zspage_meta_bytes += self.spans.heap_bytes() + self.frames.records_bytes();
+        zspage_meta_bytes += self.spans.heap_bytes();
+        // The frame records of a shared allocator (the server's swap reserve) are the server's,
+        // not this pool's: counted in no device's figure.
+        if !self.shared_frames {
+            zspage_meta_bytes += self.frames.records_bytes();
+        }
         PoolMeta {
             handle_table_bytes: self.handles.allocated_bytes() as u64,
             zspage_meta_bytes: zspage_meta_bytes as u64,

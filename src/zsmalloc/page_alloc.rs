@@ -552,8 +552,9 @@ pub struct SwapReserveStats {
     pub low_pages: u64,
     /// Pages taken from the reserve, ever.
     pub taken_pages: u64,
-    /// Allocations the reserve had no frame for at once, ever: each waited for the refiller
-    /// (at most a tenth of a second), and failed (`ENOMEM`) if it brought none.
+    /// Allocations the reserve had no frame for at once, or whose pool had no handle word
+    /// faulted in ahead of need, ever: each waited for the refiller (at most a tenth of a
+    /// second), and failed (`ENOMEM`) if it brought none.
     pub misses: u64,
 }
 
@@ -1692,14 +1693,18 @@ impl FrameAllocator {
     /// Serving swap: a writer found none of its pool's memory kept ahead of need
     /// ([`Shrinker::keep_ahead`]) left; it asks the refiller and waits for it at most
     /// [`SWAP_MISS_WAIT`] until `ready` (checked under the state mutex, which the refiller
-    /// takes to signal), as an allocation the reserve cannot serve does. `false` (counted in
-    /// the misses) when it is still not ready; `true` at once when not serving swap or when
+    /// takes to signal), as an allocation the reserve cannot serve does, and is counted in the
+    /// misses as it is. `false` when it is still not ready; `true` at once when not serving swap or when
     /// the refiller has stopped (nobody keeps memory ahead then: the writer faults it in).
     pub(crate) fn wait_ahead(&self, ready: impl Fn() -> bool) -> bool {
         let mut st = self.state.lock();
         if !st.reserve_resident || st.refill_stop {
             return true;
         }
+        if ready() {
+            return true;
+        }
+        st.swap.misses += 1;
         let deadline = std::time::Instant::now() + SWAP_MISS_WAIT;
         while !ready() {
             if st.refill_stop {
@@ -1710,11 +1715,7 @@ impl FrameAllocator {
                 self.refill_cond.notify_one();
             }
             if self.reserve_cond.wait_until(&mut st, deadline).timed_out() {
-                if ready() {
-                    break;
-                }
-                st.swap.misses += 1;
-                return false;
+                return ready();
             }
         }
         true
