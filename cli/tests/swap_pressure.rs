@@ -442,6 +442,54 @@ struct HogRun {
     pswpout: u64,
     pswpin: u64,
     longest_stuck_s: u64,
+    /// Requests the swap device completed during the hog: reads, writes
+    /// (`/sys/block/NAME/stat`).
+    requests: (u64, u64),
+}
+
+/// Reads and writes completed by block device `dev` so far (`/sys/block/NAME/stat`, fields 1
+/// and 5).
+fn device_requests(dev: &Path) -> (u64, u64) {
+    let name = dev.file_name().unwrap().to_string_lossy();
+    let stat = std::fs::read_to_string(format!("/sys/block/{name}/stat")).unwrap();
+    let f: Vec<u64> = stat
+        .split_whitespace()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    (f[0], f[4])
+}
+
+/// The mean time of a 4 KiB request on block device `dev` at queue depth 1, in µs: random
+/// writes, then random reads of what they wrote (fio, direct I/O, 3 s each, pages half
+/// compressible). The difference between two devices in the same boot is what a request
+/// costs on one beyond the other.
+fn request_latency_us(dev: &Path) -> (f64, f64) {
+    let mut us = [0.0; 2];
+    for (i, rw) in ["randwrite", "randread"].iter().enumerate() {
+        let out = run(Command::new("fio")
+            .args([
+                "--name=latency",
+                "--ioengine=psync",
+                "--direct=1",
+                "--bs=4k",
+                "--size=64m",
+                "--runtime=3",
+                "--time_based",
+                "--buffer_compress_percentage=50",
+                "--refill_buffers",
+                "--output-format=json",
+            ])
+            .arg(format!("--rw={rw}"))
+            .arg(format!("--filename={}", dev.display())));
+        let json: serde_json::Value = serde_json::from_str(&out[out.find('{').unwrap()..])
+            .unwrap_or_else(|e| panic!("fio's JSON: {e}: {out}"));
+        let side = if i == 0 { "write" } else { "read" };
+        us[i] = json["jobs"][0][side]["lat_ns"]["mean"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no mean latency in {out}"))
+            / 1000.0;
+    }
+    (us[1], us[0])
 }
 
 /// A file in the guest's /tmp, fresh.
@@ -462,6 +510,7 @@ fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duratio
     let progress = scratch("hog-progress");
     let stuck = scratch("watch-stuck");
     let (out0, in0, oom0) = (vmstat("pswpout"), vmstat("pswpin"), vmstat("oom_kill"));
+    let requests0 = device_requests(dev);
     eprintln!(
         "{label}: hog of {pages} pages ({} MiB, {}% of RAM {} MiB, {} of 8 pages random) on {}",
         (pages * PAGE) >> 20,
@@ -558,6 +607,10 @@ fn run_hog(label: &str, dev: &Path, server: Option<(u32, &Path)>, limit: Duratio
         pswpout: vmstat("pswpout") - out0,
         pswpin: vmstat("pswpin") - in0,
         longest_stuck_s,
+        requests: {
+            let now = device_requests(dev);
+            (now.0 - requests0.0, now.1 - requests0.1)
+        },
     };
     eprintln!(
         "{label}: {:?} in {:.1} s, pswpout {} pswpin {}, longest without progress {} s",
@@ -648,6 +701,10 @@ fn swap_pressure_in_vm() {
     args.extend(["--mem-mb".into(), ram_mb.to_string()]);
     args.extend(["--cpus".into(), GUEST_CPUS.to_string()]);
     args.extend(["--include".into(), UZRAM.into()]);
+    args.extend([
+        "--include".into(),
+        uzram_testkit::process::host_program("fio"),
+    ]);
     let mut env = Vec::new();
     for name in [
         "UZRAM_HOG_PCT",
@@ -684,9 +741,14 @@ fn swap_pressure_in_vm() {
             "kernel zram mm_stat: {}",
             std::fs::read_to_string("/sys/block/zram0/mm_stat").unwrap()
         );
+        let latency = request_latency_us(Path::new("/dev/zram0"));
         std::fs::write("/sys/block/zram0/reset", "1").unwrap();
-        r
+        (r, latency)
     });
+    let (control, control_latency) = match control {
+        Some((r, latency)) => (Some(r), Some(latency)),
+        None => (None, None),
+    };
     let extra = std::env::var("UZRAM_SERVE_ARGS").unwrap_or_default();
     let mut serve_args = vec!["--disksize", disksize.as_str()];
     serve_args.extend(extra.split_whitespace());
@@ -702,6 +764,25 @@ fn swap_pressure_in_vm() {
         .arg(s.dir.path())
         .arg("mm_stat"));
     eprintln!("uzram mm_stat after the hog: {}", mm.trim());
+    // The ublk handoff's share of uzram's wall time, with the control: each of uzram's requests
+    // during the hog at what a request costs on /dev/ublkb0 beyond /dev/zram0 (same boot,
+    // depth 1; the difference is the trip through ublk to the server and back, the server's
+    // own work being the kernel's: lz4 on the same page).
+    if let Some((zram_read_us, zram_write_us)) = control_latency {
+        let (read_us, write_us) = request_latency_us(&s.block_dev);
+        let (reads, writes) = uzram.requests;
+        let handoff_s = (reads as f64 * (read_us - zram_read_us).max(0.0)
+            + writes as f64 * (write_us - zram_write_us).max(0.0))
+            / 1e6;
+        println!(
+            "swap_pressure: 4 KiB at depth 1: kernel zram read {zram_read_us:.1} µs write \
+             {zram_write_us:.1} µs; uzram ublk read {read_us:.1} µs write {write_us:.1} µs; \
+             uzram's {reads} reads and {writes} writes during the hog: about {handoff_s:.1} s of \
+             its {:.1} s ({:.0}%) in the handoff",
+            uzram.wall_s,
+            100.0 * handoff_s / uzram.wall_s
+        );
+    }
     for (label, r) in [
         ("kernel zram", control.as_ref()),
         ("uzram ublk", Some(&uzram)),
