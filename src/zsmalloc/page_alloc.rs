@@ -231,9 +231,10 @@ struct FrameState {
     /// The memfd the chunks map, made with the first chunk.
     file: Option<Arc<ShmFile>>,
     /// Frames released and not yet reused (their pages were punched out, or, if the kernel
-    /// refused, kept: see [`FrameAllocator::discard`]); `free[1]` single-page frames, `free[0]`
-    /// the others.
-    free: [Vec<Frame>; 2],
+    /// refused, kept: see [`FrameAllocator::discard`]), by frame number (4 bytes each, a
+    /// frame's token being made again from its chunk when it is taken); `free[1]` single-page
+    /// frames, `free[0]` the others.
+    free: [Vec<u32>; 2],
     /// Released frames kept resident for reuse, by the number of pages their zspage used (the
     /// only pages of the frame that can be resident): `cached[k]` holds frames with `k` pages
     /// (`k <= frame_pages`).
@@ -976,7 +977,7 @@ impl FrameAllocator {
         let mut st = self.state.lock();
         for frame in free.into_iter().rev() {
             let kind = usize::from(frame.len_bytes == self.small_frame_bytes && self.small_frames);
-            st.free[kind].push(frame);
+            st.free[kind].push(frame.index);
         }
         Ok(())
     }
@@ -1080,7 +1081,7 @@ impl FrameAllocator {
     /// Makes the files (with the first chunk) without handing a frame out.
     fn alloc_nothing(&self) -> Result<()> {
         let frame = self.alloc()?;
-        self.state.lock().free[0].push(frame);
+        self.state.lock().free[0].push(frame.index);
         Ok(())
     }
 
@@ -1207,8 +1208,9 @@ impl FrameAllocator {
     /// being carved for that kind; `None` when a new chunk is needed.
     fn take_carved(&self, st: &mut FrameState, small: bool) -> Option<Frame> {
         let kind = usize::from(small);
-        if let Some(frame) = st.free[kind].pop() {
-            return Some(frame);
+        if let Some(index) = st.free[kind].pop() {
+            let (c, chunk) = Self::chunk_of(st, index);
+            return Some(self.frame_in(c, chunk, (index - chunk.first_index) as usize));
         }
         let (c, carved) = st.carving[kind]?;
         let frame = self.frame_in(c, &st.chunks[c], carved);
@@ -1945,7 +1947,7 @@ impl FrameAllocator {
             if self.punch(start.offset, to - start.offset).is_ok() {
                 let mut st = self.state.lock();
                 for (frame, _) in range {
-                    st.free[self.kind_of(&frame)].push(frame);
+                    st.free[self.kind_of(&frame)].push(frame.index);
                 }
             } else {
                 for (frame, pages) in range {
@@ -2002,7 +2004,7 @@ impl FrameAllocator {
         let r = self.punch(frame.offset, len_bytes as u64);
         debug_assert!(r.is_ok(), "{r:?}");
         let kind = self.kind_of(&frame);
-        self.state.lock().free[kind].push(frame);
+        self.state.lock().free[kind].push(frame.index);
     }
 
     /// Bytes of address space reserved so far.
