@@ -469,3 +469,38 @@ fn the_largest_request_is_64_mib() {
     assert_eq!(c.read(3, 0, MAX_PAYLOAD_BYTES + 512).error, NBD_EINVAL);
     assert_still_serving(&srv);
 }
+
+/// A client whose handshake has ended holds the export open at once (as an opened zram disk:
+/// `reset` and `hot_remove` are refused), by `GO` and by `EXPORT_NAME`: the server counts the
+/// opener before its last handshake reply, not after. Many times over, as the gap this closes
+/// was a race.
+#[test]
+fn a_finished_handshake_holds_the_export_open() {
+    let srv = Served::new(MIB);
+    let openers = srv.server.as_ref().unwrap().openers("zram0").unwrap();
+    for i in 0..300 {
+        let c = if i % 2 == 0 {
+            RawClient::handshake(&srv.socket, true).0
+        } else {
+            let mut c = RawClient::fixed_newstyle(&srv.socket);
+            c.send_option(OPT_EXPORT_NAME, b"");
+            let mut b = [0u8; 8 + 2 + 124];
+            c.s.read_exact(&mut b).unwrap();
+            c
+        };
+        assert_eq!(
+            openers.count(),
+            1,
+            "handshake {i} ended, the export not counted open"
+        );
+        drop(c);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while openers.count() != 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the opener never left"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}

@@ -210,7 +210,7 @@ fn run_session(input: &[u8], exports: &[Export], budget: &MemoryBudget) -> bool 
         reader: Cursor::new(input),
         writer: Vec::new(),
     };
-    let Ok(Some(neg)) = negotiate(&mut io, exports, Some(0), &stop) else {
+    let Ok(Some(neg)) = negotiate(&mut io, exports, Some(0), &stop, &mut |_| true) else {
         return false;
     };
     let rest = input[io.reader.position() as usize..].to_vec();

@@ -87,18 +87,27 @@ pub(crate) fn serve_connection(
         Some(name) => exports.iter().position(|e| e.name == name),
         None => (!exports.is_empty()).then_some(0),
     };
-    let Some(neg) = negotiate(&mut hs, &exports, default_index, &shared.stopping)? else {
+    // The export is opened before the handshake's last reply (`negotiate`), so a client that
+    // has finished its handshake holds it open; dropped with the connection.
+    let mut open = None;
+    let negotiated = negotiate(
+        &mut hs,
+        &exports,
+        default_index,
+        &shared.stopping,
+        &mut |i: usize| {
+            open = entries[i].openers.open();
+            open.is_some()
+        },
+    )?;
+    let Some(neg) = negotiated else {
         wire.close_tls(Deadline::after(limits.reply));
         return Ok(());
     };
+    debug_assert!(open.is_some(), "negotiate opens the export it chose");
+    let _open = open;
     let entry = &entries[neg.export];
     let device = &*entry.export.device;
-    let Some(_open) = entry.openers.open() else {
-        return Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            "the export was removed during the handshake",
-        ));
-    };
     if device.size_bytes() != neg.size_bytes {
         // Reset (and perhaps resized) between the size being sent and now: the client's idea
         // of the export is wrong, so it must reconnect.

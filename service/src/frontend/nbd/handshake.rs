@@ -167,11 +167,18 @@ fn swallow<R: Read>(r: &mut R, len: u64) -> io::Result<()> {
 /// is named after). `Ok(Some(_))`: enter transmission. `Ok(None)`: the client ended the
 /// session cleanly (`NBD_OPT_ABORT`, or hung up between options). `Err(_)`: an I/O error or a
 /// protocol violation; the caller drops the connection.
+///
+/// `open` is called with the export a `GO` or `EXPORT_NAME` chose, before the reply that ends
+/// the handshake, so the export is open (as zram's disk is open: `reset` is `EBUSY`) by the
+/// time the client sees the handshake end. `false` means the export is gone (removed since the
+/// list was taken): `GO` is answered `NBD_REP_ERR_UNKNOWN` and the handshake goes on;
+/// `EXPORT_NAME`, which cannot fail, ends the connection.
 pub fn negotiate<S: HandshakeIo>(
     io: &mut S,
     exports: &[Export],
     default_export: Option<usize>,
     shutting_down: &AtomicBool,
+    open: &mut dyn FnMut(usize) -> bool,
 ) -> io::Result<Option<Negotiated>> {
     send(io, &encode_greeting())?;
     let mut flags = [0u8; 4];
@@ -244,6 +251,11 @@ pub fn negotiate<S: HandshakeIo>(
                 let Some(export) = find_export(exports, name, default_export) else {
                     return Err(protocol_error("unknown export"));
                 };
+                if !open(export) {
+                    return Err(protocol_error(
+                        "the export was removed during the handshake",
+                    ));
+                }
                 let tflags = transmission_flags(structured, exports[export].read_only);
                 let size_bytes = exports[export].device.size_bytes();
                 let mut out = Vec::with_capacity(134);
@@ -329,6 +341,11 @@ pub fn negotiate<S: HandshakeIo>(
                     encode_option_reply(&mut out, opt.option, REP_INFO, &d);
                 }
                 encode_option_reply(&mut out, opt.option, REP_ACK, &[]);
+                if opt.option == OPT_GO && !open(export) {
+                    let msg = format!("export {:?} was removed", e.name);
+                    reply(io, opt.option, REP_ERR_UNKNOWN, msg.as_bytes())?;
+                    continue;
+                }
                 send(io, &out)?;
                 if opt.option == OPT_GO {
                     return Ok(Some(Negotiated {
