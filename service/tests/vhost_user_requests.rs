@@ -64,18 +64,24 @@ fn serve() -> Served {
 }
 
 fn connect(socket: &std::path::Path) -> (VhostUserBlk, Vec<Virtqueue>) {
+    connect_with(socket, true)
+}
+
+/// As [`connect`], with or without EVENT_IDX.
+fn connect_with(socket: &std::path::Path, event_idx: bool) -> (VhostUserBlk, Vec<Virtqueue>) {
     let cfg = DriverConfig {
         queues: 2,
         queue_size: 64,
         data_bytes: DATA_BYTES,
-        event_idx: true,
+        event_idx,
         inflight: false,
     };
     let (blk, queues) = VhostUserBlk::connect(socket, &cfg).unwrap();
     assert_eq!(blk.capacity_sectors, SECTORS);
-    for bit in [F_EVENT_IDX, F_FLUSH, F_DISCARD, F_WRITE_ZEROES, F_MQ] {
+    for bit in [F_FLUSH, F_DISCARD, F_WRITE_ZEROES, F_MQ] {
         assert!(blk.has(bit), "feature {bit} not negotiated: {blk:?}");
     }
+    assert_eq!(blk.has(F_EVENT_IDX), event_idx, "{blk:?}");
     (blk, queues)
 }
 
@@ -240,6 +246,18 @@ fn assert_device_is(vq: &mut Virtqueue, model: &[u8], what: &str) {
 
 #[test]
 fn every_kind_of_request_matches_a_model() {
+    model_run(true);
+}
+
+/// The same without EVENT_IDX: the device calls after every pass that used any request, and
+/// the driver kicks unless the device set `VRING_USED_F_NO_NOTIFY` (a device that left it set
+/// before it sleeps would never be kicked again, and a batch would wait forever).
+#[test]
+fn every_kind_of_request_matches_a_model_without_event_idx() {
+    model_run(false);
+}
+
+fn model_run(event_idx: bool) {
     let seed: u64 = std::env::var("UZRAM_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -247,7 +265,7 @@ fn every_kind_of_request_matches_a_model() {
     println!("seed {seed} (replay with UZRAM_SEED={seed})");
     let mut rng = SmallRng::seed_from_u64(seed);
     let s = serve();
-    let (_blk, mut queues) = connect(&s.socket);
+    let (_blk, mut queues) = connect_with(&s.socket, event_idx);
     let mut model = vec![0u8; DEVICE_BYTES as usize];
     let mut data_seed = seed.wrapping_mul(1000);
     let mut done = Vec::new();
@@ -541,4 +559,72 @@ fn bad_requests_get_an_error_and_lose_nothing() {
     let mut back = vec![0u8; DEVICE_BYTES as usize];
     s.device.read_at(&mut back, 0).unwrap();
     assert!(back == model, "the device itself differs");
+}
+
+/// Reaps `n` completions by looking at the used ring, never asking for a call (a driver that
+/// polls); each must be `S_OK`.
+fn reap_without_calls(vq: &mut Virtqueue, n: usize, what: &str) {
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut done = Vec::new();
+    let mut got = 0;
+    while got < n {
+        done.clear();
+        got += vq.reap(&mut done).unwrap();
+        for c in &done {
+            assert_eq!(c.status, S_OK, "{what}");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: {got} of {n} completed within {WAIT:?}"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// EVENT_IDX's `used_event`, however the device batches its completions into passes: a
+/// driver that asks for a call at the last of a batch's completions gets exactly one, and a
+/// driver that asks for none (its `used_event` left behind the used index: it polls the used
+/// ring) gets none. The count is the call eventfd's, which sums every call: the one call
+/// waited for at the end of each batch proves no other came before it.
+#[test]
+fn calls_follow_the_drivers_used_event() {
+    let s = serve();
+    let (_blk, mut queues) = connect(&s.socket);
+    let vq = &mut queues[0];
+    let n = vq.slots();
+    let page = vec![0xa5u8; PAGE as usize];
+    let _ = vq.take_calls();
+    for round in 0..6u16 {
+        let start = vq.last_used();
+        // Even rounds: a call at the batch's last completion; odd rounds: no call at all.
+        let ask = round % 2 == 0;
+        let event = if ask {
+            start.wrapping_add(n - 1)
+        } else {
+            start.wrapping_sub(1)
+        };
+        vq.set_used_event(event);
+        for i in 0..n {
+            let sector = u64::from(i) * (PAGE >> 9);
+            vq.submit(&Request::write(sector, &page))
+                .expect("a free slot");
+        }
+        vq.notify().unwrap();
+        let what = format!("round {round}");
+        reap_without_calls(vq, usize::from(n), &what);
+        if ask {
+            // Every completion of the batch (and of the batch before, which asked for none)
+            // is in: exactly one call in all.
+            assert_eq!(vq.wait_calls(WAIT).unwrap(), 1, "{what}");
+        }
+    }
+    // And once more after a round that asked for none: the stray call it must not have made
+    // would show here.
+    let start = vq.last_used();
+    vq.set_used_event(start);
+    vq.submit(&Request::read(0, PAGE as u32))
+        .expect("a free slot");
+    vq.notify().unwrap();
+    reap_without_calls(vq, 1, "the last read");
+    assert_eq!(vq.wait_calls(WAIT).unwrap(), 1, "the last read");
 }

@@ -611,6 +611,45 @@ impl Virtqueue {
         }
     }
 
+    /// The used index up to which entries have been reaped.
+    pub fn last_used(&self) -> u16 {
+        self.last_used
+    }
+
+    /// Writes the driver's `used_event` (EVENT_IDX): the device is to call when its used index
+    /// moves past `idx`. [`wait`](Self::wait) sets it too, before it sleeps.
+    pub fn set_used_event(&self, idx: u16) {
+        self.ram
+            .atomic_u16(self.avail + 4 + 2 * u64::from(self.size))
+            .store(idx.to_le(), Ordering::Release);
+        fence(Ordering::SeqCst);
+    }
+
+    /// The calls the device made since the last look (the call eventfd's counter, cleared).
+    pub fn take_calls(&mut self) -> u64 {
+        self.call.read().unwrap_or(0)
+    }
+
+    /// Waits up to `timeout` for a call, then as [`take_calls`](Self::take_calls) (0 when
+    /// none came).
+    pub fn wait_calls(&mut self, timeout: Duration) -> io::Result<u64> {
+        let mut pfd = libc::pollfd {
+            fd: self.call.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().clamp(0, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd, for the duration of the call.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+        Ok(self.take_calls())
+    }
+
     /// Submits `req`, notifies, and waits for its completion (nothing else in flight).
     pub fn run(&mut self, req: &Request<'_>) -> io::Result<Completion> {
         assert_eq!(self.in_flight(), 0, "run() with requests in flight");
