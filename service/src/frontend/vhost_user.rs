@@ -29,7 +29,7 @@
 //! bounce buffer per queue of [`BOUNCE_BYTES`] (all made when the export starts), a chunk at
 //! a time, copied with `vm-memory`'s checked `read_slice`/`write_slice`.
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -114,9 +114,12 @@ struct BlkBackend {
     nr_queues: u16,
     /// `--swap`: the server's memory is locked (`mlockall`); the guest's is unlocked again.
     swap: bool,
-    /// Guest memory, replaced by each `SET_MEM_TABLE`; `None` between connections and after
-    /// a table was refused.
-    mem: RwLock<Option<Mem>>,
+    /// The connection's guest memory may be served: false between connections and after a
+    /// table was refused. Each queue thread holds its own handle to that memory (a clone of
+    /// the connection's `atomic_mem`, whose table each `SET_MEM_TABLE` replaces): serving
+    /// reads this flag, not a lock and a reference count that every queue's thread would
+    /// write.
+    mem_accepted: AtomicBool,
     event_idx: AtomicBool,
     /// Each queue's state: locked by queue `i`'s thread for a whole pass, and by the
     /// connection thread while the queue starts or stops (so never while a request of it is
@@ -155,7 +158,7 @@ impl BlkBackend {
     /// inflight region.
     fn end_connection(&self) {
         self.conn_ended.store(true, Ordering::Release);
-        *self.mem.write() = None;
+        self.mem_accepted.store(false, Ordering::Release);
         for q in &self.queues {
             let mut st = q.lock();
             st.inflight = None;
@@ -168,11 +171,14 @@ impl BlkBackend {
     /// any request and whether the guest must be kicked. With an inflight region, each
     /// request is marked taken before it is served and before the next is read from the
     /// ring, and marked done around its used entry (the order `vhost_inflight` explains).
-    fn process_queue(&self, q: usize, vring: &VringRwLock) -> Served {
+    fn process_queue(&self, q: usize, vring: &VringRwLock, atomic: &Mem) -> Served {
         let mut served = Served::default();
-        let Some(atomic) = self.mem.read().clone() else {
+        if !self.mem_accepted.load(Ordering::Acquire) {
             return served;
-        };
+        }
+        // The queue thread's own handle (`arc-swap`'s load: no count shared with the other
+        // queues moves), borrowed by every chain popped (a clone would move the mapping's
+        // reference count, which every queue shares, twice per request).
         let mem = atomic.memory();
         let Some(st) = self.queues.get(q) else {
             return served;
@@ -194,10 +200,7 @@ impl BlkBackend {
                 st.resubmit_next += 1;
                 head
             } else {
-                let chain = vring
-                    .get_mut()
-                    .get_queue_mut()
-                    .pop_descriptor_chain(mem.clone());
+                let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(&*mem);
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
                 if let Some(inflight) = &st.inflight {
@@ -425,8 +428,8 @@ impl BlkBackend {
 
     /// A pass of queue `q`'s thread, after a kick or a wake-up. Nothing here fails: a queue
     /// thread that stopped would leave the guest's requests on that queue waiting forever.
-    fn run_queue(&self, q: usize, vring: &VringRwLock) {
-        if self.mem.read().is_none() {
+    fn run_queue(&self, q: usize, vring: &VringRwLock, mem: &Mem) {
+        if !self.mem_accepted.load(Ordering::Acquire) {
             // No guest memory we accepted (none yet, or a table refused): the queue's rings
             // are not touched.
             return;
@@ -439,7 +442,7 @@ impl BlkBackend {
             // either; neither may spin this thread (and with it the connection's teardown).
             loop {
                 let _ = vring.disable_notification();
-                let served = self.process_queue(q, vring);
+                let served = self.process_queue(q, vring, mem);
                 if served.used && vring.needs_notification().unwrap_or(true) {
                     signal(vring);
                 }
@@ -452,7 +455,7 @@ impl BlkBackend {
                     _ => break,
                 }
             }
-        } else if self.process_queue(q, vring).used {
+        } else if self.process_queue(q, vring, mem).used {
             signal(vring);
         }
     }
@@ -551,7 +554,13 @@ struct Worker {
 }
 
 impl Worker {
-    fn spawn(backend: &Arc<BlkBackend>, q: usize, vring: &VringRwLock) -> std::io::Result<Worker> {
+    /// Starts queue `q`'s thread, with its own handle to the connection's guest memory `mem`.
+    fn spawn(
+        backend: &Arc<BlkBackend>,
+        q: usize,
+        vring: &VringRwLock,
+        mem: &Mem,
+    ) -> std::io::Result<Worker> {
         let epoll = Arc::new(Epoll::new()?);
         let wake = EventFd::new(EFD_NONBLOCK)?;
         epoll.ctl(
@@ -561,7 +570,7 @@ impl Worker {
         )?;
         let stop = Arc::new(AtomicBool::new(false));
         let (epoll2, wake2, stop2) = (Arc::clone(&epoll), wake.try_clone()?, Arc::clone(&stop));
-        let (backend, vring) = (Arc::clone(backend), vring.clone());
+        let (backend, vring, mem) = (Arc::clone(backend), vring.clone(), mem.clone());
         let thread = std::thread::Builder::new()
             .name(format!("uzram-vq{q}"))
             .spawn(move || {
@@ -585,7 +594,7 @@ impl Worker {
                     if stop2.load(Ordering::Acquire) {
                         return;
                     }
-                    backend.run_queue(q, &vring);
+                    backend.run_queue(q, &vring, &mem);
                 }
             })?;
         Ok(Worker {
@@ -643,7 +652,7 @@ impl Conn {
         for q in 0..usize::from(backend.nr_queues) {
             let made = VringRwLock::new(atomic_mem.clone(), MAX_QUEUE_SIZE as u16)
                 .map_err(|e| std::io::Error::other(format!("vring: {e}")))
-                .and_then(|vring| Ok((Worker::spawn(backend, q, &vring)?, vring)));
+                .and_then(|vring| Ok((Worker::spawn(backend, q, &vring, &atomic_mem)?, vring)));
             match made {
                 Ok((w, vring)) => {
                     workers.push(w);
@@ -879,14 +888,14 @@ impl VhostUserBackendReqHandlerMut for Conn {
         // on the first access there: such a table is refused, and the queues stop (the
         // refusal ends the connection).
         if let Err(e) = check_regions(&mem) {
-            *self.backend.mem.write() = None;
+            self.backend.mem_accepted.store(false, Ordering::Release);
             return Err(VuError::ReqHandlerError(e));
         }
         self.atomic_mem.lock().map_err(vu_err)?.replace(mem);
         if self.backend.swap {
             unlock_guest_memory(&self.atomic_mem);
         }
-        *self.backend.mem.write() = Some(self.atomic_mem.clone());
+        self.backend.mem_accepted.store(true, Ordering::Release);
         self.mappings = mappings;
         Ok(None)
     }
@@ -1345,7 +1354,7 @@ impl VhostUserExport {
             name: name.to_string(),
             nr_queues: cfg.nr_queues,
             swap: cfg.swap,
-            mem: RwLock::new(None),
+            mem_accepted: AtomicBool::new(false),
             event_idx: AtomicBool::new(false),
             queues: (0..cfg.nr_queues)
                 .map(|_| Mutex::new(QueueState::new()))
