@@ -37,7 +37,7 @@ use uzram::device::restart::{DeviceFiles, Recover, DEVICE_FILES};
 use uzram::device::Device;
 use uzram::memory::SwapReserve;
 use uzram::scm;
-use uzram::shm::ShmFile;
+use uzram::shm::{ShmFile, ShmMap};
 use uzram_testkit::device::{bd, real_tmpdir, writeback_all, DeviceBuilder};
 use uzram_testkit::pages::{fill_page, program_pages, write_pages, Kind, Program, PAGE};
 
@@ -1083,37 +1083,17 @@ fn crash_model_child() {
     for t in 0..cfg.threads {
         let (dev, log_map) = (Arc::clone(&dev), Arc::clone(&log_map));
         threads.push(std::thread::spawn(move || {
-            // SAFETY: the log maps `threads × LOG_ENTRIES` pairs of words; this thread's are
-            // at `t × LOG_ENTRIES`; shared memory of atomics, written only by this thread.
-            let entries = unsafe {
-                std::slice::from_raw_parts(
-                    log_map
-                        .base()
-                        .as_ptr()
-                        .cast::<[AtomicU64; 2]>()
-                        .add(t as usize * LOG_ENTRIES),
-                    LOG_ENTRIES,
-                )
-            };
+            // This thread's pairs: written only by it.
+            let entries = &log_entries(&log_map)[t as usize * LOG_ENTRIES..][..LOG_ENTRIES];
             writer(&dev, &cfg, t, seed, entries);
         }));
     }
     {
         let (dev, log_map) = (Arc::clone(&dev), Arc::clone(&log_map));
         threads.push(std::thread::spawn(move || {
-            // SAFETY: the settings thread's `SETTINGS_ENTRIES` pairs of words follow the
-            // writers' in the log; shared memory of atomics, written only by this thread.
-            let entries = unsafe {
-                std::slice::from_raw_parts(
-                    log_map
-                        .base()
-                        .as_ptr()
-                        .cast::<[AtomicU64; 2]>()
-                        .add(cfg.threads as usize * LOG_ENTRIES),
-                    SETTINGS_ENTRIES,
-                )
-            };
-            settings(&dev, seed, entries);
+            // The settings thread's pairs follow the writers': written only by it.
+            let entries = &log_entries(&log_map)[cfg.threads as usize * LOG_ENTRIES..];
+            settings(&dev, seed, &entries[..SETTINGS_ENTRIES]);
         }));
     }
     if cfg.writeback && !cfg.zoned {
@@ -1241,6 +1221,19 @@ fn write_retrying(dev: &Device, buf: &[u8], offset: u64) {
 
 fn log_bytes(cfg: &Config) -> usize {
     (cfg.threads as usize * LOG_ENTRIES + SETTINGS_ENTRIES) * 16
+}
+
+/// The log's pairs of words: every pair `map` covers (`log_bytes`: the writers' `LOG_ENTRIES`
+/// each, then the settings thread's `SETTINGS_ENTRIES`).
+fn log_entries(map: &ShmMap) -> &[[AtomicU64; 2]] {
+    // SAFETY: the mapping is page aligned, `len_bytes` long and lives as long as the borrow;
+    // shared memory of atomics, any bit pattern of which is a valid `AtomicU64`.
+    unsafe {
+        std::slice::from_raw_parts(
+            map.base().as_ptr().cast::<[AtomicU64; 2]>(),
+            map.len_bytes() / 16,
+        )
+    }
 }
 
 /// The settings thread: random changes of the limits and the policy texts, each logged before
@@ -1398,14 +1391,7 @@ fn crash_point(cfg: &Config, seed: u64, run: Duration, canary: bool) -> Point {
     child.wait().unwrap();
     // The log, as the child left it.
     let map = log.map(0, log_bytes(cfg)).unwrap();
-    // SAFETY: the log is `threads × LOG_ENTRIES + SETTINGS_ENTRIES` pairs of words; the
-    // child is dead.
-    let entries = unsafe {
-        std::slice::from_raw_parts(
-            map.base().as_ptr().cast::<[AtomicU64; 2]>(),
-            cfg.threads as usize * LOG_ENTRIES + SETTINGS_ENTRIES,
-        )
-    };
+    let entries = log_entries(&map);
     let (entries, settings_log) = entries.split_at(cfg.threads as usize * LOG_ENTRIES);
     let settings_log = &settings_log[..SETTINGS_ENTRIES];
     let mut want = vec![0u64; cfg.pages as usize];
